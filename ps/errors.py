@@ -1,0 +1,31 @@
+"""Errors raised by the server's domain objects.
+
+One base class, one subclass per cause. The servicer maps each subclass to one gRPC status
+code; nothing below the servicer knows about gRPC.
+"""
+
+from __future__ import annotations
+
+
+class PSError(Exception):
+    """Base of every error the parameter server reports to a client."""
+
+
+class InvalidArgumentError(PSError):
+    """The request is malformed: wrong dtype, shape, dim, key encoding, or a non-finite gradient."""
+
+
+class NotFoundError(PSError):
+    """The request names a table this shard does not hold."""
+
+
+class FailedPreconditionError(PSError):
+    """The request is well formed but the server's state forbids it (stale incarnation, spec clash)."""
+
+
+class ResourceExhaustedError(PSError):
+    """The request is over a size limit."""
+
+
+class DeadlineExceededError(PSError):
+    """A wait inside the server outlasted its deadline."""

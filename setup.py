@@ -1,4 +1,4 @@
-"""Builds the one C extension (the server's int64 key index); everything else is in pyproject.toml."""
+"""Builds the one C extension (the server's int64 key index); the rest is in pyproject.toml."""
 
 from setuptools import Extension, setup
 

@@ -20,7 +20,7 @@ class NotFoundError(PSError):
 
 
 class FailedPreconditionError(PSError):
-    """The request is well formed but the server's state forbids it (stale incarnation, spec clash)."""
+    """The request is well formed but the server's state forbids it (stale incarnation...)."""
 
 
 class ResourceExhaustedError(PSError):

@@ -1,0 +1,257 @@
+"""The wire codec: messages with bulk fields, and arrays to and from raw bytes.
+
+This is the one place that knows how arrays are laid out on the wire. Both ends use it.
+
+A message travels as ordinary protobuf bytes, but its bulk fields (the `bytes` fields that
+carry keys, values and gradients) are written and read here rather than by protobuf: the
+encoder appends them after the serialized header with one copy, and the decoder returns them
+as `memoryview` slices of the received buffer, with no copy at all. The bytes are identical to
+what protobuf would write for the same message, so any protobuf implementation can talk to a
+pstrain server; only the Python cost differs (protobuf copies a 16 MiB field several times).
+
+Arrays are raw little-endian, row-major bytes; `tensor_from_bytes` views them without copying.
+Views over received buffers are read-only: nothing in pstrain writes through them.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, cast
+
+import numpy as np
+import torch
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import DecodeError, Message
+from typing_extensions import Buffer
+
+from protos import pstrain_pb2 as pb
+
+if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+    raise ImportError("pstrain's wire format is little-endian; this host is big-endian")
+
+# torch warns on every view of an immutable buffer; the views made here are only read.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+M = TypeVar("M", bound=Message)
+
+_WIRE_VARINT = 0
+_WIRE_FIXED64 = 1
+_WIRE_LEN = 2
+_WIRE_FIXED32 = 5
+
+
+class WireError(ValueError):
+    """A message or array on the wire is malformed; the message says what was wrong."""
+
+
+@dataclass(frozen=True)
+class Frame(Generic[M]):
+    """A decoded message: its header fields, and its bulk fields as views of the buffer."""
+
+    msg: M
+    bulk: Mapping[str, memoryview]
+
+    def payload(self, name: str) -> memoryview:
+        """The bulk field `name`, empty when the sender left it out."""
+        return self.bulk.get(name, _EMPTY)
+
+
+_EMPTY = memoryview(b"")
+_bulk_fields_cache: dict[type[Message], dict[int, str]] = {}
+
+
+def _bulk_fields(cls: type[Message]) -> dict[int, str]:
+    """Field number -> name of the top-level `bytes` fields of a message class."""
+    found = _bulk_fields_cache.get(cls)
+    if found is None:
+        found = {
+            f.number: f.name
+            for f in cls.DESCRIPTOR.fields
+            if f.type == FieldDescriptor.TYPE_BYTES and not _is_repeated(f)
+        }
+        _bulk_fields_cache[cls] = found
+    return found
+
+
+def _is_repeated(field: Any) -> bool:
+    if hasattr(field, "is_repeated"):  # protobuf >= 6 dropped `label`
+        return bool(field.is_repeated)
+    return bool(field.label == FieldDescriptor.LABEL_REPEATED)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = 0
+    shift = 0
+    end = len(buf)
+    while True:
+        if pos >= end or shift > 63:
+            raise WireError("truncated or overlong varint in message")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+def encode(msg: Message, bulk: Mapping[str, Buffer] | None = None) -> bytes:
+    """Serialize `msg` followed by its bulk fields; copies each bulk buffer once.
+
+    `bulk` maps names of top-level `bytes` fields of `msg` to buffers (numpy arrays, tensors'
+    numpy views, memoryviews). Those fields must not also be set on `msg` itself.
+    """
+    head = msg.SerializeToString()
+    if not bulk:
+        return head
+    numbers = {name: number for number, name in _bulk_fields(type(msg)).items()}
+    parts: list[Buffer] = [head]
+    for name, buf in bulk.items():
+        number = numbers.get(name)
+        if number is None:
+            raise WireError(f"{type(msg).__name__} has no bytes field named {name!r}")
+        view = memoryview(buf).cast("B")
+        parts.append(_varint(number << 3 | _WIRE_LEN))
+        parts.append(_varint(view.nbytes))
+        parts.append(view)
+    return b"".join(parts)
+
+
+def decode(cls: type[M], data: bytes) -> Frame[M]:
+    """Parse `data` as a `cls` message; bulk fields come back as views into `data`.
+
+    Raises WireError on malformed input. Does not block; thread-safe.
+    """
+    bulk_numbers = _bulk_fields(cls)
+    view = memoryview(data)
+    head_parts: list[memoryview] = []
+    bulk: dict[str, memoryview] = {}
+    plain_start = 0
+    pos = 0
+    end = len(view)
+    while pos < end:
+        field_start = pos
+        tag, pos = _read_varint(view, pos)
+        number, wire_type = tag >> 3, tag & 7
+        if wire_type == _WIRE_LEN:
+            length, pos = _read_varint(view, pos)
+            if pos + length > end:
+                raise WireError(f"field {number} claims {length} bytes past the end of the message")
+            name = bulk_numbers.get(number)
+            if name is not None:
+                if field_start > plain_start:
+                    head_parts.append(view[plain_start:field_start])
+                bulk[name] = view[pos : pos + length]
+                plain_start = pos + length
+            pos += length
+        elif wire_type == _WIRE_VARINT:
+            _, pos = _read_varint(view, pos)
+        elif wire_type == _WIRE_FIXED64:
+            pos += 8
+        elif wire_type == _WIRE_FIXED32:
+            pos += 4
+        else:
+            raise WireError(f"unsupported protobuf wire type {wire_type} for field {number}")
+    if pos != end:
+        raise WireError("message ends inside a fixed-width field")
+    if plain_start < end:
+        head_parts.append(view[plain_start:end])
+    try:
+        msg = cls.FromString(b"".join(head_parts) if bulk else data)
+    except DecodeError as exc:
+        raise WireError(f"cannot parse {cls.__name__}: {exc}") from exc
+    return Frame(msg, bulk)
+
+
+# ---- arrays --------------------------------------------------------------------------------
+
+_TO_TORCH: dict[int, torch.dtype] = {
+    pb.FLOAT32: torch.float32,
+    pb.FLOAT64: torch.float64,
+    pb.FLOAT16: torch.float16,
+    pb.BFLOAT16: torch.bfloat16,
+    pb.INT64: torch.int64,
+}
+_TO_WIRE: dict[torch.dtype, int] = {v: k for k, v in _TO_TORCH.items()}
+
+FLOAT_DTYPES: frozenset[torch.dtype] = frozenset(
+    {torch.float32, torch.float64, torch.float16, torch.bfloat16}
+)
+
+
+def dtype_from_wire(code: int) -> torch.dtype:
+    """The torch dtype of a wire DType; WireError for an unknown or unset code."""
+    try:
+        return _TO_TORCH[code]
+    except KeyError:
+        raise WireError(
+            f"unknown dtype code {code}; expected one of "
+            f"{sorted(pb.DType.Name(c) for c in _TO_TORCH)}"
+        ) from None
+
+
+def dtype_to_wire(dtype: torch.dtype) -> pb.DType:
+    """The wire DType of a torch dtype; WireError for dtypes the wire does not carry."""
+    try:
+        return cast(pb.DType, _TO_WIRE[dtype])
+    except KeyError:
+        raise WireError(
+            f"dtype {dtype} cannot travel; use one of {sorted(str(d) for d in _TO_WIRE)}"
+        ) from None
+
+
+def dtype_name(code: int) -> str:
+    """A readable name of a wire DType code, for messages."""
+    return str(_TO_TORCH[code]).removeprefix("torch.") if code in _TO_TORCH else f"code {code}"
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a CPU tensor, without copying when it is already contiguous."""
+    if tensor.device.type != "cpu":
+        raise WireError(f"tensor is on {tensor.device}; copy it to host memory first")
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().data
+
+
+def tensor_from_bytes(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A read-only tensor viewing `buf`; WireError if the byte count does not fit the shape."""
+    numel = 1
+    for dim in shape:
+        if dim < 0:
+            raise WireError(f"negative dimension in shape {list(shape)}")
+        numel *= dim
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if buf.nbytes != numel * itemsize:
+        raise WireError(
+            f"payload is {buf.nbytes} bytes but shape {list(shape)} of {dtype} needs "
+            f"{numel * itemsize}"
+        )
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
+
+
+def keys_from_bytes(buf: memoryview) -> np.ndarray:
+    """int64 keys viewing `buf`; WireError unless its length is a multiple of 8."""
+    if buf.nbytes % 8:
+        raise WireError(f"keys payload is {buf.nbytes} bytes, not a multiple of 8 (int64 keys)")
+    return np.frombuffer(buf, dtype="<i8")
+
+
+def keys_bytes(keys: np.ndarray) -> memoryview:
+    """The raw bytes of an int64 key array, without copying when it is contiguous."""
+    return np.ascontiguousarray(keys, dtype=np.int64).data

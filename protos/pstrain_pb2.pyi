@@ -1,0 +1,307 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT64: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+
+class PushKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GRADIENT: _ClassVar[PushKind]
+    ASSIGN: _ClassVar[PushKind]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT64: DType
+FLOAT16: DType
+BFLOAT16: DType
+INT64: DType
+GRADIENT: PushKind
+ASSIGN: PushKind
+
+class Initializer(_message.Message):
+    __slots__ = ("kind", "a", "b")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    A_FIELD_NUMBER: _ClassVar[int]
+    B_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    a: float
+    b: float
+    def __init__(self, kind: _Optional[str] = ..., a: _Optional[float] = ..., b: _Optional[float] = ...) -> None: ...
+
+class OptimizerSpec(_message.Message):
+    __slots__ = ("name", "params")
+    class ParamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    params: _containers.ScalarMap[str, float]
+    def __init__(self, name: _Optional[str] = ..., params: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class DenseSpec(_message.Message):
+    __slots__ = ("shape", "dtype", "init", "seed")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    INIT_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    init: Initializer
+    seed: int
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., init: _Optional[_Union[Initializer, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SparseSpec(_message.Message):
+    __slots__ = ("dim", "dtype", "init", "seed")
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    INIT_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    dim: int
+    dtype: DType
+    init: Initializer
+    seed: int
+    def __init__(self, dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., init: _Optional[_Union[Initializer, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class TableSpec(_message.Message):
+    __slots__ = ("name", "dense", "sparse", "optimizer", "allow_non_finite", "mode")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_NON_FINITE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dense: DenseSpec
+    sparse: SparseSpec
+    optimizer: OptimizerSpec
+    allow_non_finite: bool
+    mode: str
+    def __init__(self, name: _Optional[str] = ..., dense: _Optional[_Union[DenseSpec, _Mapping]] = ..., sparse: _Optional[_Union[SparseSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., allow_non_finite: _Optional[bool] = ..., mode: _Optional[str] = ...) -> None: ...
+
+class DeclareTablesRequest(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ...) -> None: ...
+
+class TablePlacement(_message.Message):
+    __slots__ = ("name", "row_start", "row_end")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROW_START_FIELD_NUMBER: _ClassVar[int]
+    ROW_END_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    row_start: int
+    row_end: int
+    def __init__(self, name: _Optional[str] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ...) -> None: ...
+
+class DeclareTablesResponse(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TablePlacement]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TablePlacement, _Mapping]]] = ...) -> None: ...
+
+class PushId(_message.Message):
+    __slots__ = ("worker", "incarnation", "seq")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    incarnation: int
+    seq: int
+    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class PullDenseRequest(_message.Message):
+    __slots__ = ("table", "worker", "clock")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    worker: int
+    clock: int
+    def __init__(self, table: _Optional[str] = ..., worker: _Optional[int] = ..., clock: _Optional[int] = ...) -> None: ...
+
+class DenseChunk(_message.Message):
+    __slots__ = ("dtype", "shape", "offset", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushDenseHeader(_message.Message):
+    __slots__ = ("table", "id", "clock", "kind", "dtype", "shape")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    id: PushId
+    clock: int
+    kind: PushKind
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, table: _Optional[str] = ..., id: _Optional[_Union[PushId, _Mapping]] = ..., clock: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PushDenseChunk(_message.Message):
+    __slots__ = ("header", "offset", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PushDenseHeader
+    offset: int
+    data: bytes
+    def __init__(self, header: _Optional[_Union[PushDenseHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PullSparseRequest(_message.Message):
+    __slots__ = ("table", "worker", "clock", "keys")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    worker: int
+    clock: int
+    keys: bytes
+    def __init__(self, table: _Optional[str] = ..., worker: _Optional[int] = ..., clock: _Optional[int] = ..., keys: _Optional[bytes] = ...) -> None: ...
+
+class SparseChunk(_message.Message):
+    __slots__ = ("dtype", "dim", "row_offset", "rows", "values")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    ROW_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    dim: int
+    row_offset: int
+    rows: int
+    values: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., dim: _Optional[int] = ..., row_offset: _Optional[int] = ..., rows: _Optional[int] = ..., values: _Optional[bytes] = ...) -> None: ...
+
+class PushSparseHeader(_message.Message):
+    __slots__ = ("table", "id", "clock", "kind", "dtype", "dim")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    id: PushId
+    clock: int
+    kind: PushKind
+    dtype: DType
+    dim: int
+    def __init__(self, table: _Optional[str] = ..., id: _Optional[_Union[PushId, _Mapping]] = ..., clock: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., dim: _Optional[int] = ...) -> None: ...
+
+class PushSparseChunk(_message.Message):
+    __slots__ = ("header", "keys", "values")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    header: PushSparseHeader
+    keys: bytes
+    values: bytes
+    def __init__(self, header: _Optional[_Union[PushSparseHeader, _Mapping]] = ..., keys: _Optional[bytes] = ..., values: _Optional[bytes] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("duplicate", "elements")
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    duplicate: bool
+    elements: int
+    def __init__(self, duplicate: _Optional[bool] = ..., elements: _Optional[int] = ...) -> None: ...
+
+class ServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("shard", "num_shards", "incarnation", "job", "version", "max_message_bytes", "chunk_bytes")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    num_shards: int
+    incarnation: int
+    job: str
+    version: str
+    max_message_bytes: int
+    chunk_bytes: int
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., incarnation: _Optional[int] = ..., job: _Optional[str] = ..., version: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TableStats(_message.Message):
+    __slots__ = ("name", "kind", "optimizer", "rows", "value_bytes", "state_bytes", "index_bytes", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "rows_pulled", "rows_pushed", "row_start", "row_end")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PULLED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    ROW_START_FIELD_NUMBER: _ClassVar[int]
+    ROW_END_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: str
+    optimizer: str
+    rows: int
+    value_bytes: int
+    state_bytes: int
+    index_bytes: int
+    pushes_applied: int
+    pushes_duplicate: int
+    pushes_rejected: int
+    pulls: int
+    rows_pulled: int
+    rows_pushed: int
+    row_start: int
+    row_end: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., optimizer: _Optional[str] = ..., rows: _Optional[int] = ..., value_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., index_bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("info", "tables", "bytes_received", "bytes_sent")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    info: ServerInfo
+    tables: _containers.RepeatedCompositeFieldContainer[TableStats]
+    bytes_received: int
+    bytes_sent: int
+    def __init__(self, info: _Optional[_Union[ServerInfo, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ...) -> None: ...

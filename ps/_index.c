@@ -1,0 +1,461 @@
+/*
+ * ps._index -- Int64Index, a vectorised int64 key -> dense row id hash index.
+ *
+ * The server keeps embedding rows in dense arrays; this table maps the sparse int64 feature
+ * ids that clients send to row numbers in those arrays, a whole request batch per call.
+ *
+ * Layout: open addressing with linear probing over a power-of-two array of {key, row} slots.
+ * Emptiness is marked by row == -1 rather than by a reserved key, so every int64 (including
+ * -1 and INT64_MIN) is a valid key. Linear probing over 16-byte slots keeps a probe sequence
+ * within one or two cache lines, which matters more than anything else once the table is far
+ * larger than the CPU caches; for the same reason each probe loop prefetches the home slot of
+ * a key PREFETCH_DISTANCE positions ahead, so that many cache misses are in flight at once.
+ *
+ * Buffers are taken through the buffer protocol only (no numpy headers), and the GIL is
+ * released around every loop over keys or slots. The object itself is NOT thread-safe: callers
+ * must serialise access with their own lock. A cheap in-use flag turns a caller's locking bug
+ * into a RuntimeError instead of memory corruption.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h> /* first: it defines _GNU_SOURCE, which exposes aligned_alloc/madvise */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
+typedef struct {
+    int64_t key;
+    int64_t row; /* EMPTY_ROW marks a free slot */
+} Slot;
+
+#define EMPTY_ROW (-1)
+#define MIN_CAPACITY ((size_t)8)
+/* Far below where capacity * sizeof(Slot) or capacity * 7 could overflow a 64-bit size_t. */
+#define MAX_CAPACITY ((size_t)1 << 58)
+/* Keys ahead of the current one whose home slot is prefetched: enough to cover DRAM latency. */
+#define PREFETCH_DISTANCE 16
+#define HUGE_PAGE_BYTES ((size_t)2 << 20)
+
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(addr, rw) __builtin_prefetch((addr), (rw), 3)
+#else
+#define PREFETCH(addr, rw) ((void)0)
+#endif
+
+typedef struct {
+    PyObject_HEAD
+    Slot *slots;
+    size_t capacity; /* number of slots, a power of two */
+    size_t size;     /* number of keys; also the row id the next new key receives */
+    size_t max_size; /* load limit: 0.7 * capacity */
+    uint64_t seed;
+    int readers; /* lookups/exports currently running with the GIL released */
+    int writing; /* a mutation currently running with the GIL released */
+} Int64Index;
+
+/* splitmix64 finaliser: every input bit affects the low bits used as the slot index, so
+ * sequential or strided ids (the common case for feature ids) do not cluster. */
+static inline uint64_t hash_key(int64_t key, uint64_t seed) {
+    uint64_t z = (uint64_t)key ^ seed;
+    z = (z ^ (z >> 30)) * UINT64_C(0xbf58476d1ce4e5b9);
+    z = (z ^ (z >> 27)) * UINT64_C(0x94d049bb133111eb);
+    return z ^ (z >> 31);
+}
+
+static size_t load_limit(size_t capacity) { return capacity * 7 / 10; }
+
+/* Smallest power-of-two capacity holding n keys at the load limit; 0 if too large. */
+static size_t capacity_for(size_t n) {
+    size_t cap = MIN_CAPACITY;
+    while (load_limit(cap) < n) {
+        if (cap >= MAX_CAPACITY) return 0;
+        cap <<= 1;
+    }
+    return cap;
+}
+
+/* Large tables are 2 MiB aligned and advised onto transparent huge pages: random probes into
+ * a table of hundreds of MiB otherwise miss the TLB on nearly every key. Needs no GIL. */
+static Slot *slots_alloc(size_t cap) {
+    size_t nbytes = cap * sizeof(Slot);
+    if (nbytes < HUGE_PAGE_BYTES) return (Slot *)malloc(nbytes);
+    /* nbytes is a power of two >= 2 MiB, hence a multiple of the alignment, as C11 requires. */
+    Slot *p = (Slot *)aligned_alloc(HUGE_PAGE_BYTES, nbytes);
+#ifdef MADV_HUGEPAGE
+    if (p != NULL) (void)madvise(p, nbytes, MADV_HUGEPAGE); /* advisory; failure is harmless */
+#endif
+    return p;
+}
+
+/* All-ones bytes make every slot {key = -1, row = -1}, i.e. empty. */
+static void slots_clear(Slot *slots, size_t cap) { memset(slots, 0xFF, cap * sizeof(Slot)); }
+
+/* Re-inserts every occupied slot of `old` into the empty table `fresh`. Keys are known to be
+ * distinct, so only an empty slot is searched for. Scanning `old` in order writes `fresh` in a
+ * few nearly sequential streams (a home slot h & (cap-1) becomes h & (2cap-1)), so no prefetch
+ * is needed. Needs no GIL. */
+static void slots_move(const Slot *old, size_t old_cap, Slot *fresh, size_t cap, uint64_t seed) {
+    const size_t mask = cap - 1;
+    for (size_t i = 0; i < old_cap; i++) {
+        if (old[i].row < 0) continue;
+        size_t j = hash_key(old[i].key, seed) & mask;
+        while (fresh[j].row >= 0) j = (j + 1) & mask;
+        fresh[j] = old[i];
+    }
+}
+
+/* Ensures room for `need` keys without passing the load limit. GIL held on entry and exit;
+ * released while the new table is filled. On failure the table is unchanged. */
+static int index_reserve(Int64Index *self, size_t need) {
+    if (self->slots != NULL && need <= self->max_size) return 0;
+    size_t cap = capacity_for(need);
+    Slot *fresh = cap ? slots_alloc(cap) : NULL;
+    if (fresh == NULL) {
+        PyErr_Format(PyExc_MemoryError, "Int64Index: cannot allocate room for %zu keys", need);
+        return -1;
+    }
+    Slot *old = self->slots;
+    Py_BEGIN_ALLOW_THREADS
+    slots_clear(fresh, cap);
+    slots_move(old, self->capacity, fresh, cap, self->seed);
+    free(old);
+    Py_END_ALLOW_THREADS
+    self->slots = fresh;
+    self->capacity = cap;
+    self->max_size = load_limit(cap);
+    return 0;
+}
+
+/* The in-use guard. Checked and set with the GIL held, so it is race-free itself; it lets
+ * concurrent readers through but refuses anything that overlaps a writer. */
+static int begin_use(Int64Index *self, int write) {
+    if (self->writing || (write && self->readers)) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "Int64Index used from two threads at once; callers must hold a lock");
+        return -1;
+    }
+    if (write) self->writing = 1;
+    else self->readers++;
+    return 0;
+}
+
+static void end_use(Int64Index *self, int write) {
+    if (write) self->writing = 0;
+    else self->readers--;
+}
+
+/* Acquires a 1-D C-contiguous buffer of native int64. On failure nothing is held. */
+static int get_int64_buffer(PyObject *obj, Py_buffer *view, int writable, const char *name) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) return -1;
+    const char *fmt = view->format ? view->format : "B";
+    char order = (*fmt && strchr("@=<>!", *fmt)) ? *fmt++ : '@';
+    /* 'l' is 8 bytes only in native mode; explicit byte orders use standard sizes ('q'). */
+    int ok_char = (fmt[0] == 'q' || (fmt[0] == 'l' && order == '@')) && fmt[1] == '\0';
+    int ok_order = order == '@' || order == '=' || (order == '<') == (PY_LITTLE_ENDIAN != 0);
+    if (!ok_char || !ok_order || view->itemsize != 8) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s must be a native int64 buffer, got format '%s' (itemsize %zd)", name,
+                     view->format ? view->format : "B", view->itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    if (view->ndim != 1) {
+        PyErr_Format(PyExc_ValueError, "%s must be 1-D, got %d dimensions", name, view->ndim);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* Acquires keys (read) and out (write), which must have equal lengths and must not partly
+ * overlap (keys is out is fine: each key is read before its own output is written). */
+static int get_keys_and_out(PyObject *keys_obj, PyObject *out_obj, Py_buffer *keys,
+                            Py_buffer *out) {
+    if (get_int64_buffer(keys_obj, keys, 0, "keys") < 0) return -1;
+    if (get_int64_buffer(out_obj, out, 1, "out") < 0) {
+        PyBuffer_Release(keys);
+        return -1;
+    }
+    const char *k = keys->buf, *o = out->buf;
+    if (keys->len != out->len) {
+        PyErr_Format(PyExc_ValueError,
+                     "keys and out differ in length: keys has %zd elements, out has %zd",
+                     keys->len / 8, out->len / 8);
+    } else if (k != o && k < o + out->len && o < k + keys->len) {
+        PyErr_SetString(PyExc_ValueError, "keys and out overlap without being the same buffer");
+    } else {
+        return 0;
+    }
+    PyBuffer_Release(keys);
+    PyBuffer_Release(out);
+    return -1;
+}
+
+/* ---- probe loops: run without the GIL ---- */
+
+static Py_ssize_t probe_lookup(const Int64Index *self, const int64_t *keys, int64_t *out,
+                               Py_ssize_t n) {
+    const Slot *slots = self->slots;
+    const size_t mask = self->capacity - 1;
+    const uint64_t seed = self->seed;
+    Py_ssize_t found = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH_DISTANCE < n)
+            PREFETCH(&slots[hash_key(keys[i + PREFETCH_DISTANCE], seed) & mask], 0);
+        const int64_t key = keys[i];
+        size_t j = hash_key(key, seed) & mask;
+        int64_t row;
+        /* Terminates: the load limit guarantees at least one empty slot. */
+        while ((row = slots[j].row) >= 0 && slots[j].key != key) j = (j + 1) & mask;
+        out[i] = row; /* EMPTY_ROW (-1) when absent */
+        found += row >= 0;
+    }
+    return found;
+}
+
+/* Capacity for size + n keys must already be reserved, so no slot moves during the loop and
+ * the prefetches stay valid. Returns the new size, which the caller stores with the GIL held
+ * (len() from another thread must not see it change mid-call). */
+static size_t probe_insert(Int64Index *self, const int64_t *keys, int64_t *out, Py_ssize_t n) {
+    Slot *slots = self->slots;
+    const size_t mask = self->capacity - 1;
+    const uint64_t seed = self->seed;
+    int64_t next_row = (int64_t)self->size;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH_DISTANCE < n)
+            PREFETCH(&slots[hash_key(keys[i + PREFETCH_DISTANCE], seed) & mask], 1);
+        const int64_t key = keys[i];
+        size_t j = hash_key(key, seed) & mask;
+        while (slots[j].row >= 0 && slots[j].key != key) j = (j + 1) & mask;
+        if (slots[j].row < 0) { /* first appearance: next dense row id */
+            slots[j].key = key;
+            slots[j].row = next_row++;
+        }
+        out[i] = slots[j].row;
+    }
+    return (size_t)next_row;
+}
+
+/* ---- methods ---- */
+
+static PyObject *Int64Index_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"capacity_hint", "seed", NULL};
+    Py_ssize_t hint = 0;
+    PyObject *seed_obj = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|nO!:Int64Index", kwlist, &hint, &PyLong_Type,
+                                     &seed_obj))
+        return NULL;
+    if (hint < 0)
+        return PyErr_Format(PyExc_ValueError, "capacity_hint must be >= 0, got %zd", hint);
+    uint64_t seed = 0;
+    if (seed_obj != NULL) {
+        PyObject *zero = PyLong_FromLong(0);
+        if (zero == NULL) return NULL;
+        int negative = PyObject_RichCompareBool(seed_obj, zero, Py_LT);
+        Py_DECREF(zero);
+        if (negative < 0) return NULL;
+        if (negative) return PyErr_Format(PyExc_ValueError, "seed must be >= 0, got %R", seed_obj);
+        seed = PyLong_AsUnsignedLongLong(seed_obj); /* OverflowError past 2**64 - 1 */
+        if (seed == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+    }
+    Int64Index *self = (Int64Index *)type->tp_alloc(type, 0); /* zero-filled: no table yet */
+    if (self == NULL) return NULL;
+    self->seed = seed;
+    if (index_reserve(self, (size_t)hint) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static void Int64Index_dealloc(Int64Index *self) {
+    free(self->slots);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+PyDoc_STRVAR(lookup_doc,
+"lookup($self, keys, out, /)\n--\n\n"
+"Write the row id of each key in `keys` into `out`, or -1 for a key that is absent.\n"
+"Both are 1-D C-contiguous int64 buffers of equal length; `out` may be `keys` itself.\n"
+"Returns the number of keys found. Releases the GIL while probing; not thread-safe.");
+
+static PyObject *Int64Index_lookup(Int64Index *self, PyObject *args) {
+    PyObject *keys_obj, *out_obj;
+    Py_buffer keys, out;
+    if (!PyArg_ParseTuple(args, "OO:lookup", &keys_obj, &out_obj)) return NULL;
+    if (get_keys_and_out(keys_obj, out_obj, &keys, &out) < 0) return NULL;
+    Py_ssize_t found = -1;
+    if (begin_use(self, 0) == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        found = probe_lookup(self, keys.buf, out.buf, keys.len / 8);
+        Py_END_ALLOW_THREADS
+        end_use(self, 0);
+    }
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&out);
+    return found < 0 ? NULL : PyLong_FromSsize_t(found);
+}
+
+PyDoc_STRVAR(lookup_or_insert_doc,
+"lookup_or_insert($self, keys, out, /)\n--\n\n"
+"Like lookup(), but a key that is absent is inserted first. New keys get dense row ids\n"
+"len(self), len(self) + 1, ... in order of first appearance in `keys`; repeats of a key\n"
+"share its row. Returns the number of rows created. Room for len(self) + len(keys) keys is\n"
+"reserved before anything is inserted, so on MemoryError the table is unchanged.\n"
+"Releases the GIL while probing; not thread-safe.");
+
+static PyObject *Int64Index_lookup_or_insert(Int64Index *self, PyObject *args) {
+    PyObject *keys_obj, *out_obj;
+    Py_buffer keys, out;
+    if (!PyArg_ParseTuple(args, "OO:lookup_or_insert", &keys_obj, &out_obj)) return NULL;
+    if (get_keys_and_out(keys_obj, out_obj, &keys, &out) < 0) return NULL;
+    Py_ssize_t n = keys.len / 8, created = -1;
+    if (begin_use(self, 1) == 0) {
+        size_t before = self->size, after = 0;
+        /* Worst case reservation: it may grow the table one batch early, but it makes the call
+         * all-or-nothing, so a row id is never handed out without being returned. */
+        if (index_reserve(self, before + (size_t)n) == 0) {
+            Py_BEGIN_ALLOW_THREADS
+            after = probe_insert(self, keys.buf, out.buf, n);
+            Py_END_ALLOW_THREADS
+            self->size = after;
+            created = (Py_ssize_t)(after - before);
+        }
+        end_use(self, 1);
+    }
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&out);
+    return created < 0 ? NULL : PyLong_FromSsize_t(created);
+}
+
+PyDoc_STRVAR(export_doc,
+"export($self, keys_out, /)\n--\n\n"
+"Write the key of every row into `keys_out`, a writable 1-D C-contiguous int64 buffer of\n"
+"length len(self): keys_out[row] = key. Releases the GIL while scanning; not thread-safe.");
+
+static PyObject *Int64Index_export(Int64Index *self, PyObject *arg) {
+    Py_buffer out;
+    if (get_int64_buffer(arg, &out, 1, "keys_out") < 0) return NULL;
+    int ok = 0;
+    if ((size_t)(out.len / 8) != self->size) {
+        PyErr_Format(PyExc_ValueError, "keys_out has %zd elements, the index holds %zu keys",
+                     out.len / 8, self->size);
+    } else if (begin_use(self, 0) == 0) {
+        const Slot *slots = self->slots;
+        int64_t *dst = out.buf;
+        size_t cap = self->capacity;
+        Py_BEGIN_ALLOW_THREADS
+        for (size_t i = 0; i < cap; i++)
+            if (slots[i].row >= 0) dst[slots[i].row] = slots[i].key;
+        Py_END_ALLOW_THREADS
+        end_use(self, 0);
+        ok = 1;
+    }
+    PyBuffer_Release(&out);
+    return ok ? Py_NewRef(Py_None) : NULL;
+}
+
+PyDoc_STRVAR(reserve_doc,
+"reserve($self, n, /)\n--\n\n"
+"Grow the table, if needed, so that it holds n keys without another rehash. Never shrinks.");
+
+static PyObject *Int64Index_reserve(Int64Index *self, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 0) return PyErr_Format(PyExc_ValueError, "n must be >= 0, got %zd", n);
+    if (begin_use(self, 1) < 0) return NULL;
+    int rc = index_reserve(self, (size_t)n);
+    end_use(self, 1);
+    return rc < 0 ? NULL : Py_NewRef(Py_None);
+}
+
+PyDoc_STRVAR(clear_doc,
+"clear($self)\n--\n\n"
+"Remove every key; the capacity is kept, and row ids start again from 0.");
+
+static PyObject *Int64Index_clear(Int64Index *self, PyObject *Py_UNUSED(ignored)) {
+    if (begin_use(self, 1) < 0) return NULL;
+    Slot *slots = self->slots;
+    size_t cap = self->capacity;
+    Py_BEGIN_ALLOW_THREADS
+    slots_clear(slots, cap);
+    Py_END_ALLOW_THREADS
+    self->size = 0;
+    end_use(self, 1);
+    Py_RETURN_NONE;
+}
+
+static Py_ssize_t Int64Index_len(Int64Index *self) { return (Py_ssize_t)self->size; }
+
+static PyObject *Int64Index_get_capacity(Int64Index *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromSize_t(self->capacity);
+}
+
+static PyObject *Int64Index_get_nbytes(Int64Index *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromSize_t(self->capacity * sizeof(Slot));
+}
+
+static PyMethodDef Int64Index_methods[] = {
+    {"lookup", (PyCFunction)Int64Index_lookup, METH_VARARGS, lookup_doc},
+    {"lookup_or_insert", (PyCFunction)Int64Index_lookup_or_insert, METH_VARARGS,
+     lookup_or_insert_doc},
+    {"export", (PyCFunction)Int64Index_export, METH_O, export_doc},
+    {"reserve", (PyCFunction)Int64Index_reserve, METH_O, reserve_doc},
+    {"clear", (PyCFunction)Int64Index_clear, METH_NOARGS, clear_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Int64Index_getset[] = {
+    {"capacity", (getter)Int64Index_get_capacity, NULL, "Number of slots (a power of two).", NULL},
+    {"nbytes", (getter)Int64Index_get_nbytes, NULL, "Bytes held by the slot array.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PySequenceMethods Int64Index_as_sequence = {.sq_length = (lenfunc)Int64Index_len};
+
+PyDoc_STRVAR(Int64Index_doc,
+"Int64Index(capacity_hint=0, seed=0)\n--\n\n"
+"Hash index from int64 keys to dense row ids 0..len-1, assigned in order of first insertion.\n"
+"Every int64 is a valid key. capacity_hint pre-sizes the table for that many keys; seed\n"
+"(0 <= seed < 2**64) perturbs the hash. Methods take int64 buffers and release the GIL,\n"
+"but the object is NOT thread-safe: callers must serialise access with a lock (overlapping\n"
+"use is detected on a best-effort basis and raises RuntimeError).");
+
+static PyTypeObject Int64IndexType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "ps._index.Int64Index",
+    .tp_basicsize = sizeof(Int64Index),
+    .tp_dealloc = (destructor)Int64Index_dealloc,
+    .tp_as_sequence = &Int64Index_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = Int64Index_doc,
+    .tp_methods = Int64Index_methods,
+    .tp_getset = Int64Index_getset,
+    .tp_new = Int64Index_new,
+};
+
+PyDoc_STRVAR(module_doc,
+"Fast int64 key -> dense row id hash index for the parameter server (see ps.index.KeyIndex\n"
+"for the typed numpy wrapper). Blocking calls that release the GIL; not thread-safe.");
+
+static struct PyModuleDef index_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "ps._index",
+    .m_doc = module_doc,
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__index(void) {
+    if (PyType_Ready(&Int64IndexType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&index_module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddObjectRef(m, "Int64Index", (PyObject *)&Int64IndexType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

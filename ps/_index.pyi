@@ -1,0 +1,37 @@
+"""Type stub for the C extension ``ps._index`` (see ps/_index.c).
+
+Every method takes 1-D C-contiguous native int64 buffers, releases the GIL while it works, and
+is NOT thread-safe: callers serialise access with a lock.
+"""
+
+from typing import TypeAlias, final
+
+import numpy as np
+import numpy.typing as npt
+from typing_extensions import Buffer
+
+# numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12, so name it explicitly.
+_Int64Buffer: TypeAlias = Buffer | npt.NDArray[np.int64]
+
+@final
+class Int64Index:
+    """Hash index from int64 keys to dense row ids ``0..len-1``, in order of first insertion."""
+
+    def __init__(self, capacity_hint: int = 0, seed: int = 0) -> None: ...
+    def lookup(self, keys: _Int64Buffer, out: _Int64Buffer, /) -> int:
+        """Write each key's row id (or -1 when absent) into ``out``; return the number found."""
+    def lookup_or_insert(self, keys: _Int64Buffer, out: _Int64Buffer, /) -> int:
+        """Like ``lookup``, inserting absent keys; return the number of rows created."""
+    def export(self, keys_out: _Int64Buffer, /) -> None:
+        """Write ``keys_out[row] = key`` for every row; ``keys_out`` has length ``len(self)``."""
+    def reserve(self, n: int, /) -> None:
+        """Grow so that ``n`` keys fit without a rehash; never shrinks."""
+    def clear(self) -> None:
+        """Remove every key, keeping the capacity."""
+    def __len__(self) -> int: ...
+    @property
+    def capacity(self) -> int:
+        """Number of slots (a power of two)."""
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the slot array."""

@@ -1,0 +1,99 @@
+"""KeyIndex: the server's map from int64 feature keys to dense row ids.
+
+A typed numpy wrapper over the C extension ``ps._index.Int64Index``. Row ids are dense: the
+n-th distinct key ever inserted gets row ``n``, so they index straight into the value arrays
+that hold the embedding rows.
+
+Calls are blocking and release the GIL while they work, but a ``KeyIndex`` is NOT thread-safe:
+callers must serialise every call (reads included, when a writer may run) with their own lock.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from ps._index import Int64Index
+from ps.errors import InvalidArgumentError
+
+__all__ = ["KeyIndex"]
+
+
+def _as_keys(keys: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """Checks that ``keys`` is a 1-D native int64 array; returns it C-contiguous."""
+    if not isinstance(keys, np.ndarray):
+        raise InvalidArgumentError(f"keys must be a numpy.ndarray, got {type(keys).__name__}")
+    if keys.dtype != np.int64:
+        raise InvalidArgumentError(
+            f"keys must have dtype int64, got {keys.dtype.str} ({keys.dtype})"
+        )
+    if keys.ndim != 1:
+        raise InvalidArgumentError(f"keys must be 1-D, got shape {keys.shape}")
+    return np.ascontiguousarray(keys)
+
+
+class KeyIndex:
+    """Hash index from int64 keys to dense row ids ``0..len(self)-1``.
+
+    Every int64 is a valid key. Blocking, and NOT thread-safe: callers hold a lock around
+    every call. Overlapping calls from two threads are detected on a best-effort basis and
+    raise ``RuntimeError`` rather than corrupting the table.
+    """
+
+    __slots__ = ("_index",)
+
+    def __init__(self, capacity_hint: int = 0, seed: int = 0) -> None:
+        """Pre-sizes the table for ``capacity_hint`` keys; ``seed`` (0 <= seed < 2**64)
+        perturbs the hash. Negative values raise ``ValueError``."""
+        self._index = Int64Index(capacity_hint, seed)
+
+    def lookup(self, keys: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Returns the row id of each key, or -1 where the key is absent. Inserts nothing."""
+        keys = _as_keys(keys)
+        rows = np.empty(keys.shape[0], dtype=np.int64)
+        self._index.lookup(keys, rows)
+        return rows
+
+    def lookup_or_insert(self, keys: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], int]:
+        """Returns ``(rows, n_new)``: the row id of each key, inserting absent keys first.
+
+        New keys get rows ``len(self), len(self) + 1, ...`` in order of first appearance in
+        ``keys`` (repeats share a row), so the new rows are exactly those ``>=`` the length
+        before the call, and ``n_new`` is how many there are. All-or-nothing: on
+        ``MemoryError`` the index is unchanged.
+        """
+        keys = _as_keys(keys)
+        rows = np.empty(keys.shape[0], dtype=np.int64)
+        n_new = self._index.lookup_or_insert(keys, rows)
+        return rows, n_new
+
+    def keys_by_row(self) -> npt.NDArray[np.int64]:
+        """Returns the key of every row: ``keys_by_row()[row] == key``. For checkpoints."""
+        keys = np.empty(len(self._index), dtype=np.int64)
+        self._index.export(keys)
+        return keys
+
+    def reserve(self, n: int) -> None:
+        """Grows the table so that ``n`` keys fit without another rehash. Never shrinks."""
+        self._index.reserve(n)
+
+    def clear(self) -> None:
+        """Removes every key; the capacity is kept and row ids start again from 0."""
+        self._index.clear()
+
+    def __len__(self) -> int:
+        """The number of keys (equal to the number of rows)."""
+        return len(self._index)
+
+    @property
+    def capacity(self) -> int:
+        """The number of slots in the hash table (a power of two)."""
+        return self._index.capacity
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes held by the slot array (16 per slot)."""
+        return self._index.nbytes
+
+    def __repr__(self) -> str:
+        return f"KeyIndex(len={len(self)}, capacity={self.capacity})"

@@ -1,0 +1,170 @@
+"""The parameter-server process: one shard served over gRPC, with the standard health service."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import logging
+import os
+import signal
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from types import FrameType
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ps.errors import InvalidArgumentError
+from ps.servicer import SERVICE, ParameterServerServicer, WireLimits
+from ps.shard import Shard, ShardConfig
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything a server process needs; validated on construction."""
+
+    bind: str
+    shard: int = 0
+    num_shards: int = 1
+    job: str = ""
+    incarnation: int = 1
+    mode: str = "async"
+    torch_threads: int = 1
+    grpc_threads: int = 16
+    chunk_bytes: int = 2 * MiB
+    max_message_bytes: int = 64 * MiB
+    max_request_bytes: int = 4096 * MiB
+    ready_file: str = ""
+    grace_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.bind.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise InvalidArgumentError(
+                f"--bind must be HOST:PORT (e.g. 0.0.0.0:7000, or port 0 for any), "
+                f"got {self.bind!r}"
+            )
+        for name in ("torch_threads", "grpc_threads", "chunk_bytes", "max_message_bytes"):
+            if getattr(self, name) < 1:
+                raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.chunk_bytes + MiB > self.max_message_bytes:
+            raise InvalidArgumentError(
+                f"chunk_bytes ({self.chunk_bytes}) must leave 1 MiB of headroom under "
+                f"max_message_bytes ({self.max_message_bytes})"
+            )
+
+    def shard_config(self) -> ShardConfig:
+        return ShardConfig(
+            shard=self.shard, num_shards=self.num_shards, job=self.job,
+            incarnation=self.incarnation, mode=self.mode,
+        )
+
+
+def tune_process(torch_threads: int) -> None:
+    """Process-wide settings that the data plane's speed depends on.
+
+    One torch thread per process: on small machines a second thread collapses throughput
+    whenever another process holds a core. Raising glibc's mmap and trim thresholds keeps
+    multi-MiB message buffers on the heap instead of mapping and unmapping them per call.
+    """
+    torch.set_num_threads(torch_threads)
+    libc_name = ctypes.util.find_library("c")
+    if not libc_name:
+        return
+    try:
+        libc = ctypes.CDLL(libc_name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mallopt(m_mmap_threshold, 32 * MiB)  # glibc's maximum on 64-bit hosts
+    mallopt(m_trim_threshold, 256 * MiB)
+
+
+class ParameterServer:
+    """A running server. `start` returns once it listens; `wait` blocks until it stops."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.shard = Shard(config.shard_config())
+        self.servicer = ParameterServerServicer(
+            self.shard,
+            WireLimits(config.chunk_bytes, config.max_message_bytes, config.max_request_bytes),
+            VERSION,
+        )
+        self._grpc = grpc.server(
+            futures.ThreadPoolExecutor(
+                max_workers=config.grpc_threads, thread_name_prefix=f"shard{config.shard}"
+            ),
+            options=[
+                ("grpc.max_receive_message_length", config.max_message_bytes),
+                ("grpc.max_send_message_length", config.max_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        self._grpc.add_generic_rpc_handlers((self.servicer.handler(),))
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        self.port = 0
+        self._stopped = threading.Event()
+
+    @property
+    def address(self) -> str:
+        host = self.config.bind.rpartition(":")[0]
+        return f"{host}:{self.port}"
+
+    def start(self) -> None:
+        """Binds and starts serving. Raises InvalidArgumentError if the address is taken."""
+        try:
+            self.port = self._grpc.add_insecure_port(self.config.bind)
+        except RuntimeError as exc:
+            raise InvalidArgumentError(f"cannot bind {self.config.bind}: {exc}") from exc
+        if self.port == 0:
+            raise InvalidArgumentError(
+                f"cannot bind {self.config.bind}: the address is in use or not local"
+            )
+        self._grpc.start()
+        for service in ("", SERVICE):
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "shard %d/%d serving on %s (incarnation %d, mode %s)", self.config.shard,
+            self.config.num_shards, self.address, self.config.incarnation, self.config.mode,
+        )
+        if self.config.ready_file:
+            tmp = self.config.ready_file + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"address": self.address, "pid": os.getpid()}, f)
+            os.replace(tmp, self.config.ready_file)
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stops serving; in-flight calls get `grace_s` to finish. Thread-safe, idempotent."""
+        self.health.enter_graceful_shutdown()
+        self._grpc.stop(self.config.grace_s if grace_s is None else grace_s).wait()
+        self._stopped.set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Blocks until stopped (or the timeout); True if stopped."""
+        return self._stopped.wait(timeout_s)
+
+
+def run(config: ServerConfig) -> None:
+    """Serves until SIGTERM or SIGINT. Blocks."""
+    tune_process(config.torch_threads)
+    server = ParameterServer(config)
+    server.start()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("shard %d: signal %d, stopping", config.shard, signum)
+        threading.Thread(target=server.stop, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server.wait()

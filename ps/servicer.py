@@ -1,0 +1,329 @@
+"""The gRPC face of a shard: decode frames, call the shard, encode answers, map errors.
+
+Each method converts wire messages to domain values, calls one Shard method and turns
+domain errors into status codes. Status codes appear nowhere else in the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+import torch
+
+from protos import codec
+from protos import pstrain_pb2 as pb
+from protos.codec import Frame, WireError
+from ps.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PSError,
+    ResourceExhaustedError,
+)
+from ps.initializers import InitSpec
+from ps.shard import PushMeta, Shard
+from ps.tables import OptimizerConfig, TableSpec, TableStats
+
+log = logging.getLogger(__name__)
+
+SERVICE = "pstrain.v1.ParameterServer"
+
+_STATUS: dict[type[PSError], grpc.StatusCode] = {
+    InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFoundError: grpc.StatusCode.NOT_FOUND,
+    FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
+    ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class WireLimits:
+    chunk_bytes: int
+    max_message_bytes: int
+    max_request_bytes: int
+
+
+def _abort(context: grpc.ServicerContext, exc: Exception) -> NoReturn:
+    if isinstance(exc, WireError):
+        code = grpc.StatusCode.INVALID_ARGUMENT
+    else:
+        code = next(
+            (c for cls, c in _STATUS.items() if isinstance(exc, cls)), grpc.StatusCode.INTERNAL
+        )
+    context.abort(code, str(exc))
+    raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+
+def _guard(call: Callable[[], R], context: grpc.ServicerContext) -> R:
+    try:
+        return call()
+    except (PSError, WireError) as exc:
+        _abort(context, exc)
+
+
+# ---- proto -> domain ---------------------------------------------------------------------
+
+
+def spec_from_proto(msg: pb.TableSpec) -> TableSpec:
+    """A domain TableSpec from its wire form; InvalidArgumentError when it is malformed."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgumentError(f"table {msg.name!r}: set either dense or sparse")
+    body = msg.dense if kind == "dense" else msg.sparse
+    try:
+        dtype = codec.dtype_from_wire(body.dtype)
+    except WireError as exc:
+        raise InvalidArgumentError(f"table {msg.name!r}: {exc}") from exc
+    init = InitSpec(body.init.kind or "uniform", body.init.a, body.init.b) if body.HasField(
+        "init"
+    ) else InitSpec()
+    optimizer = OptimizerConfig(
+        msg.optimizer.name or "sgd", tuple(sorted(msg.optimizer.params.items()))
+    )
+    return TableSpec(
+        name=msg.name,
+        kind=kind,
+        dtype=dtype,
+        shape=tuple(msg.dense.shape) if kind == "dense" else (),
+        dim=msg.sparse.dim if kind == "sparse" else 0,
+        init=init,
+        seed=body.seed,
+        optimizer=optimizer,
+        allow_non_finite=msg.allow_non_finite,
+        mode=msg.mode,
+    )
+
+
+def _meta(msg: pb.PushDenseHeader | pb.PushSparseHeader) -> PushMeta:
+    return PushMeta(
+        worker=msg.id.worker,
+        incarnation=msg.id.incarnation,
+        seq=msg.id.seq,
+        clock=msg.clock,
+        assign=msg.kind == pb.ASSIGN,
+    )
+
+
+def _stats_to_proto(s: TableStats) -> pb.TableStats:
+    c = s.counters
+    return pb.TableStats(
+        name=s.name, kind=s.kind, optimizer=s.optimizer, rows=s.rows,
+        value_bytes=s.value_bytes, state_bytes=s.state_bytes, index_bytes=s.index_bytes,
+        pushes_applied=c.pushes_applied, pushes_duplicate=c.pushes_duplicate,
+        pushes_rejected=c.pushes_rejected, pulls=c.pulls, rows_pulled=c.rows_pulled,
+        rows_pushed=c.rows_pushed, row_start=s.row_start, row_end=s.row_end,
+    )
+
+
+class _ByteCounter:
+    def __init__(self) -> None:
+        # Guards received and sent.
+        self._lock = threading.Lock()
+        self.received = 0
+        self.sent = 0
+
+    def add(self, received: int = 0, sent: int = 0) -> None:
+        with self._lock:
+            self.received += received
+            self.sent += sent
+
+
+class ParameterServerServicer:
+    """Serves one Shard over gRPC. Thread-safe: gRPC calls it from its thread pool."""
+
+    def __init__(self, shard: Shard, limits: WireLimits, version: str) -> None:
+        self.shard = shard
+        self.limits = limits
+        self.version = version
+        self.bytes = _ByteCounter()
+
+    # ---- control ---------------------------------------------------------------------------
+
+    def info(self) -> pb.ServerInfo:
+        cfg = self.shard.config
+        return pb.ServerInfo(
+            shard=cfg.shard, num_shards=cfg.num_shards, incarnation=cfg.incarnation,
+            job=cfg.job, version=self.version, max_message_bytes=self.limits.max_message_bytes,
+            chunk_bytes=self.limits.chunk_bytes,
+        )
+
+    def GetServerInfo(self, request: Frame[pb.ServerInfoRequest], context: Any) -> bytes:
+        return self.info().SerializeToString()
+
+    def DeclareTables(self, request: Frame[pb.DeclareTablesRequest], context: Any) -> bytes:
+        def declare() -> bytes:
+            specs = [spec_from_proto(t) for t in request.msg.tables]
+            placements = self.shard.declare(specs)
+            return pb.DeclareTablesResponse(
+                tables=[
+                    pb.TablePlacement(name=s.name, row_start=p.start, row_end=p.end)
+                    for s, p in zip(specs, placements, strict=True)
+                ]
+            ).SerializeToString()
+
+        return _guard(declare, context)
+
+    def GetStats(self, request: Frame[pb.StatsRequest], context: Any) -> bytes:
+        return pb.StatsResponse(
+            info=self.info(),
+            tables=[_stats_to_proto(s) for s in self.shard.stats()],
+            bytes_received=self.bytes.received,
+            bytes_sent=self.bytes.sent,
+        ).SerializeToString()
+
+    # ---- dense -----------------------------------------------------------------------------
+
+    def PullDense(self, request: Frame[pb.PullDenseRequest], context: Any) -> Iterator[bytes]:
+        msg = request.msg
+        block = _guard(lambda: self.shard.pull_dense(msg.table, msg.worker, msg.clock), context)
+        data = codec.tensor_bytes(block)
+        dtype = codec.dtype_to_wire(block.dtype)
+        itemsize = block.element_size()
+        step = max(itemsize, self.limits.chunk_bytes // itemsize * itemsize)
+        for start in range(0, max(data.nbytes, 1), step):
+            head = pb.DenseChunk(offset=start // itemsize)
+            if start == 0:
+                head.dtype = dtype
+                head.shape.extend(block.shape)
+            chunk = data[start : start + step]
+            self.bytes.add(sent=chunk.nbytes)
+            yield codec.encode(head, {"data": chunk})
+
+    def PushDense(self, chunks: Iterator[Frame[pb.PushDenseChunk]], context: Any) -> bytes:
+        def push() -> bytes:
+            first = next(chunks, None)
+            if first is None or not first.msg.HasField("header"):
+                raise InvalidArgumentError("a dense push must start with a chunk carrying a header")
+            head = first.msg.header
+            dtype = codec.dtype_from_wire(head.dtype)
+            shape = tuple(head.shape)
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            expected = math.prod(shape) * itemsize
+            self._check_request_size(expected)
+            parts = [first.payload("data")]
+            received = parts[0].nbytes
+            for frame in chunks:
+                if frame.msg.offset * itemsize != received:
+                    raise InvalidArgumentError(
+                        f"dense push chunk at element {frame.msg.offset} does not follow the "
+                        f"{received // itemsize} elements received so far"
+                    )
+                part = frame.payload("data")
+                received += part.nbytes
+                self._check_request_size(received)
+                parts.append(part)
+            self.bytes.add(received=received)
+            data = parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
+            values = codec.tensor_from_bytes(data, dtype, shape)
+            duplicate = self.shard.push_dense(head.table, _meta(head), dtype, shape, values)
+            return pb.PushResponse(
+                duplicate=duplicate, elements=values.numel()
+            ).SerializeToString()
+
+        return _guard(push, context)
+
+    # ---- sparse ----------------------------------------------------------------------------
+
+    def PullSparse(self, request: Frame[pb.PullSparseRequest], context: Any) -> Iterator[bytes]:
+        msg = request.msg
+
+        def pull() -> torch.Tensor:
+            keys = codec.keys_from_bytes(request.payload("keys"))
+            self.bytes.add(received=keys.nbytes)
+            return self.shard.pull_sparse(msg.table, msg.worker, msg.clock, keys)
+
+        rows = _guard(pull, context)
+        dtype = codec.dtype_to_wire(rows.dtype)
+        n, dim = rows.shape
+        row_bytes = max(1, dim * rows.element_size())
+        per_chunk = max(1, self.limits.chunk_bytes // row_bytes)
+        data = codec.tensor_bytes(rows)
+        for start in range(0, max(n, 1), per_chunk):
+            count = min(per_chunk, n - start)
+            head = pb.SparseChunk(dtype=dtype, dim=dim, row_offset=start, rows=count)
+            chunk = data[start * row_bytes : (start + count) * row_bytes]
+            self.bytes.add(sent=chunk.nbytes)
+            yield codec.encode(head, {"values": chunk})
+
+    def PushSparse(self, chunks: Iterator[Frame[pb.PushSparseChunk]], context: Any) -> bytes:
+        def push() -> bytes:
+            first = next(chunks, None)
+            if first is None or not first.msg.HasField("header"):
+                raise InvalidArgumentError(
+                    "a sparse push must start with a chunk carrying a header"
+                )
+            head = first.msg.header
+            dtype = codec.dtype_from_wire(head.dtype)
+            key_parts = [first.payload("keys")]
+            value_parts = [first.payload("values")]
+            received = key_parts[0].nbytes + value_parts[0].nbytes
+            for frame in chunks:
+                key_parts.append(frame.payload("keys"))
+                value_parts.append(frame.payload("values"))
+                received += key_parts[-1].nbytes + value_parts[-1].nbytes
+                self._check_request_size(received)
+            self.bytes.add(received=received)
+            keys = codec.keys_from_bytes(_join(key_parts))
+            values = _join(value_parts)
+            duplicate = self.shard.push_sparse(
+                head.table, _meta(head), dtype, head.dim, keys, values
+            )
+            return pb.PushResponse(
+                duplicate=duplicate, elements=len(keys) * head.dim
+            ).SerializeToString()
+
+        return _guard(push, context)
+
+    def _check_request_size(self, nbytes: int) -> None:
+        if nbytes > self.limits.max_request_bytes:
+            raise ResourceExhaustedError(
+                f"request of {nbytes} bytes is over this server's limit of "
+                f"{self.limits.max_request_bytes} bytes (--max-request-bytes); split the push"
+            )
+
+    # ---- registration ----------------------------------------------------------------------
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The generic handler serving every method with the zero-copy codec."""
+
+        def de(cls: type[Any]) -> Callable[[bytes], Frame[Any]]:
+            return lambda data: codec.decode(cls, data)
+
+        methods = {
+            "GetServerInfo": grpc.unary_unary_rpc_method_handler(
+                self.GetServerInfo, request_deserializer=de(pb.ServerInfoRequest)
+            ),
+            "DeclareTables": grpc.unary_unary_rpc_method_handler(
+                self.DeclareTables, request_deserializer=de(pb.DeclareTablesRequest)
+            ),
+            "GetStats": grpc.unary_unary_rpc_method_handler(
+                self.GetStats, request_deserializer=de(pb.StatsRequest)
+            ),
+            "PullDense": grpc.unary_stream_rpc_method_handler(
+                self.PullDense, request_deserializer=de(pb.PullDenseRequest)
+            ),
+            "PushDense": grpc.stream_unary_rpc_method_handler(
+                self.PushDense, request_deserializer=de(pb.PushDenseChunk)
+            ),
+            "PullSparse": grpc.unary_stream_rpc_method_handler(
+                self.PullSparse, request_deserializer=de(pb.PullSparseRequest)
+            ),
+            "PushSparse": grpc.stream_unary_rpc_method_handler(
+                self.PushSparse, request_deserializer=de(pb.PushSparseChunk)
+            ),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE, methods)
+
+
+def _join(parts: list[memoryview]) -> memoryview:
+    return parts[0] if len(parts) == 1 else memoryview(b"".join(parts))

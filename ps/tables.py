@@ -1,0 +1,372 @@
+"""The tables a shard holds: a row block of a dense tensor, or a growing sparse table.
+
+A table owns its values, its optimizer state and its counters. It validates every request
+fully before changing anything, so a rejected request leaves it as it was. It knows nothing
+about gRPC, clocks or retries: the shard decides when to call it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from protos.codec import FLOAT_DTYPES
+from protos.partition import RowRange, shard_of_keys
+from ps.errors import FailedPreconditionError, InvalidArgumentError
+from ps.index import KeyIndex
+from ps.initializers import InitSpec, init_rows
+from ps.locks import RWLock
+from ps.optim import Optimizer, make_optimizer
+
+AnyOptimizer = Optimizer[Any]
+
+TableKind = Literal["dense", "sparse"]
+
+# First allocation of a sparse table's storage, in rows; it doubles from there.
+_INITIAL_SPARSE_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """An optimizer by name with its hyperparameters, comparable for spec checks."""
+
+    name: str = "sgd"
+    params: tuple[tuple[str, float], ...] = ()
+
+    def build(self) -> AnyOptimizer:
+        return make_optimizer(self.name, dict(self.params))
+
+    def describe(self) -> str:
+        args = ", ".join(f"{k}={v:g}" for k, v in self.params)
+        return f"{self.name}({args})"
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """What a table is: identical on every shard, whatever rows the shard holds."""
+
+    name: str
+    kind: TableKind
+    dtype: torch.dtype
+    shape: tuple[int, ...] = ()  # dense: the whole tensor
+    dim: int = 0  # sparse: row width
+    init: InitSpec = field(default_factory=InitSpec)
+    seed: int = 0
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    allow_non_finite: bool = False
+    mode: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise InvalidArgumentError("a table needs a non-empty name")
+        if self.dtype not in FLOAT_DTYPES:
+            raise InvalidArgumentError(
+                f"table {self.name!r}: dtype {self.dtype} is not a floating type; "
+                "use float32, float64, float16 or bfloat16"
+            )
+        if self.kind == "dense":
+            if any(d < 0 for d in self.shape):
+                raise InvalidArgumentError(
+                    f"table {self.name!r}: shape {list(self.shape)} has a negative dimension"
+                )
+        elif self.kind == "sparse":
+            if self.dim < 1:
+                raise InvalidArgumentError(
+                    f"table {self.name!r}: sparse dim must be >= 1, got {self.dim}"
+                )
+        else:
+            raise InvalidArgumentError(
+                f"table {self.name!r}: kind must be 'dense' or 'sparse', got {self.kind!r}"
+            )
+        # Builds the optimizer once so a bad name or hyperparameter fails at declaration.
+        self.optimizer.build()
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def describe(self) -> str:
+        what = f"shape={list(self.shape)}" if self.kind == "dense" else f"dim={self.dim}"
+        return (
+            f"{self.kind} {what} dtype={str(self.dtype).removeprefix('torch.')} "
+            f"init={self.init.kind}({self.init.a:g},{self.init.b:g}) seed={self.seed} "
+            f"optimizer={self.optimizer.describe()} allow_non_finite={self.allow_non_finite} "
+            f"mode={self.mode or 'job default'}"
+        )
+
+
+@dataclass
+class TableCounters:
+    """Traffic counters of one table; updated under the table's counter lock."""
+
+    pushes_applied: int = 0
+    pushes_duplicate: int = 0
+    pushes_rejected: int = 0
+    pulls: int = 0
+    rows_pulled: int = 0
+    rows_pushed: int = 0
+
+
+@dataclass(frozen=True)
+class TableStats:
+    name: str
+    kind: TableKind
+    optimizer: str
+    rows: int
+    value_bytes: int
+    state_bytes: int
+    index_bytes: int
+    counters: TableCounters
+    row_start: int = 0
+    row_end: int = 0
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_finite(table: str, values: torch.Tensor) -> None:
+    """InvalidArgumentError naming the first NaN or Inf element of a gradient."""
+    finite = torch.isfinite(values)
+    if not bool(finite.all()):
+        first = int(torch.argmin(finite.reshape(-1).to(torch.uint8)))
+        bad = values.reshape(-1)[first].item()
+        raise InvalidArgumentError(
+            f"gradient for table {table!r} has a non-finite value ({bad}) at flat element "
+            f"{first}; the push was refused whole. Fix the gradient (clip it, lower the learning "
+            f"rate) or declare the table with allow_non_finite"
+        )
+
+
+class _Counted:
+    """Mixin: counters and the lock that guards them."""
+
+    def __init__(self) -> None:
+        # Guards self._counters.
+        self._counter_lock = threading.Lock()
+        self._counters = TableCounters()
+
+    def count(self, **deltas: int) -> None:
+        """Adds to the named counters. Thread-safe."""
+        with self._counter_lock:
+            for key, delta in deltas.items():
+                setattr(self._counters, key, getattr(self._counters, key) + delta)
+
+    def counters(self) -> TableCounters:
+        with self._counter_lock:
+            return TableCounters(**vars(self._counters))
+
+
+class DenseTable(_Counted):
+    """This shard's rows [start, end) of a dense tensor, with its optimizer state."""
+
+    def __init__(self, spec: TableSpec, placement: RowRange) -> None:
+        super().__init__()
+        self.spec = spec
+        self.placement = placement
+        self.optimizer = spec.optimizer.build()
+        tail = spec.shape[1:]
+        width = math.prod(tail) if spec.shape else 1
+        keys = np.arange(placement.start, placement.end, dtype=np.int64)
+        block = init_rows(keys, max(width, 1), spec.init, spec.seed, spec.dtype)
+        self.block_shape: tuple[int, ...] = (placement.rows, *tail) if spec.shape else ()
+        if width == 0:
+            block = torch.empty(self.block_shape, dtype=spec.dtype)
+        self.value = block.reshape(self.block_shape).contiguous()
+        self.state = {s: self.optimizer.init_slot(s, self.value) for s in self.optimizer.slots}
+        self.step = torch.zeros(1, dtype=torch.int64)
+        # Serialises updates so that each push is applied whole (see ps.shard for modes).
+        self._update_lock = threading.Lock()
+
+    def check_push(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        """InvalidArgumentError unless a push of this dtype and shape fits this block."""
+        if dtype != self.spec.dtype:
+            raise InvalidArgumentError(
+                f"table {self.spec.name!r} holds {_name(self.spec.dtype)} values; the push "
+                f"carries {_name(dtype)}. Cast the gradient to {_name(self.spec.dtype)}"
+            )
+        if shape != self.block_shape:
+            raise InvalidArgumentError(
+                f"table {self.spec.name!r}: this shard holds rows "
+                f"[{self.placement.start}, {self.placement.end}) with block shape "
+                f"{list(self.block_shape)}; the push carries shape {list(shape)}"
+            )
+
+    def read(self) -> torch.Tensor:
+        """The block itself (not a copy): callers serialize it before the next update."""
+        self.count(pulls=1, rows_pulled=self.placement.rows)
+        return self.value
+
+    def apply(self, values: torch.Tensor, assign: bool) -> None:
+        """Runs the optimizer with `values` as gradient, or overwrites the block (validated)."""
+        with self._update_lock:
+            if assign:
+                self.value.copy_(values)
+            else:
+                self.optimizer.apply_dense(self.value, values, self.state, self.step)
+        self.count(pushes_applied=1, rows_pushed=self.placement.rows)
+
+    def stats(self) -> TableStats:
+        value_bytes = self.value.numel() * self.value.element_size()
+        state_bytes = sum(t.numel() * t.element_size() for t in self.state.values())
+        return TableStats(
+            self.spec.name, "dense", self.spec.optimizer.describe(), self.placement.rows,
+            value_bytes, state_bytes, 0, self.counters(), self.placement.start,
+            self.placement.end,
+        )
+
+
+class SparseTable(_Counted):
+    """Rows keyed by int64, created on first touch and initialised from (seed, key)."""
+
+    def __init__(self, spec: TableSpec, shard: int, num_shards: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.shard = shard
+        self.num_shards = num_shards
+        self.optimizer = spec.optimizer.build()
+        self.index = KeyIndex()
+        self._capacity = 0
+        self.value = torch.empty((0, spec.dim), dtype=spec.dtype)
+        self.state: dict[str, torch.Tensor] = {}
+        self.step: torch.Tensor | None = None
+        # Guards the index and row creation: lookup, insert, growth and initialisation.
+        self._index_lock = threading.Lock()
+        # Shared by every read and update of rows; exclusive while storage is reallocated.
+        self._storage = RWLock()
+        # Serialises row updates so that each push is applied whole.
+        self._update_lock = threading.Lock()
+        self._grow(_INITIAL_SPARSE_ROWS)
+
+    # ---- validation (changes nothing) -----------------------------------------------------
+
+    def check_keys(self, keys: np.ndarray) -> None:
+        """InvalidArgumentError if a key belongs to another shard."""
+        if self.num_shards > 1 and len(keys):
+            owners = shard_of_keys(keys, self.num_shards)
+            wrong = np.flatnonzero(owners != self.shard)
+            if len(wrong):
+                key = int(keys[wrong[0]])
+                raise InvalidArgumentError(
+                    f"key {key} of table {self.spec.name!r} belongs to shard "
+                    f"{int(owners[wrong[0]])}, not to this shard {self.shard} of "
+                    f"{self.num_shards}: the client routes with another shard count"
+                )
+
+    def check_push(self, dtype: torch.dtype, dim: int, num_keys: int, value_bytes: int) -> None:
+        """InvalidArgumentError unless (dtype, dim, counts) fit this table."""
+        spec = self.spec
+        if dtype != spec.dtype:
+            raise InvalidArgumentError(
+                f"table {spec.name!r} holds {_name(spec.dtype)} rows; the push carries "
+                f"{_name(dtype)}. Cast the gradient to {_name(spec.dtype)}"
+            )
+        if dim != spec.dim:
+            raise InvalidArgumentError(
+                f"table {spec.name!r} has dim {spec.dim}; the push carries dim {dim}"
+            )
+        row_bytes = dim * spec.itemsize
+        if value_bytes != num_keys * row_bytes:
+            rows = value_bytes / row_bytes
+            raise InvalidArgumentError(
+                f"push to table {spec.name!r} carries {num_keys} keys but {rows:g} rows of "
+                f"values ({value_bytes} bytes at dim {dim}); keys and values must match"
+            )
+
+    # ---- reads and writes ------------------------------------------------------------------
+
+    def pull(self, keys: np.ndarray) -> torch.Tensor:
+        """The rows of `keys` (created if new), as a new [len(keys), dim] tensor."""
+        rows = self._rows(keys)
+        with self._storage.shared():
+            out = self.value.index_select(0, rows)
+        self.count(pulls=1, rows_pulled=len(keys))
+        return out
+
+    def apply(self, keys: np.ndarray, values: torch.Tensor, assign: bool) -> None:
+        """Runs the optimizer on the rows of `keys` (creating new ones first). Validated input."""
+        rows = self._rows(keys)
+        with self._storage.shared(), self._update_lock:
+            if assign:
+                self.value.index_copy_(0, rows, values)
+            else:
+                self.optimizer.apply_rows(self.value, rows, values, self.state, self.step)
+        self.count(pushes_applied=1, rows_pushed=len(keys))
+
+    def _rows(self, keys: np.ndarray) -> torch.Tensor:
+        with self._index_lock:
+            before = len(self.index)
+            rows, created = self.index.lookup_or_insert(keys)
+            if created:
+                self._create(keys, rows, before)
+        return torch.from_numpy(rows)
+
+    def _create(self, keys: np.ndarray, rows: np.ndarray, before: int) -> None:
+        """Initialises rows [before, len(index)). Caller holds the index lock."""
+        needed = len(self.index)
+        if needed > self._capacity:
+            self._grow(max(needed, 2 * self._capacity))
+        fresh = rows >= before
+        new_rows = torch.from_numpy(rows[fresh])
+        init = init_rows(keys[fresh], self.spec.dim, self.spec.init, self.spec.seed,
+                         self.spec.dtype)
+        with self._storage.shared():
+            # New rows are invisible to other requests until the index lock is released,
+            # so writing them needs no update lock.
+            self.value.index_copy_(0, new_rows, init)
+            for name, slot in self.state.items():
+                slot.index_copy_(0, new_rows, self.optimizer.init_slot(name, init))
+            if self.step is not None:
+                self.step.index_fill_(0, new_rows, 0)
+
+    def _grow(self, capacity: int) -> None:
+        """Reallocates storage for `capacity` rows. Caller holds the index lock (or __init__)."""
+        dim, dtype = self.spec.dim, self.spec.dtype
+        # Rows past the old capacity are being created by the caller; only older ones move.
+        used = min(len(self.index), self._capacity)
+        with self._storage.exclusive():
+            # Fresh pages are not resident until written, so spare capacity costs address
+            # space, not memory: resident size follows the rows actually created.
+            value = torch.empty((capacity, dim), dtype=dtype)
+            value[:used].copy_(self.value[:used])
+            self.value = value
+            for name in self.optimizer.slots:
+                slot = torch.empty((capacity, dim), dtype=dtype)
+                if name in self.state:
+                    slot[:used].copy_(self.state[name][:used])
+                self.state[name] = slot
+            if self.optimizer.uses_step:
+                step = torch.empty(capacity, dtype=torch.int64)
+                if self.step is not None:
+                    step[:used].copy_(self.step[:used])
+                self.step = step
+            self._capacity = capacity
+
+    def stats(self) -> TableStats:
+        rows = len(self.index)
+        row_bytes = self.spec.dim * self.spec.itemsize
+        state_bytes = rows * row_bytes * len(self.optimizer.slots)
+        if self.step is not None:
+            state_bytes += rows * self.step.element_size()
+        return TableStats(
+            self.spec.name, "sparse", self.spec.optimizer.describe(), rows, rows * row_bytes,
+            state_bytes, self.index.nbytes, self.counters(),
+        )
+
+
+Table = DenseTable | SparseTable
+
+
+def check_same_spec(existing: TableSpec, declared: TableSpec) -> None:
+    """FailedPreconditionError showing both specs when a redeclaration differs."""
+    if existing != declared:
+        raise FailedPreconditionError(
+            f"table {declared.name!r} already exists with another spec.\n"
+            f"  held:     {existing.describe()}\n  declared: {declared.describe()}\n"
+            f"Use a new table name, or restart the servers to change it"
+        )

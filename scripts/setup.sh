@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs everything pstrain needs into ./.venv on a Debian machine with Python 3.11.
+# Safe to run again: it only installs what is missing. Used by both README commands.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+
+need_apt=()
+command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+command -v gcc >/dev/null 2>&1 || need_apt+=(gcc)
+python3 - <<'PY' 2>/dev/null || need_apt+=(python3-dev)
+import sysconfig, os, sys
+sys.exit(0 if os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")) else 1)
+PY
+python3 -c "import venv, ensurepip" 2>/dev/null || need_apt+=(python3-venv)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "setup: installing ${need_apt[*]} with apt-get"
+  sudo_=""; [ "$(id -u)" -eq 0 ] || sudo_="sudo"
+  $sudo_ apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+py=.venv/bin/python
+# torch first, pinned: a range left to pip would pull a newer build with CUDA packages.
+if ! $py -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null; then
+  $py -m pip install -q torch==2.13.0
+fi
+# Reinstall the project when its metadata or the C extension source changed.
+stamp=.venv/.pstrain-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
+   || [ ps/_index.c -nt "$stamp" ] || ! $py -c "import ps._index" 2>/dev/null; then
+  $py -m pip install -q --no-build-isolation -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+  $py -c "import ps._index, worker.client, torch; print('setup: pstrain installed, torch', torch.__version__)"
+  touch "$stamp"
+fi

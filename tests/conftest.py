@@ -1,0 +1,23 @@
+"""Fixtures shared by every test: real processes, always ended by pid."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from procs import Procs
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    """Starts processes for one test and ends each of them, by pid, when it finishes."""
+    started = Procs(tmp_path)
+    try:
+        yield started
+    finally:
+        started.close()

@@ -1,0 +1,115 @@
+"""Starting and ending real pstrain processes for tests.
+
+Servers bind port 0 and report their address through a ready file, so tests never race
+for ports. Every process started here is ended by its pid when the test ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Proc:
+    """A started process with its log file."""
+
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    address: str = ""
+    info: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+
+class Procs:
+    """Starts processes and ends them all (by pid) on `close`."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.started: list[Proc] = []
+        self._count = 0
+
+    def spawn(self, args: list[str], name: str, env: dict[str, str] | None = None) -> Proc:
+        self._count += 1
+        log_path = self.workdir / f"{name}-{self._count}.log"
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        with open(log_path, "wb") as log:
+            popen = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=full_env,
+                start_new_session=True,
+            )
+        proc = Proc(popen, log_path)
+        self.started.append(proc)
+        return proc
+
+    def server(
+        self, shard: int = 0, num_shards: int = 1, extra: list[str] | None = None,
+        timeout_s: float = 60.0,
+    ) -> Proc:
+        """Starts `python -m ps` on a free loopback port and waits until it serves."""
+        ready = self.workdir / f"server-{shard}-{self._count + 1}.ready"
+        proc = self.spawn(
+            [sys.executable, "-m", "ps", "--bind", "127.0.0.1:0", "--shard", str(shard),
+             "--num-shards", str(num_shards), "--ready-file", str(ready), *(extra or [])],
+            f"server{shard}",
+        )
+        proc.info = wait_ready(proc, ready, timeout_s)
+        proc.address = str(proc.info["address"])
+        return proc
+
+    def servers(self, n: int, extra: list[str] | None = None) -> list[Proc]:
+        return [self.server(k, n, extra) for k in range(n)]
+
+    def kill(self, proc: Proc, sig: int = signal.SIGKILL) -> None:
+        """Sends `sig` to the process by pid and reaps it."""
+        if proc.popen.poll() is None:
+            os.kill(proc.pid, sig)
+        try:
+            proc.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.popen.wait(timeout=10)
+
+    def close(self) -> None:
+        for proc in reversed(self.started):
+            if proc.popen.poll() is None:
+                os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self.started:
+            try:
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.popen.wait(timeout=10)
+
+
+def wait_ready(proc: Proc, ready: Path, timeout_s: float) -> dict[str, object]:
+    """Waits for a ready file; fails with the process's log if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ready.exists():
+            info: dict[str, object] = json.loads(ready.read_text())
+            return info
+        if proc.popen.poll() is not None:
+            raise RuntimeError(
+                f"process {proc.pid} exited with {proc.popen.returncode}:\n{proc.log()}"
+            )
+        time.sleep(0.02)
+    raise TimeoutError(f"process {proc.pid} not ready after {timeout_s} s:\n{proc.log()}")

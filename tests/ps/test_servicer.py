@@ -1,0 +1,192 @@
+"""Bad input against a real server: the right status, a message naming the bad value, and
+no change to the table. Requests are built by hand so the server's own checks are tested,
+not the client's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from procs import Procs
+
+from protos import codec
+from protos import pstrain_pb2 as pb
+from worker.client import PSClient
+
+_SERVICE = "/pstrain.v1.ParameterServer/"
+
+
+@dataclass
+class Raw:
+    channel: grpc.Channel
+    client: PSClient
+
+    def push_sparse(self, frames: list[bytes]) -> pb.PushResponse:
+        call = self.channel.stream_unary(_SERVICE + "PushSparse")
+        return pb.PushResponse.FromString(call(iter(frames), timeout=10))
+
+    def push_dense(self, frames: list[bytes]) -> pb.PushResponse:
+        call = self.channel.stream_unary(_SERVICE + "PushDense")
+        return pb.PushResponse.FromString(call(iter(frames), timeout=10))
+
+    def pull_sparse(self, request: bytes) -> list[bytes]:
+        return list(self.channel.unary_stream(_SERVICE + "PullSparse")(request, timeout=10))
+
+    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        dense = self.client.pull_dense("w")
+        sparse = self.client.pull_sparse("e", KEYS)
+        stats = self.client.stats()[0]
+        applied = sum(t.pushes_applied for t in stats.tables)
+        return dense, sparse, applied
+
+
+KEYS = np.array([1, 2, 3], dtype=np.int64)
+_seq = iter(range(1, 10_000))
+
+
+def _sparse_header(**kw: object) -> pb.PushSparseHeader:
+    args: dict[str, object] = {
+        "table": "e", "id": pb.PushId(worker=1, incarnation=1, seq=next(_seq)),
+        "dtype": pb.FLOAT32, "dim": 4,
+    }
+    args.update(kw)
+    return pb.PushSparseHeader(**args)  # type: ignore[arg-type]
+
+
+def _sparse_push(keys: bytes | memoryview, values: bytes | memoryview, **kw: object) -> bytes:
+    return codec.encode(
+        pb.PushSparseChunk(header=_sparse_header(**kw)), {"keys": keys, "values": values}
+    )
+
+
+def _dense_push(values: torch.Tensor, shape: list[int], dtype: int = pb.FLOAT32) -> bytes:
+    header = pb.PushDenseHeader(
+        table="w", id=pb.PushId(worker=1, incarnation=1, seq=next(_seq)), dtype=dtype,
+        shape=shape,
+    )
+    return codec.encode(pb.PushDenseChunk(header=header), {"data": codec.tensor_bytes(values)})
+
+
+@pytest.fixture
+def raw(procs: Procs) -> Iterator[Raw]:
+    server = procs.server(extra=["--max-message-mib", "4", "--chunk-mib", "1"])
+    client = PSClient([server.address])
+    client.declare_dense("w", (8, 4), optimizer="sgd", lr=1.0, init=("uniform", -1, 1))
+    client.declare_sparse("e", 4, optimizer="adagrad", lr=0.1)
+    channel = grpc.insecure_channel(server.address)
+    yield Raw(channel, client)
+    channel.close()
+    client.close()
+
+
+def _values(n: int, dim: int = 4, dtype: torch.dtype = torch.float32) -> memoryview:
+    return codec.tensor_bytes(torch.ones(n, dim, dtype=dtype))
+
+
+CASES = [
+    pytest.param(
+        lambda r: r.push_sparse([_sparse_push(codec.keys_bytes(KEYS),
+                                              _values(3, dtype=torch.float64),
+                                              dtype=pb.FLOAT64)]),
+        "INVALID_ARGUMENT", "holds float32 rows; the push carries float64", id="wrong-dtype",
+    ),
+    pytest.param(
+        lambda r: r.push_dense([_dense_push(torch.ones(8, 5), [8, 5])]),
+        "INVALID_ARGUMENT", "block shape [8, 4]; the push carries shape [8, 5]", id="wrong-shape",
+    ),
+    pytest.param(
+        lambda r: r.push_sparse([_sparse_push(codec.keys_bytes(KEYS), _values(3, dim=6),
+                                              dim=6)]),
+        "INVALID_ARGUMENT", "has dim 4; the push carries dim 6", id="wrong-dim",
+    ),
+    pytest.param(
+        lambda r: r.push_sparse([_sparse_push(codec.keys_bytes(KEYS).cast("B")[:20], _values(3))]),
+        "INVALID_ARGUMENT", "20 bytes, not a multiple of 8", id="keys-not-multiple-of-8",
+    ),
+    pytest.param(
+        lambda r: r.pull_sparse(
+            codec.encode(pb.PullSparseRequest(table="e"), {"keys": b"\x00" * 12})
+        ),
+        "INVALID_ARGUMENT", "12 bytes, not a multiple of 8", id="pull-keys-not-multiple-of-8",
+    ),
+    pytest.param(
+        lambda r: r.push_sparse([_sparse_push(codec.keys_bytes(KEYS), _values(2))]),
+        "INVALID_ARGUMENT", "carries 3 keys but 2 rows of values", id="counts-disagree",
+    ),
+    pytest.param(
+        lambda r: r.push_sparse([_sparse_push(codec.keys_bytes(KEYS), _values(3),
+                                              table="nope")]),
+        "NOT_FOUND", "no table 'nope'", id="unknown-table",
+    ),
+    pytest.param(
+        lambda r: r.pull_sparse(
+            codec.encode(pb.PullSparseRequest(table="nope"), {"keys": codec.keys_bytes(KEYS)})
+        ),
+        "NOT_FOUND", "no table 'nope'", id="unknown-table-pull",
+    ),
+    pytest.param(
+        lambda r: r.push_dense([_dense_push(torch.ones(8, 4), [8, 4]) + b"\x00" * (5 << 20)]),
+        "RESOURCE_EXHAUSTED", "larger than max", id="over-size-limit",
+    ),
+    pytest.param(
+        lambda r: r.push_sparse([_sparse_push(
+            codec.keys_bytes(KEYS),
+            codec.tensor_bytes(torch.tensor([[1.0, 2, 3, 4], [1, float("nan"), 1, 1],
+                                             [1, 1, 1, 1]])))]),
+        "INVALID_ARGUMENT", "non-finite value (nan) at flat element 5", id="nan-gradient",
+    ),
+    pytest.param(
+        lambda r: r.push_dense([_dense_push(torch.full((8, 4), float("inf")), [8, 4])]),
+        "INVALID_ARGUMENT", "non-finite value (inf) at flat element 0", id="inf-gradient",
+    ),
+]
+
+
+@pytest.mark.parametrize(("request_", "code", "message"), CASES)
+def test_bad_input_gets_status_and_changes_nothing(
+    raw: Raw, request_: object, code: str, message: str
+) -> None:
+    before = raw.snapshot()
+    with pytest.raises(grpc.RpcError) as err:
+        request_(raw)  # type: ignore[operator]
+    assert err.value.code().name == code
+    assert message in (err.value.details() or "")
+    after = raw.snapshot()
+    torch.testing.assert_close(after[0], before[0], atol=0, rtol=0)
+    torch.testing.assert_close(after[1], before[1], atol=0, rtol=0)
+    assert after[2] == before[2]
+
+
+def test_non_finite_allowed_per_table(raw: Raw) -> None:
+    raw.client.declare_sparse("loose", 4, optimizer="sgd", lr=1.0, init=("zeros", 0, 0),
+                              allow_non_finite=True)
+    keys = np.array([1], dtype=np.int64)
+    raw.client.push_sparse("loose", keys, torch.tensor([[float("nan"), 1.0, 0.0, 0.0]]))
+    row = raw.client.pull_sparse("loose", keys)[0]
+    assert torch.isnan(row[0]) and row[1].item() == -1.0
+
+
+def test_redeclare_with_other_spec_shows_both(raw: Raw) -> None:
+    with pytest.raises(Exception) as err:
+        raw.client.declare_sparse("e", 8, optimizer="adagrad", lr=0.1)
+    text = str(err.value)
+    assert "FAILED_PRECONDITION" in text and "held:     sparse dim=4" in text
+    assert "declared: sparse dim=8" in text
+
+
+def test_bad_optimizer_is_invalid_argument(raw: Raw) -> None:
+    with pytest.raises(Exception) as err:
+        raw.client.declare_sparse("f", 8, optimizer="adamw")
+    assert "INVALID_ARGUMENT" in str(err.value) and "adamw" in str(err.value)
+
+
+def test_health_service_reports_serving(raw: Raw) -> None:
+    stub = health_pb2_grpc.HealthStub(raw.channel)
+    for service in ("", "pstrain.v1.ParameterServer"):
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,169 @@
+"""PSClient against real server processes on loopback: values, exactly-once, routing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from procs import Procs
+
+from protos import codec
+from protos import pstrain_pb2 as pb
+from protos.partition import shard_of_keys
+from worker.client import PSClient
+from worker.errors import ClusterMismatchError, RemoteError
+
+
+@pytest.fixture
+def two_shards(procs: Procs) -> Iterator[PSClient]:
+    servers = procs.servers(2)
+    with PSClient([s.address for s in servers], worker=0) as client:
+        yield client
+
+
+def test_dense_pull_after_n_pushes_is_initial_minus_n_g(two_shards: PSClient) -> None:
+    client = two_shards
+    # 1000 x 64 float32 = 256 KiB: split by rows across both shards.
+    client.declare_dense("w", (1000, 64), optimizer="sgd", lr=1.0, init=("uniform", -1, 1))
+    initial = client.pull_dense("w")
+    g = torch.randn(1000, 64, generator=torch.Generator().manual_seed(1))
+    n = 7
+    for _ in range(n):
+        client.push_dense("w", g)
+    expected = initial.clone()
+    for _ in range(n):
+        expected -= g
+    torch.testing.assert_close(client.pull_dense("w"), expected, atol=1e-6, rtol=0)
+    placements = [t for s in client.stats() for t in s.tables if t.name == "w"]
+    assert sorted((t.row_start, t.row_end) for t in placements) == [(0, 500), (500, 1000)]
+    assert all(t.pushes_applied == n for t in placements)
+
+
+def test_sparse_pull_after_n_pushes_is_initial_minus_n_g(two_shards: PSClient) -> None:
+    client = two_shards
+    client.declare_sparse("emb", 16, optimizer="sgd", lr=1.0, seed=3)
+    keys = np.arange(1000, dtype=np.int64) * 7919 - 3000
+    initial = client.pull_sparse("emb", keys)
+    g = torch.randn(1000, 16, generator=torch.Generator().manual_seed(2))
+    n = 5
+    for _ in range(n):
+        client.push_sparse("emb", keys, g)
+    expected = initial.clone()
+    for _ in range(n):
+        expected -= g
+    torch.testing.assert_close(client.pull_sparse("emb", keys), expected, atol=1e-6, rtol=0)
+    rows = [t.rows for s in client.stats() for t in s.tables if t.name == "emb"]
+    assert all(r > 300 for r in rows) and sum(rows) == 1000
+
+
+def test_sparse_rows_are_deterministic_from_seed_and_key(procs: Procs) -> None:
+    # Two separate clusters, one and two shards: the same seed gives the same rows.
+    one = procs.servers(1)
+    keys = np.array([5, -1, 2**62, 123456789], dtype=np.int64)
+    with PSClient([one[0].address]) as a:
+        a.declare_sparse("e", 8, seed=11)
+        rows_a = a.pull_sparse("e", keys)
+    two = [procs.server(k, 2) for k in range(2)]
+    with PSClient([s.address for s in two]) as b:
+        b.declare_sparse("e", 8, seed=11)
+        rows_b = b.pull_sparse("e", keys[::-1].copy())
+    torch.testing.assert_close(rows_a, rows_b.flip(0), atol=0, rtol=0)
+
+
+def test_pull_sparse_returns_caller_order_with_repeats(two_shards: PSClient) -> None:
+    client = two_shards
+    client.declare_sparse("e", 4, seed=1)
+    keys = np.array([9, 3, 9, 100, 3, 3], dtype=np.int64)
+    rows = client.pull_sparse("e", keys)
+    single = {int(k): client.pull_sparse("e", np.array([k]))[0] for k in set(keys.tolist())}
+    for i, k in enumerate(keys.tolist()):
+        torch.testing.assert_close(rows[i], single[k], atol=0, rtol=0)
+
+
+def test_push_sparse_sums_repeated_keys(two_shards: PSClient) -> None:
+    client = two_shards
+    client.declare_sparse("e", 2, optimizer="sgd", lr=1.0, init=("zeros", 0, 0))
+    keys = np.array([1, 2, 1, 1], dtype=np.int64)
+    grads = torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 0.0], [1.0, 1.0]])
+    client.push_sparse("e", keys, grads)
+    rows = client.pull_sparse("e", np.array([1, 2]))
+    torch.testing.assert_close(rows, torch.tensor([[-3.0, -1.0], [0.0, -2.0]]))
+
+
+def test_routing_agrees_and_no_key_is_lost_or_duplicated(two_shards: PSClient) -> None:
+    client = two_shards
+    client.declare_sparse("e", 4)
+    keys = np.arange(10_000, dtype=np.int64)  # consecutive ids must still spread evenly
+    client.pull_sparse("e", keys)
+    owners = shard_of_keys(keys, 2)
+    per_shard = {
+        s.info.shard: next(t.rows for t in s.tables if t.name == "e") for s in client.stats()
+    }
+    assert per_shard == {0: int((owners == 0).sum()), 1: int((owners == 1).sum())}
+    assert 4500 < per_shard[0] < 5500
+    # A key sent to the wrong shard is refused and not created.
+    wrong = keys[owners == 1][:3]
+    shard0 = client._shards[0]
+    request = codec.encode(pb.PullSparseRequest(table="e"), {"keys": codec.keys_bytes(wrong)})
+    with pytest.raises(Exception) as err:
+        list(shard0.methods["PullSparse"](request, timeout=10))
+    assert "belongs to shard 1" in str(err.value)
+    assert next(t.rows for t in client.stats()[0].tables if t.name == "e") == per_shard[0]
+
+
+def test_retried_push_with_same_seq_is_applied_once(two_shards: PSClient) -> None:
+    client = two_shards
+    client.declare_sparse("e", 4, optimizer="sgd", lr=1.0, init=("zeros", 0, 0))
+    keys = np.array([42], dtype=np.int64)
+    shard = client._shards[int(shard_of_keys(keys, 2)[0])]
+    header = pb.PushSparseHeader(
+        table="e", id=pb.PushId(worker=7, incarnation=1, seq=1), dtype=pb.FLOAT32, dim=4
+    )
+    frames = client._sparse_frames(header, keys, torch.ones(1, 4), shard.chunk_bytes)
+    first = shard.methods["PushSparse"](iter(frames), timeout=10)
+    again = shard.methods["PushSparse"](iter(frames), timeout=10)
+    assert not first.msg.duplicate and again.msg.duplicate
+    torch.testing.assert_close(client.pull_sparse("e", keys), -torch.ones(1, 4))
+    stats = next(t for t in client.stats()[shard.index].tables if t.name == "e")
+    assert (stats.pushes_applied, stats.pushes_duplicate) == (1, 1)
+
+
+def test_stale_incarnation_is_refused(two_shards: PSClient) -> None:
+    client = two_shards
+    client.declare_dense("b", (4,), optimizer="sgd", lr=1.0)
+    with PSClient([s.address for s in client._shards], worker=3, incarnation=2) as new:
+        new.declare_dense("b", (4,), optimizer="sgd", lr=1.0)
+        new.push_dense("b", torch.ones(4))
+    with PSClient([s.address for s in client._shards], worker=3, incarnation=1) as old:
+        old.declare_dense("b", (4,), optimizer="sgd", lr=1.0)
+        with pytest.raises(RemoteError) as err:
+            old.push_dense("b", torch.ones(4))
+    assert err.value.code.name == "FAILED_PRECONDITION"
+    assert "incarnation 2 has since joined" in err.value.details
+    torch.testing.assert_close(client.pull_dense("b"), -torch.ones(4))
+
+
+def test_servers_listed_out_of_order_are_refused(procs: Procs) -> None:
+    servers = procs.servers(2)
+    with pytest.raises(ClusterMismatchError, match="shard order"):
+        PSClient([servers[1].address, servers[0].address])
+
+
+def test_large_dense_tensor_streams_in_chunks(two_shards: PSClient) -> None:
+    client = two_shards
+    # 2 x 5 MiB blocks: several 2 MiB chunks per shard in both directions.
+    client.declare_dense("big", (2560, 1024), optimizer="sgd", lr=0.5, init=("zeros", 0, 0))
+    g = torch.arange(2560 * 1024, dtype=torch.float32).reshape(2560, 1024) / 1e6
+    client.push_dense("big", g)
+    torch.testing.assert_close(client.pull_dense("big"), -0.5 * g, atol=1e-7, rtol=0)
+
+
+def test_large_sparse_push_streams_in_chunks(two_shards: PSClient) -> None:
+    client = two_shards
+    client.declare_sparse("e", 64, optimizer="sgd", lr=1.0, init=("zeros", 0, 0))
+    keys = np.arange(40_000, dtype=np.int64)  # 10 MiB of values
+    g = torch.randn(40_000, 64, generator=torch.Generator().manual_seed(0))
+    client.push_sparse("e", keys, g, assume_unique=True)
+    torch.testing.assert_close(client.pull_sparse("e", keys), -g, atol=0, rtol=0)

@@ -1,0 +1,532 @@
+"""PSClient: a worker's connection to every shard of the parameter server.
+
+It routes dense row blocks and sparse keys to their shards, de-duplicates keys, talks to
+all shards in parallel, streams large arrays in chunks, retries failed calls with backoff
+(pushes are numbered, so a retry is never applied twice) and returns rows in the caller's
+order.
+
+Typical use::
+
+    client = PSClient(["10.0.0.1:7000", "10.0.0.2:7000"], worker=rank)
+    client.declare_sparse("user_emb", dim=64, optimizer="adagrad", lr=0.05)
+    rows = client.pull_sparse("user_emb", ids)          # [len(ids), 64]
+    client.push_sparse("user_emb", ids, grad_rows)      # server runs Adagrad
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+import torch
+
+from protos import codec
+from protos import pstrain_pb2 as pb
+from protos.codec import Frame
+from protos.partition import RowRange, dense_placement, shard_of_keys
+from worker.errors import ClusterMismatchError, PSClientError, RemoteError, UnknownTableError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_SERVICE = "/pstrain.v1.ParameterServer/"
+MiB = 1024 * 1024
+# Status codes after which a call is tried again: the request may not have been applied.
+_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+KeysLike = np.ndarray | torch.Tensor | Sequence[int]
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How calls are retried: exponential backoff with jitter, bounded in attempts."""
+
+    attempts: int = 6
+    initial_backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"attempts must be >= 1, got {self.attempts}")
+
+    def delay_s(self, attempt: int) -> float:
+        base = min(self.max_backoff_s, self.initial_backoff_s * 2**attempt)
+        return float(base * (0.5 + random.random() / 2))
+
+
+@dataclass(frozen=True)
+class _Table:
+    name: str
+    kind: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    dim: int
+    placement: tuple[RowRange, ...]  # dense only
+
+
+@dataclass
+class _Shard:
+    index: int
+    address: str
+    channel: grpc.Channel
+    methods: dict[str, Any]
+    chunk_bytes: int
+
+
+def _as_keys(keys: KeysLike) -> np.ndarray:
+    if isinstance(keys, torch.Tensor):
+        if keys.dtype != torch.int64:
+            raise PSClientError(f"keys must be int64, got a tensor of {keys.dtype}")
+        return keys.detach().cpu().contiguous().numpy().reshape(-1)
+    array = np.asarray(keys)
+    if array.size and array.dtype != np.int64:
+        if not np.issubdtype(array.dtype, np.integer):
+            raise PSClientError(f"keys must be integers, got an array of {array.dtype}")
+        array = array.astype(np.int64)
+    return np.ascontiguousarray(array, dtype=np.int64).reshape(-1)
+
+
+def _optimizer(name: str, params: dict[str, float]) -> pb.OptimizerSpec:
+    return pb.OptimizerSpec(name=name, params=params)
+
+
+class PSClient:
+    """A connection to all shards. Thread-safe: calls may overlap from several threads.
+
+    Every call blocks until each shard involved has answered or the retries are spent, and
+    raises RemoteError carrying the server's status code and reason when a shard refuses.
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        worker: int = 0,
+        incarnation: int = 1,
+        timeout_s: float = 60.0,
+        connect_timeout_s: float = 30.0,
+        retry: RetryPolicy | None = None,
+        max_message_bytes: int = 64 * MiB,
+    ) -> None:
+        if not addresses:
+            raise PSClientError("PSClient needs at least one server address")
+        self.worker = worker
+        self.incarnation = incarnation
+        self.timeout_s = timeout_s
+        self.retry = retry or RetryPolicy()
+        self._seq = itertools.count(1)
+        # Guards _tables.
+        self._lock = threading.Lock()
+        self._tables: dict[str, _Table] = {}
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        self._shards = [
+            self._connect(i, address, len(addresses), options, connect_timeout_s)
+            for i, address in enumerate(addresses)
+        ]
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, 2 * len(self._shards)), thread_name_prefix="psclient"
+        )
+
+    # ---- connection ------------------------------------------------------------------------
+
+    def _connect(
+        self, index: int, address: str, expected: int, options: list[tuple[str, int]],
+        timeout_s: float,
+    ) -> _Shard:
+        channel = grpc.insecure_channel(address, options=options)
+        de = codec.decode
+
+        def method(name: str, kind: str, response: type[Any]) -> Any:
+            factory = getattr(channel, kind)
+            return factory(
+                _SERVICE + name, request_serializer=None,
+                response_deserializer=lambda data: de(response, data),
+            )
+
+        methods = {
+            "GetServerInfo": method("GetServerInfo", "unary_unary", pb.ServerInfo),
+            "DeclareTables": method("DeclareTables", "unary_unary", pb.DeclareTablesResponse),
+            "GetStats": method("GetStats", "unary_unary", pb.StatsResponse),
+            "PullDense": method("PullDense", "unary_stream", pb.DenseChunk),
+            "PushDense": method("PushDense", "stream_unary", pb.PushResponse),
+            "PullSparse": method("PullSparse", "unary_stream", pb.SparseChunk),
+            "PushSparse": method("PushSparse", "stream_unary", pb.PushResponse),
+        }
+        try:
+            info: Frame[pb.ServerInfo] = methods["GetServerInfo"](
+                pb.ServerInfoRequest().SerializeToString(), timeout=timeout_s,
+                wait_for_ready=True,
+            )
+        except grpc.RpcError as exc:
+            channel.close()
+            raise PSClientError(
+                f"cannot reach shard {index} at {address} within {timeout_s:g} s: "
+                f"{exc.code().name} {exc.details()}"
+            ) from exc
+        if info.msg.shard != index or info.msg.num_shards != expected:
+            channel.close()
+            raise ClusterMismatchError(
+                f"server {address} is shard {info.msg.shard} of {info.msg.num_shards}, but the "
+                f"client lists it as shard {index} of {expected}; list every server, in shard order"
+            )
+        return _Shard(index, address, channel, methods, int(info.msg.chunk_bytes) or 2 * MiB)
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._shards)
+
+    def close(self) -> None:
+        """Closes every channel. Idempotent."""
+        self._pool.shutdown(wait=True)
+        for shard in self._shards:
+            shard.channel.close()
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- calls with retries ----------------------------------------------------------------
+
+    def _call(self, shard: _Shard, what: str, call: Callable[[], T]) -> T:
+        """Runs `call`, retrying on UNAVAILABLE and DEADLINE_EXCEEDED with backoff."""
+        attempt = 0
+        while True:
+            try:
+                return call()
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code in _RETRYABLE and attempt + 1 < self.retry.attempts:
+                    delay = self.retry.delay_s(attempt)
+                    log.warning(
+                        "worker %d: %s on shard %d (%s) failed with %s; retry %d in %.2f s",
+                        self.worker, what, shard.index, shard.address, code.name, attempt + 1,
+                        delay,
+                    )
+                    time.sleep(delay)
+                    attempt += 1
+                    continue
+                raise RemoteError(code, exc.details() or "", shard.index, shard.address) from exc
+
+    def _each(self, jobs: Sequence[tuple[_Shard, Callable[[], T]]], what: str) -> list[T]:
+        """Runs one call per shard, in parallel when there are several."""
+        if len(jobs) == 1:
+            shard, call = jobs[0]
+            return [self._call(shard, what, call)]
+        futures = [self._pool.submit(self._call, shard, what, call) for shard, call in jobs]
+        return [f.result() for f in futures]
+
+    def _push_id(self) -> pb.PushId:
+        return pb.PushId(worker=self.worker, incarnation=self.incarnation, seq=next(self._seq))
+
+    # ---- tables ----------------------------------------------------------------------------
+
+    def declare_dense(
+        self, name: str, shape: Sequence[int], *, dtype: torch.dtype = torch.float32,
+        optimizer: str = "sgd", init: tuple[str, float, float] = ("zeros", 0.0, 0.0),
+        seed: int = 0, allow_non_finite: bool = False, mode: str = "", **hyper: float,
+    ) -> None:
+        """Declares a dense tensor (split by rows across shards). Idempotent for the same spec.
+
+        `hyper` are the optimizer's hyperparameters (lr, eps, beta1, ...).
+        """
+        spec = pb.TableSpec(
+            name=name,
+            dense=pb.DenseSpec(
+                shape=list(shape), dtype=self._wire_dtype(dtype),
+                init=pb.Initializer(kind=init[0], a=init[1], b=init[2]), seed=seed,
+            ),
+            optimizer=_optimizer(optimizer, hyper), allow_non_finite=allow_non_finite,
+            mode=mode,
+        )
+        self._declare(spec)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        placement = tuple(dense_placement(name, tuple(shape), itemsize, self.num_shards))
+        with self._lock:
+            self._tables[name] = _Table(name, "dense", dtype, tuple(shape), 0, placement)
+
+    def declare_sparse(
+        self, name: str, dim: int, *, dtype: torch.dtype = torch.float32,
+        optimizer: str = "sgd", init: tuple[str, float, float] = ("uniform", -0.05, 0.05),
+        seed: int = 0, allow_non_finite: bool = False, mode: str = "", **hyper: float,
+    ) -> None:
+        """Declares a sparse table of rows of width `dim`, created on first touch. Idempotent."""
+        spec = pb.TableSpec(
+            name=name,
+            sparse=pb.SparseSpec(
+                dim=dim, dtype=self._wire_dtype(dtype),
+                init=pb.Initializer(kind=init[0], a=init[1], b=init[2]), seed=seed,
+            ),
+            optimizer=_optimizer(optimizer, hyper), allow_non_finite=allow_non_finite,
+            mode=mode,
+        )
+        self._declare(spec)
+        with self._lock:
+            self._tables[name] = _Table(name, "sparse", dtype, (), dim, ())
+
+    def _declare(self, spec: pb.TableSpec) -> None:
+        request = pb.DeclareTablesRequest(tables=[spec]).SerializeToString()
+        self._each(
+            [(s, partial(self._unary, s, "DeclareTables", request)) for s in self._shards],
+            f"declare {spec.name!r}",
+        )
+
+    def _unary(self, shard: _Shard, method: str, request: bytes) -> Frame[Any]:
+        frame: Frame[Any] = shard.methods[method](request, timeout=self.timeout_s)
+        return frame
+
+    @staticmethod
+    def _wire_dtype(dtype: torch.dtype) -> pb.DType:
+        try:
+            return codec.dtype_to_wire(dtype)
+        except codec.WireError as exc:
+            raise PSClientError(str(exc)) from exc
+
+    def _table(self, name: str, kind: str) -> _Table:
+        with self._lock:
+            table = self._tables.get(name)
+        if table is None:
+            raise UnknownTableError(
+                f"table {name!r} is not declared by this client; call declare_{kind} first "
+                "(declaring an existing table with the same spec is harmless)"
+            )
+        if table.kind != kind:
+            raise PSClientError(f"table {name!r} is {table.kind}, not {kind}")
+        return table
+
+    # ---- dense -----------------------------------------------------------------------------
+
+    def pull_dense(self, name: str, *, clock: int = 0) -> torch.Tensor:
+        """The whole dense tensor `name`, assembled from every shard's rows. Blocks."""
+        table = self._table(name, "dense")
+        out = torch.empty(table.shape, dtype=table.dtype)
+        flat = out.view(-1) if out.dim() else out.view(1)
+        width = math.prod(table.shape[1:]) if table.shape else 1
+        request = pb.PullDenseRequest(table=name, worker=self.worker, clock=clock)
+        data = request.SerializeToString()
+
+        def pull(shard: _Shard, rows: RowRange) -> None:
+            base = rows.start * width
+            for frame in shard.methods["PullDense"](data, timeout=self.timeout_s):
+                chunk = frame.payload("data")
+                n = chunk.nbytes // out.element_size()
+                start = base + frame.msg.offset
+                flat[start : start + n].copy_(codec.tensor_from_bytes(chunk, table.dtype, (n,)))
+
+        jobs = [
+            (self._shards[r.shard], lambda r=r: pull(self._shards[r.shard], r))
+            for r in table.placement
+            if r.rows
+        ]
+        self._each(jobs, f"pull {name!r}")
+        return out
+
+    def push_dense(self, name: str, grad: torch.Tensor, *, clock: int = 0) -> None:
+        """Sends the gradient of dense tensor `name`; the servers apply their optimizer once."""
+        self._push_dense(name, grad, clock, pb.GRADIENT)
+
+    def assign_dense(self, name: str, values: torch.Tensor) -> None:
+        """Overwrites dense tensor `name` (initialising it from a module, for example)."""
+        self._push_dense(name, values, 0, pb.ASSIGN)
+
+    def _push_dense(
+        self, name: str, values: torch.Tensor, clock: int, kind: pb.PushKind
+    ) -> None:
+        table = self._table(name, "dense")
+        if tuple(values.shape) != table.shape:
+            raise PSClientError(
+                f"table {name!r} has shape {list(table.shape)}; got {list(values.shape)}"
+            )
+        values = values.detach().to("cpu").contiguous()
+        flat = values.view(-1) if values.dim() else values.view(1)
+        width = math.prod(table.shape[1:]) if table.shape else 1
+        wire_dtype = self._wire_dtype(values.dtype)
+        itemsize = values.element_size()
+        jobs = []
+        for r in table.placement:
+            if not r.rows and table.shape:
+                continue
+            shard = self._shards[r.shard]
+            block = flat[r.start * width : r.end * width]
+            header = pb.PushDenseHeader(
+                table=name, id=self._push_id(), clock=clock, kind=kind, dtype=wire_dtype,
+                shape=[r.rows, *table.shape[1:]] if table.shape else [],
+            )
+            frames = self._dense_frames(header, codec.tensor_bytes(block), itemsize,
+                                        shard.chunk_bytes)
+            jobs.append((shard, lambda s=shard, f=frames: self._send(s, "PushDense", f)))
+        self._each(jobs, f"push {name!r}")
+
+    @staticmethod
+    def _dense_frames(
+        header: pb.PushDenseHeader, data: memoryview, itemsize: int, chunk_bytes: int
+    ) -> list[bytes]:
+        step = max(itemsize, chunk_bytes // itemsize * itemsize)
+        frames = []
+        for start in range(0, max(data.nbytes, 1), step):
+            msg = pb.PushDenseChunk(offset=start // itemsize)
+            if start == 0:
+                msg.header.CopyFrom(header)
+            frames.append(codec.encode(msg, {"data": data[start : start + step]}))
+        return frames
+
+    def _send(self, shard: _Shard, method: str, frames: list[bytes]) -> None:
+        shard.methods[method](iter(frames), timeout=self.timeout_s)
+
+    # ---- sparse ----------------------------------------------------------------------------
+
+    def pull_sparse(
+        self, name: str, keys: KeysLike, *, clock: int = 0, assume_unique: bool = False
+    ) -> torch.Tensor:
+        """Rows of `keys` as a [len(keys), dim] tensor in the caller's order. Blocks.
+
+        Rows that do not exist yet are created on the servers. Repeated keys are fetched
+        once; pass assume_unique=True when the caller has already removed repeats.
+        """
+        table = self._table(name, "sparse")
+        all_keys = _as_keys(keys)
+        unique, inverse = self._unique(all_keys, assume_unique)
+        rows = torch.empty((len(unique), table.dim), dtype=table.dtype)
+        jobs = []
+        for shard, positions in self._route(unique):
+            request = codec.encode(
+                pb.PullSparseRequest(table=name, worker=self.worker, clock=clock),
+                {"keys": codec.keys_bytes(unique if positions is None else unique[positions])},
+            )
+            jobs.append(
+                (shard, lambda s=shard, r=request, p=positions: self._pull_rows(s, r, p, rows))
+            )
+        self._each(jobs, f"pull {name!r}")
+        return rows if inverse is None else rows[torch.from_numpy(inverse)]
+
+    def _pull_rows(
+        self, shard: _Shard, request: bytes, positions: np.ndarray | None, out: torch.Tensor
+    ) -> None:
+        index = None if positions is None else torch.from_numpy(positions)
+        for frame in shard.methods["PullSparse"](request, timeout=self.timeout_s):
+            head = frame.msg
+            chunk = codec.tensor_from_bytes(
+                frame.payload("values"), out.dtype, (head.rows, head.dim)
+            )
+            start, end = head.row_offset, head.row_offset + head.rows
+            if index is None:
+                out[start:end].copy_(chunk)
+            else:
+                out.index_copy_(0, index[start:end], chunk)
+
+    def push_sparse(
+        self, name: str, keys: KeysLike, grads: torch.Tensor, *, clock: int = 0,
+        assume_unique: bool = False,
+    ) -> None:
+        """Sends gradient rows for `keys`; the servers run the table's optimizer on them.
+
+        Gradients of repeated keys are summed first, as for a coalesced sparse gradient.
+        """
+        self._push_sparse(name, keys, grads, clock, pb.GRADIENT, assume_unique)
+
+    def assign_sparse(self, name: str, keys: KeysLike, values: torch.Tensor) -> None:
+        """Overwrites the rows of `keys` (unique keys) with `values`."""
+        self._push_sparse(name, keys, values, 0, pb.ASSIGN, True)
+
+    def _push_sparse(
+        self, name: str, keys: KeysLike, grads: torch.Tensor, clock: int, kind: pb.PushKind,
+        assume_unique: bool,
+    ) -> None:
+        table = self._table(name, "sparse")
+        all_keys = _as_keys(keys)
+        grads = grads.detach().to("cpu")
+        if grads.dim() != 2 or grads.shape[0] != len(all_keys) or grads.shape[1] != table.dim:
+            raise PSClientError(
+                f"push to {name!r} needs a [{len(all_keys)}, {table.dim}] gradient, got "
+                f"{list(grads.shape)}"
+            )
+        unique, inverse = self._unique(all_keys, assume_unique)
+        if inverse is not None:
+            summed = torch.zeros((len(unique), table.dim), dtype=grads.dtype)
+            grads = summed.index_add_(0, torch.from_numpy(inverse), grads)
+        grads = grads.contiguous()
+        wire_dtype = self._wire_dtype(grads.dtype)
+        jobs = []
+        for shard, positions in self._route(unique):
+            shard_keys = unique if positions is None else unique[positions]
+            shard_grads = grads if positions is None else grads[torch.from_numpy(positions)]
+            header = pb.PushSparseHeader(
+                table=name, id=self._push_id(), clock=clock, kind=kind, dtype=wire_dtype,
+                dim=table.dim,
+            )
+            frames = self._sparse_frames(header, shard_keys, shard_grads, shard.chunk_bytes)
+            jobs.append((shard, lambda s=shard, f=frames: self._send(s, "PushSparse", f)))
+        self._each(jobs, f"push {name!r}")
+
+    @staticmethod
+    def _sparse_frames(
+        header: pb.PushSparseHeader, keys: np.ndarray, grads: torch.Tensor, chunk_bytes: int
+    ) -> list[bytes]:
+        row_bytes = max(1, grads.shape[1] * grads.element_size()) + 8
+        per_chunk = max(1, chunk_bytes // row_bytes)
+        values = codec.tensor_bytes(grads)
+        value_row = grads.shape[1] * grads.element_size()
+        frames = []
+        for start in range(0, max(len(keys), 1), per_chunk):
+            end = min(len(keys), start + per_chunk)
+            msg = pb.PushSparseChunk()
+            if start == 0:
+                msg.header.CopyFrom(header)
+            frames.append(
+                codec.encode(
+                    msg,
+                    {
+                        "keys": codec.keys_bytes(keys[start:end]),
+                        "values": values[start * value_row : end * value_row],
+                    },
+                )
+            )
+        return frames
+
+    @staticmethod
+    def _unique(keys: np.ndarray, assume_unique: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        if assume_unique or len(keys) < 2:
+            return keys, None
+        unique, inverse = torch.unique(torch.from_numpy(keys), return_inverse=True)
+        if len(unique) == len(keys):
+            # Already unique: keep the caller's order so no reordering is needed.
+            return keys, None
+        return unique.numpy(), inverse.numpy()
+
+    def _route(self, keys: np.ndarray) -> Iterator[tuple[_Shard, np.ndarray | None]]:
+        """(shard, positions of its keys) for each shard with keys; None means all of them."""
+        if self.num_shards == 1:
+            yield self._shards[0], None
+            return
+        owners = shard_of_keys(keys, self.num_shards)
+        order = np.argsort(owners, kind="stable")
+        bounds = np.searchsorted(owners[order], np.arange(self.num_shards + 1))
+        for s in range(self.num_shards):
+            positions = order[bounds[s] : bounds[s + 1]]
+            if len(positions):
+                yield self._shards[s], positions
+
+    # ---- introspection ---------------------------------------------------------------------
+
+    def stats(self) -> list[pb.StatsResponse]:
+        """Every shard's counters and table sizes, in shard order."""
+        request = pb.StatsRequest().SerializeToString()
+        frames = self._each(
+            [(s, partial(self._unary, s, "GetStats", request)) for s in self._shards], "stats"
+        )
+        return [f.msg for f in frames]

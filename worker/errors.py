@@ -1,0 +1,28 @@
+"""Errors raised on the worker side."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class PSClientError(Exception):
+    """Base of every error PSClient raises."""
+
+
+class RemoteError(PSClientError):
+    """A server refused or failed a request; `code` is its gRPC status, the text its reason."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, shard: int, address: str) -> None:
+        super().__init__(f"shard {shard} ({address}) answered {code.name}: {message}")
+        self.code = code
+        self.details = message
+        self.shard = shard
+        self.address = address
+
+
+class ClusterMismatchError(PSClientError):
+    """The servers reached are not the shards the client expects (wrong order or count)."""
+
+
+class UnknownTableError(PSClientError):
+    """The client was asked to use a table it has not declared."""

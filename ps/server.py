@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
 import logging
 import os
@@ -17,6 +15,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from protos.runtime import tune_malloc
 from ps.errors import InvalidArgumentError
 from ps.servicer import SERVICE, ParameterServerServicer, WireLimits
 from ps.shard import Shard, ShardConfig
@@ -72,21 +71,10 @@ def tune_process(torch_threads: int) -> None:
     """Process-wide settings that the data plane's speed depends on.
 
     One torch thread per process: on small machines a second thread collapses throughput
-    whenever another process holds a core. Raising glibc's mmap and trim thresholds keeps
-    multi-MiB message buffers on the heap instead of mapping and unmapping them per call.
+    whenever another process holds a core. See protos.runtime for the malloc settings.
     """
     torch.set_num_threads(torch_threads)
-    libc_name = ctypes.util.find_library("c")
-    if not libc_name:
-        return
-    try:
-        libc = ctypes.CDLL(libc_name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    mallopt(m_mmap_threshold, 32 * MiB)  # glibc's maximum on 64-bit hosts
-    mallopt(m_trim_threshold, 256 * MiB)
+    tune_malloc()
 
 
 class ParameterServer:

@@ -6,6 +6,7 @@ domain errors into status codes. Status codes appear nowhere else in the server.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -29,7 +30,7 @@ from ps.errors import (
 )
 from ps.initializers import InitSpec
 from ps.shard import PushMeta, Shard
-from ps.tables import OptimizerConfig, TableSpec, TableStats
+from ps.tables import OptimizerConfig, SparseRows, TableSpec, TableStats
 
 log = logging.getLogger(__name__)
 
@@ -210,24 +211,35 @@ class ParameterServerServicer:
             itemsize = torch.empty((), dtype=dtype).element_size()
             expected = math.prod(shape) * itemsize
             self._check_request_size(expected)
-            parts = [first.payload("data")]
-            received = parts[0].nbytes
-            for frame in chunks:
+            parts: list[tuple[int, torch.Tensor]] = []
+            received = 0
+            for frame in itertools.chain((first,), chunks):
                 if frame.msg.offset * itemsize != received:
                     raise InvalidArgumentError(
                         f"dense push chunk at element {frame.msg.offset} does not follow the "
                         f"{received // itemsize} elements received so far"
                     )
-                part = frame.payload("data")
-                received += part.nbytes
+                data = frame.payload("data")
+                if data.nbytes % itemsize:
+                    raise InvalidArgumentError(
+                        f"dense push chunk of {data.nbytes} bytes is not a whole number of "
+                        f"{codec.dtype_name(head.dtype)} elements"
+                    )
+                received += data.nbytes
                 self._check_request_size(received)
-                parts.append(part)
+                if data.nbytes:
+                    n = data.nbytes // itemsize
+                    values = codec.tensor_from_bytes(data, dtype, (n,))
+                    parts.append((received // itemsize - n, values))
             self.bytes.add(received=received)
-            data = parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
-            values = codec.tensor_from_bytes(data, dtype, shape)
-            duplicate = self.shard.push_dense(head.table, _meta(head), dtype, shape, values)
+            if received != expected:
+                raise InvalidArgumentError(
+                    f"dense push carries {received} bytes but shape {list(shape)} of "
+                    f"{codec.dtype_name(head.dtype)} needs {expected}"
+                )
+            duplicate = self.shard.push_dense(head.table, _meta(head), dtype, shape, parts)
             return pb.PushResponse(
-                duplicate=duplicate, elements=values.numel()
+                duplicate=duplicate, elements=received // itemsize
             ).SerializeToString()
 
         return _guard(push, context)
@@ -237,21 +249,20 @@ class ParameterServerServicer:
     def PullSparse(self, request: Frame[pb.PullSparseRequest], context: Any) -> Iterator[bytes]:
         msg = request.msg
 
-        def pull() -> torch.Tensor:
+        def pull() -> SparseRows:
             keys = codec.keys_from_bytes(request.payload("keys"))
             self.bytes.add(received=keys.nbytes)
             return self.shard.pull_sparse(msg.table, msg.worker, msg.clock, keys)
 
         rows = _guard(pull, context)
         dtype = codec.dtype_to_wire(rows.dtype)
-        n, dim = rows.shape
-        row_bytes = max(1, dim * rows.element_size())
+        n, dim = len(rows), rows.dim
+        row_bytes = dim * torch.empty((), dtype=rows.dtype).element_size()
         per_chunk = max(1, self.limits.chunk_bytes // row_bytes)
-        data = codec.tensor_bytes(rows)
         for start in range(0, max(n, 1), per_chunk):
             count = min(per_chunk, n - start)
             head = pb.SparseChunk(dtype=dtype, dim=dim, row_offset=start, rows=count)
-            chunk = data[start * row_bytes : (start + count) * row_bytes]
+            chunk = codec.tensor_bytes(rows.gather(start, start + count))
             self.bytes.add(sent=chunk.nbytes)
             yield codec.encode(head, {"values": chunk})
 

@@ -22,6 +22,7 @@ from ps.errors import InvalidArgumentError, NotFoundError, PSError
 from ps.ledger import Admission, PushLedger
 from ps.tables import (
     DenseTable,
+    SparseRows,
     SparseTable,
     Table,
     TableSpec,
@@ -138,7 +139,7 @@ class Shard:
         self._await(policy.on_pull(ClockView(worker, clock)))
         return table.read()
 
-    def pull_sparse(self, name: str, worker: int, clock: int, keys: np.ndarray) -> torch.Tensor:
+    def pull_sparse(self, name: str, worker: int, clock: int, keys: np.ndarray) -> SparseRows:
         """Rows of `keys` from sparse table `name`, created on first touch, in key order."""
         table, policy = self._sparse(name)
         table.check_keys(keys)
@@ -147,18 +148,22 @@ class Shard:
 
     def push_dense(
         self, name: str, meta: PushMeta, dtype: torch.dtype, shape: tuple[int, ...],
-        values: torch.Tensor,
+        parts: Sequence[tuple[int, torch.Tensor]],
     ) -> bool:
-        """Applies a dense push once; returns True when it was a duplicate (nothing changed)."""
+        """Applies a dense push once; returns True when it was a duplicate (nothing changed).
+
+        `parts` are (flat element offset, values) slices covering the block exactly once.
+        """
         table, policy = self._dense(name)
         try:
             table.check_push(dtype, shape)
             if not meta.assign and not table.spec.allow_non_finite:
-                check_finite(name, values)
+                for offset, part in parts:
+                    check_finite(name, part, offset)
         except PSError:
             table.count(pushes_rejected=1)
             raise
-        return self._apply(table, policy, meta, lambda: table.apply(values, meta.assign))
+        return self._apply(table, policy, meta, lambda: table.apply(parts, meta.assign))
 
     def push_sparse(
         self, name: str, meta: PushMeta, dtype: torch.dtype, dim: int, keys: np.ndarray,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -130,16 +131,23 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def check_finite(table: str, values: torch.Tensor) -> None:
-    """InvalidArgumentError naming the first NaN or Inf element of a gradient."""
+def check_finite(table: str, values: torch.Tensor, offset: int = 0) -> None:
+    """InvalidArgumentError naming the first NaN or Inf element of a gradient.
+
+    `offset` is added to element positions in the message (for slices of a larger push).
+    """
+    # A NaN or Inf anywhere makes the sum non-finite, and summing allocates nothing; only
+    # then (or when finite values overflow the sum) is the element-wise check run.
+    if values.numel() == 0 or bool(torch.isfinite(values.sum())):
+        return
     finite = torch.isfinite(values)
     if not bool(finite.all()):
         first = int(torch.argmin(finite.reshape(-1).to(torch.uint8)))
         bad = values.reshape(-1)[first].item()
         raise InvalidArgumentError(
             f"gradient for table {table!r} has a non-finite value ({bad}) at flat element "
-            f"{first}; the push was refused whole. Fix the gradient (clip it, lower the learning "
-            f"rate) or declare the table with allow_non_finite"
+            f"{offset + first}; the push was refused whole. Fix the gradient (clip it, lower "
+            f"the learning rate) or declare the table with allow_non_finite"
         )
 
 
@@ -202,13 +210,27 @@ class DenseTable(_Counted):
         self.count(pulls=1, rows_pulled=self.placement.rows)
         return self.value
 
-    def apply(self, values: torch.Tensor, assign: bool) -> None:
-        """Runs the optimizer with `values` as gradient, or overwrites the block (validated)."""
+    def apply(self, parts: Sequence[tuple[int, torch.Tensor]], assign: bool) -> None:
+        """Runs the optimizer with the gradient given in `parts`, or overwrites the block.
+
+        `parts` are (flat element offset, 1-d values) slices that together cover the block
+        once, as they came off the wire; input is validated already. Update rules act element
+        by element, so updating slice by slice with the same step equals one whole update.
+        """
+        flat = self.value.view(-1)
         with self._update_lock:
             if assign:
-                self.value.copy_(values)
+                for offset, part in parts:
+                    flat[offset : offset + part.numel()].copy_(part)
             else:
-                self.optimizer.apply_dense(self.value, values, self.state, self.step)
+                before = self.step.clone()
+                step = before
+                for offset, part in parts:
+                    end = offset + part.numel()
+                    state = {k: v.view(-1)[offset:end] for k, v in self.state.items()}
+                    step = before.clone()
+                    self.optimizer.apply_dense(flat[offset:end], part, state, step)
+                self.step.copy_(step)
         self.count(pushes_applied=1, rows_pushed=self.placement.rows)
 
     def stats(self) -> TableStats:
@@ -280,13 +302,16 @@ class SparseTable(_Counted):
 
     # ---- reads and writes ------------------------------------------------------------------
 
-    def pull(self, keys: np.ndarray) -> torch.Tensor:
-        """The rows of `keys` (created if new), as a new [len(keys), dim] tensor."""
+    def pull(self, keys: np.ndarray) -> SparseRows:
+        """The rows of `keys` (created if new), to be gathered in slices by the caller."""
         rows = self._rows(keys)
-        with self._storage.shared():
-            out = self.value.index_select(0, rows)
         self.count(pulls=1, rows_pulled=len(keys))
-        return out
+        return SparseRows(self, rows)
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """Copies rows `rows` (row ids from the index) into a new tensor. Thread-safe."""
+        with self._storage.shared():
+            return self.value.index_select(0, rows)
 
     def apply(self, keys: np.ndarray, values: torch.Tensor, assign: bool) -> None:
         """Runs the optimizer on the rows of `keys` (creating new ones first). Validated input."""
@@ -357,6 +382,33 @@ class SparseTable(_Counted):
             self.spec.name, "sparse", self.spec.optimizer.describe(), rows, rows * row_bytes,
             state_bytes, self.index.nbytes, self.counters(),
         )
+
+
+@dataclass(frozen=True)
+class SparseRows:
+    """The answer to a sparse pull: row ids resolved, values gathered slice by slice.
+
+    Gathering a slice at a time keeps each copy small enough to stay in cache on its way to
+    the wire, instead of building one large intermediate tensor.
+    """
+
+    table: SparseTable
+    rows: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def dim(self) -> int:
+        return self.table.spec.dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.table.spec.dtype
+
+    def gather(self, start: int, end: int) -> torch.Tensor:
+        """Values of answer rows [start, end), in key order."""
+        return self.table.gather(self.rows[start:end])
 
 
 Table = DenseTable | SparseTable

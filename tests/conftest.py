@@ -21,3 +21,13 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
         yield started
     finally:
         started.close()
+
+
+@pytest.fixture(scope="module")
+def module_procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Procs]:
+    """Like `procs`, shared by the tests of one module (each uses its own table names)."""
+    started = Procs(tmp_path_factory.mktemp("procs"))
+    try:
+        yield started
+    finally:
+        started.close()

@@ -35,6 +35,7 @@ from protos import codec
 from protos import pstrain_pb2 as pb
 from protos.codec import Frame
 from protos.partition import RowRange, dense_placement, shard_of_keys
+from protos.runtime import tune_malloc
 from worker.errors import ClusterMismatchError, PSClientError, RemoteError, UnknownTableError
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class PSClient:
         self.incarnation = incarnation
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
+        tune_malloc()
         self._seq = itertools.count(1)
         # Guards _tables.
         self._lock = threading.Lock()
@@ -367,26 +369,26 @@ class PSClient:
                 table=name, id=self._push_id(), clock=clock, kind=kind, dtype=wire_dtype,
                 shape=[r.rows, *table.shape[1:]] if table.shape else [],
             )
-            frames = self._dense_frames(header, codec.tensor_bytes(block), itemsize,
-                                        shard.chunk_bytes)
-            jobs.append((shard, lambda s=shard, f=frames: self._send(s, "PushDense", f)))
+            frames = partial(self._dense_frames, header, codec.tensor_bytes(block), itemsize,
+                             shard.chunk_bytes)
+            jobs.append((shard, partial(self._send, shard, "PushDense", frames)))
         self._each(jobs, f"push {name!r}")
 
     @staticmethod
     def _dense_frames(
         header: pb.PushDenseHeader, data: memoryview, itemsize: int, chunk_bytes: int
-    ) -> list[bytes]:
+    ) -> Iterator[bytes]:
         step = max(itemsize, chunk_bytes // itemsize * itemsize)
-        frames = []
         for start in range(0, max(data.nbytes, 1), step):
             msg = pb.PushDenseChunk(offset=start // itemsize)
             if start == 0:
                 msg.header.CopyFrom(header)
-            frames.append(codec.encode(msg, {"data": data[start : start + step]}))
-        return frames
+            yield codec.encode(msg, {"data": data[start : start + step]})
 
-    def _send(self, shard: _Shard, method: str, frames: list[bytes]) -> None:
-        shard.methods[method](iter(frames), timeout=self.timeout_s)
+    def _send(self, shard: _Shard, method: str, frames: Callable[[], Iterator[bytes]]) -> None:
+        # gRPC encodes lazily on its own thread while earlier chunks are on the wire; each
+        # attempt (the first and every retry) starts a fresh iterator.
+        shard.methods[method](frames(), timeout=self.timeout_s)
 
     # ---- sparse ----------------------------------------------------------------------------
 
@@ -469,34 +471,31 @@ class PSClient:
                 table=name, id=self._push_id(), clock=clock, kind=kind, dtype=wire_dtype,
                 dim=table.dim,
             )
-            frames = self._sparse_frames(header, shard_keys, shard_grads, shard.chunk_bytes)
-            jobs.append((shard, lambda s=shard, f=frames: self._send(s, "PushSparse", f)))
+            frames = partial(self._sparse_frames, header, shard_keys, shard_grads,
+                             shard.chunk_bytes)
+            jobs.append((shard, partial(self._send, shard, "PushSparse", frames)))
         self._each(jobs, f"push {name!r}")
 
     @staticmethod
     def _sparse_frames(
         header: pb.PushSparseHeader, keys: np.ndarray, grads: torch.Tensor, chunk_bytes: int
-    ) -> list[bytes]:
+    ) -> Iterator[bytes]:
         row_bytes = max(1, grads.shape[1] * grads.element_size()) + 8
         per_chunk = max(1, chunk_bytes // row_bytes)
         values = codec.tensor_bytes(grads)
         value_row = grads.shape[1] * grads.element_size()
-        frames = []
         for start in range(0, max(len(keys), 1), per_chunk):
             end = min(len(keys), start + per_chunk)
             msg = pb.PushSparseChunk()
             if start == 0:
                 msg.header.CopyFrom(header)
-            frames.append(
-                codec.encode(
-                    msg,
-                    {
-                        "keys": codec.keys_bytes(keys[start:end]),
-                        "values": values[start * value_row : end * value_row],
-                    },
-                )
+            yield codec.encode(
+                msg,
+                {
+                    "keys": codec.keys_bytes(keys[start:end]),
+                    "values": values[start * value_row : end * value_row],
+                },
             )
-        return frames
 
     @staticmethod
     def _unique(keys: np.ndarray, assume_unique: bool) -> tuple[np.ndarray, np.ndarray | None]:

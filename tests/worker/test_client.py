@@ -121,7 +121,7 @@ def test_retried_push_with_same_seq_is_applied_once(two_shards: PSClient) -> Non
     header = pb.PushSparseHeader(
         table="e", id=pb.PushId(worker=7, incarnation=1, seq=1), dtype=pb.FLOAT32, dim=4
     )
-    frames = client._sparse_frames(header, keys, torch.ones(1, 4), shard.chunk_bytes)
+    frames = list(client._sparse_frames(header, keys, torch.ones(1, 4), shard.chunk_bytes))
     first = shard.methods["PushSparse"](iter(frames), timeout=10)
     again = shard.methods["PushSparse"](iter(frames), timeout=10)
     assert not first.msg.duplicate and again.msg.duplicate

@@ -1,0 +1,372 @@
+"""Data-plane benchmark: pstrain against raw gRPC and in-process PyTorch, in one run.
+
+    python benchmarks/dataplane.py [--quick] [--json PATH]
+
+Measures, each as a median over repetitions interleaved between the methods compared so
+that the machine's noise falls on all of them alike:
+- dense pull and push of 1, 16 and 64 MiB through a pstrain server, beside a raw-bytes
+  gRPC echo server started by this script (unary with identity serializers, and a stream of
+  1 MiB chunks); ratios are pstrain over the faster raw method;
+- sparse pull and push of 64k unique keys x dim 64 float32 against a shard holding 10 M
+  rows, beside index_select / index_add_ on a table of the same size in this process;
+- the key index's lookup-or-insert rate on a 10 M-key table;
+- server memory per sparse row against the raw bytes of its value and optimizer state.
+Prints a table and writes JSON to benchmarks/results/dataplane-<date>.json (and --json PATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from protos.runtime import tune_malloc  # noqa: E402
+from ps.index import KeyIndex  # noqa: E402
+from worker.client import PSClient  # noqa: E402
+
+MiB = 1024 * 1024
+RAW_SERVICE = "/bench.Raw/"
+
+
+# ---- the raw gRPC baseline server (runs in a subprocess) ------------------------------------
+
+
+def serve_raw(ready_file: str) -> None:
+    """A gRPC server that moves raw bytes: the fastest Python gRPC can go, for comparison."""
+    torch.set_num_threads(1)
+    tune_malloc()  # the same process settings pstrain's server uses
+    blobs: dict[int, bytes] = {}
+
+    def blob(n: int) -> bytes:
+        if n not in blobs:
+            blobs[n] = os.urandom(1024) * (n // 1024)
+        return blobs[n]
+
+    def pull_unary(request: bytes, context: object) -> bytes:
+        return blob(int(request))
+
+    def push_unary(request: bytes, context: object) -> bytes:
+        return str(len(request)).encode()
+
+    def pull_stream(request: bytes, context: object) -> Iterator[bytes]:
+        data = memoryview(blob(int(request)))
+        for start in range(0, len(data), MiB):
+            yield bytes(data[start : start + MiB])
+
+    def push_stream(requests: Iterator[bytes], context: object) -> bytes:
+        return str(sum(len(r) for r in requests)).encode()
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Raw",
+        {
+            "PullUnary": grpc.unary_unary_rpc_method_handler(pull_unary),
+            "PushUnary": grpc.unary_unary_rpc_method_handler(push_unary),
+            "PullStream": grpc.unary_stream_rpc_method_handler(pull_stream),
+            "PushStream": grpc.stream_unary_rpc_method_handler(push_stream),
+        },
+    )
+    opts = [("grpc.max_receive_message_length", 256 * MiB),
+            ("grpc.max_send_message_length", 256 * MiB)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=opts)
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    Path(ready_file).write_text(json.dumps({"address": f"127.0.0.1:{port}"}))
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    server.stop(0)
+
+
+# ---- helpers --------------------------------------------------------------------------------
+
+
+def spawn(args: list[str], ready: Path) -> tuple[subprocess.Popen[bytes], str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            err = proc.stderr.read().decode() if proc.stderr else ""
+            raise RuntimeError(f"{args} did not start: {err}")
+        time.sleep(0.05)
+    return proc, json.loads(ready.read_text())["address"]
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def interleaved(methods: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Median seconds per call of each method, calling them in turn `reps` times."""
+    for fn in methods.values():  # warm-up
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(reps):
+        for name, fn in methods.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+# ---- the measurements -----------------------------------------------------------------------
+
+
+def bench_dense(client: PSClient, raw: grpc.Channel, sizes_mib: list[int],
+                reps: dict[int, int]) -> dict[str, dict[str, float]]:
+    pull_unary = raw.unary_unary(RAW_SERVICE + "PullUnary")
+    push_unary = raw.unary_unary(RAW_SERVICE + "PushUnary")
+    pull_stream = raw.unary_stream(RAW_SERVICE + "PullStream")
+    push_stream = raw.stream_unary(RAW_SERVICE + "PushStream")
+    def methods(mib: int) -> dict[str, Callable[[], object]]:
+        n = mib * MiB
+        table = f"dense{mib}"
+        client.declare_dense(table, (n // 4 // 1024, 1024), optimizer="sgd", lr=1e-9)
+        grad = torch.full((n // 4 // 1024, 1024), 1e-3)
+        payload = os.urandom(1024) * (n // 1024)
+        chunks = [payload[i : i + MiB] for i in range(0, n, MiB)]
+        size = str(n).encode()
+        return {
+            "pstrain_pull": lambda: client.pull_dense(table),
+            "raw_unary_pull": lambda: pull_unary(size),
+            "raw_stream_pull": lambda: sum(len(c) for c in pull_stream(size)),
+            "pstrain_push": lambda: client.push_dense(table, grad),
+            "raw_unary_push": lambda: push_unary(payload),
+            "raw_stream_push": lambda: push_stream(iter(chunks)),
+        }
+
+    out: dict[str, dict[str, float]] = {}
+    for mib in sizes_mib:
+        t = interleaved(methods(mib), reps[mib])
+        gbps = {k: mib * MiB / v / 1e9 for k, v in t.items()}
+        for op in ("pull", "push"):
+            best_raw = max(gbps[f"raw_unary_{op}"], gbps[f"raw_stream_{op}"])
+            gbps[f"ratio_{op}"] = gbps[f"pstrain_{op}"] / best_raw
+        out[f"{mib}MiB"] = gbps
+    return out
+
+
+def fill_sparse(client: PSClient, table: str, rows: int, batch: int) -> np.ndarray:
+    keys = np.random.default_rng(0).permutation(rows * 3)[:rows].astype(np.int64) - rows
+    for start in range(0, rows, batch):
+        client.pull_sparse(table, keys[start : start + batch], assume_unique=True)
+    return keys
+
+
+def bench_sparse(client: PSClient, server_pid: int, rows: int, batch: int, dim: int,
+                 reps: int) -> dict[str, float]:
+    table = "emb"
+    client.declare_sparse(table, dim, optimizer="sgd", lr=1e-6)
+    client.pull_sparse(table, np.arange(batch, dtype=np.int64) + 2**62)  # first growth
+    rss_before = rss_bytes(server_pid)
+    fill_start = time.perf_counter()
+    keys = fill_sparse(client, table, rows, batch)
+    fill_s = time.perf_counter() - fill_start
+    rss_after = rss_bytes(server_pid)
+    raw_row = dim * 4  # value only: SGD keeps no state
+    memory_ratio = (rss_after - rss_before) / rows / raw_row
+
+    rng = np.random.default_rng(1)
+    local = torch.empty(rows, dim)
+    local.normal_()
+    grads = torch.randn(batch, dim)
+    batches = [np.unique(keys[rng.integers(0, rows, batch + batch // 8)])[:batch]
+               for _ in range(8)]
+    for b in batches:
+        rng.shuffle(b)
+    local_rows = [torch.from_numpy(rng.integers(0, rows, len(b))) for b in batches]
+    i = iter(range(10**9))
+
+    def pick() -> int:
+        return next(i) % len(batches)
+
+    t = interleaved(
+        {
+            "pstrain_pull": lambda: client.pull_sparse(table, batches[pick()],
+                                                       assume_unique=True),
+            "pstrain_push": lambda: client.push_sparse(table, batches[pick()],
+                                                       grads[: len(batches[0])],
+                                                       assume_unique=True),
+            "inprocess_index_select": lambda: local.index_select(0, local_rows[pick()]),
+            "inprocess_index_add": lambda: local.index_add_(0, local_rows[pick()],
+                                                            grads[: len(local_rows[0])]),
+        },
+        reps,
+    )
+    n = len(batches[0])
+    rates = {k: n / v for k, v in t.items()}
+    return {
+        "sparse_pull_rows_per_s": rates["pstrain_pull"],
+        "sparse_push_rows_per_s": rates["pstrain_push"],
+        "inprocess_index_select_rows_per_s": rates["inprocess_index_select"],
+        "inprocess_index_add_rows_per_s": rates["inprocess_index_add"],
+        "sparse_pull_ratio_inprocess": rates["pstrain_pull"] / rates["inprocess_index_select"],
+        "sparse_push_ratio_inprocess": rates["pstrain_push"] / rates["inprocess_index_add"],
+        "fill_rows_per_s": rows / fill_s,
+        "row_memory_ratio": memory_ratio,
+        "server_rss_bytes_per_row": (rss_after - rss_before) / rows,
+    }
+
+
+def bench_index(rows: int, batch: int, reps: int) -> dict[str, float]:
+    index = KeyIndex()
+    rng = np.random.default_rng(2)
+    keys = rng.integers(-(2**62), 2**62, rows)
+    start = time.perf_counter()
+    for s in range(0, rows, batch):
+        index.lookup_or_insert(keys[s : s + batch])
+    bulk = rows / (time.perf_counter() - start)
+    hits, news = [], []
+    for _ in range(reps):
+        b = keys[rng.integers(0, rows, batch)]
+        t0 = time.perf_counter()
+        index.lookup_or_insert(b)
+        hits.append(batch / (time.perf_counter() - t0))
+        b = rng.integers(-(2**62), 2**62, batch)
+        t0 = time.perf_counter()
+        index.lookup_or_insert(b)
+        news.append(batch / (time.perf_counter() - t0))
+    return {
+        "index_lookup_or_insert_per_s": statistics.median(hits),
+        "index_insert_new_per_s": statistics.median(news),
+        "index_bulk_fill_per_s": bulk,
+        "index_bytes_per_key": index.nbytes / len(index),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="smaller table (1 M rows) and fewer repetitions")
+    parser.add_argument("--json", help="also write the figures to this path")
+    parser.add_argument("--only", choices=["dense", "sparse", "index"], action="append",
+                        help="run only these parts (repeatable); figures of others are absent")
+    parser.add_argument("--serve-raw", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_raw:
+        serve_raw(args.serve_raw)
+        return
+
+    torch.set_num_threads(1)
+    tune_malloc()
+    parts = set(args.only or ["dense", "sparse", "index"])
+    rows = 1_000_000 if args.quick else 10_000_000
+    reps = {1: 20, 16: 9, 64: 3} if args.quick else {1: 40, 16: 15, 64: 5}
+    tmp = Path(tempfile.mkdtemp(prefix="pstrain-bench-"))
+    procs = []
+    try:
+        server, address = spawn(
+            [sys.executable, "-m", "ps", "--bind", "127.0.0.1:0",
+             "--ready-file", str(tmp / "ps.ready"), "--log-level", "WARNING"],
+            tmp / "ps.ready",
+        )
+        procs.append(server)
+        raw_proc, raw_address = spawn(
+            [sys.executable, __file__, "--serve-raw", str(tmp / "raw.ready")], tmp / "raw.ready"
+        )
+        procs.append(raw_proc)
+        raw = grpc.insecure_channel(raw_address, options=[
+            ("grpc.max_receive_message_length", 256 * MiB),
+            ("grpc.max_send_message_length", 256 * MiB)])
+        dense: dict[str, dict[str, float]] = {}
+        sparse: dict[str, float] = {}
+        index: dict[str, float] = {}
+        with PSClient([address]) as client:
+            if "dense" in parts:
+                print("dense transfers ...", flush=True)
+                dense = bench_dense(client, raw, [1, 16, 64], reps)
+            if "sparse" in parts:
+                print(f"sparse table of {rows:,} rows ...", flush=True)
+                sparse = bench_sparse(client, server.pid, rows, 65536, 64,
+                                      9 if args.quick else 15)
+        if "index" in parts:
+            print("key index ...", flush=True)
+            index = bench_index(rows, 65536, 9 if args.quick else 15)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(timeout=30)
+
+    results = {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
+        "quick": args.quick,
+        "torch": torch.__version__,
+        "grpc": grpc.__version__,
+        **({"dense_pull_ratio_16MiB": dense["16MiB"]["ratio_pull"],
+            "dense_push_ratio_16MiB": dense["16MiB"]["ratio_push"]} if dense else {}),
+        **sparse,
+        **index,
+        "dense_GBps": dense,
+        "sparse_rows": rows,
+    }
+    print_table(results)
+    out_dir = REPO / "benchmarks" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    suffix = ("-quick" if args.quick else "") + ("" if len(parts) == 3 else "-partial")
+    paths = [out_dir / f"dataplane-{results['date']}{suffix}.json"]
+    if args.json:
+        paths.append(Path(args.json))
+    for path in paths:
+        path.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {path}")
+
+
+def print_table(r: dict[str, object]) -> None:
+    dense = r["dense_GBps"]
+    assert isinstance(dense, dict)
+    print(f"\npstrain data plane, {r['date']}, {r['machine']}")
+    if dense:
+        print_dense(dense)
+    if "sparse_pull_rows_per_s" in r:
+        print_sparse(r)
+    if "index_lookup_or_insert_per_s" in r:
+        print(f"index: lookup-or-insert {r['index_lookup_or_insert_per_s'] / 1e6:.1f} M/s "
+              f"(existing keys), {r['index_insert_new_per_s'] / 1e6:.1f} M/s (new keys), "
+              f"{r['index_bytes_per_key']:.1f} B/key")
+
+
+def print_dense(dense: dict[str, dict[str, float]]) -> None:
+    print(f"{'dense':<8}{'op':<6}{'pstrain':>10}{'raw unary':>11}{'raw stream':>12}{'ratio':>8}")
+    for size, g in dense.items():
+        for op in ("pull", "push"):
+            print(f"{size:<8}{op:<6}{g[f'pstrain_{op}']:>8.2f}GB/s{g[f'raw_unary_{op}']:>9.2f}"
+                  f"{g[f'raw_stream_{op}']:>12.2f}{g[f'ratio_{op}']:>8.2f}x")
+
+
+def print_sparse(r: dict[str, object]) -> None:
+    print(f"\nsparse, 64k unique keys x dim 64 float32, table of {r['sparse_rows']:,} rows")
+    print(f"  pull {r['sparse_pull_rows_per_s'] / 1e6:6.2f} M rows/s   in-process index_select "
+          f"{r['inprocess_index_select_rows_per_s'] / 1e6:6.2f} M rows/s   ratio "
+          f"{r['sparse_pull_ratio_inprocess']:.2f}x")
+    print(f"  push {r['sparse_push_rows_per_s'] / 1e6:6.2f} M rows/s   in-process index_add_  "
+          f"{r['inprocess_index_add_rows_per_s'] / 1e6:6.2f} M rows/s   ratio "
+          f"{r['sparse_push_ratio_inprocess']:.2f}x")
+    print(f"  memory per row {r['server_rss_bytes_per_row']:.0f} B = "
+          f"{r['row_memory_ratio']:.2f}x the raw value bytes (SGD, no state)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Process settings the data plane's speed depends on, shared by servers and workers."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+MiB = 1024 * 1024
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def tune_malloc() -> bool:
+    """Keeps multi-MiB message buffers on the heap; returns False where libc is not glibc.
+
+    By default glibc maps every allocation over 128 KiB-32 MiB afresh and unmaps it on free,
+    so each multi-MiB message costs thousands of page faults. Raising the mmap threshold to
+    its maximum and the trim threshold above it lets those buffers be reused. Idempotent and
+    thread-safe; affects later allocations only.
+    """
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):
+        return False
+    ok = mallopt(_M_MMAP_THRESHOLD, 32 * MiB)  # glibc's largest allowed value on 64-bit
+    ok &= mallopt(_M_TRIM_THRESHOLD, 256 * MiB)
+    return bool(ok)

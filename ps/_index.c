@@ -438,6 +438,64 @@ static PyTypeObject Int64IndexType = {
     .tp_new = Int64Index_new,
 };
 
+/* ---- repeat detection for push requests ---- */
+
+PyDoc_STRVAR(first_repeat_doc,
+"first_repeat(rows, bitmap) -> int\n\n"
+"Position of the first element of `rows` (int64 row ids) equal to an earlier element, or -1\n"
+"when all are distinct. `bitmap` is a writable byte buffer of at least (max row + 8) // 8\n"
+"bytes that is all zero on entry; it is all zero again on return. Costs one bit test per\n"
+"row, instead of a sort. Releases the GIL; callers serialise uses of one bitmap.");
+
+static PyObject *first_repeat(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *rows_obj, *bits_obj;
+    if (!PyArg_ParseTuple(args, "OO:first_repeat", &rows_obj, &bits_obj)) return NULL;
+    Py_buffer rows, bits;
+    if (get_int64_buffer(rows_obj, &rows, 0, "rows") < 0) return NULL;
+    if (PyObject_GetBuffer(bits_obj, &bits, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&rows);
+        return NULL;
+    }
+    const int64_t *r = rows.buf;
+    uint8_t *b = bits.buf;
+    const Py_ssize_t n = rows.len / 8;
+    const uint64_t nbits = (uint64_t)bits.len * 8;
+    Py_ssize_t i, repeat = -1, outside = -1;
+    Py_BEGIN_ALLOW_THREADS
+    for (i = 0; i < n; i++) {
+        const uint64_t v = (uint64_t)r[i]; /* negative ids wrap to huge values: outside */
+        if (v >= nbits) {
+            outside = i;
+            break;
+        }
+        const uint8_t mask = (uint8_t)(1u << (v & 7));
+        if (b[v >> 3] & mask) {
+            repeat = i;
+            break;
+        }
+        b[v >> 3] |= mask;
+    }
+    /* Elements [0, i) set their bits (a repeat's bit was set by its first occurrence). */
+    for (Py_ssize_t j = 0; j < i; j++) {
+        const uint64_t v = (uint64_t)r[j];
+        b[v >> 3] &= (uint8_t)~(1u << (v & 7));
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&bits);
+    if (outside >= 0) {
+        PyErr_Format(PyExc_ValueError, "row %lld at position %zd is outside the bitmap of %llu rows",
+                     (long long)r[outside], outside, (unsigned long long)nbits);
+        return NULL;
+    }
+    return PyLong_FromSsize_t(repeat);
+}
+
+static PyMethodDef module_methods[] = {
+    {"first_repeat", (PyCFunction)first_repeat, METH_VARARGS, first_repeat_doc},
+    {NULL, NULL, 0, NULL},
+};
+
 PyDoc_STRVAR(module_doc,
 "Fast int64 key -> dense row id hash index for the parameter server (see ps.index.KeyIndex\n"
 "for the typed numpy wrapper). Blocking calls that release the GIL; not thread-safe.");
@@ -447,6 +505,7 @@ static struct PyModuleDef index_module = {
     .m_name = "ps._index",
     .m_doc = module_doc,
     .m_size = -1,
+    .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC PyInit__index(void) {

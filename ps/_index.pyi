@@ -14,6 +14,9 @@ from typing_extensions import Buffer
 _Int64Buffer: TypeAlias = Buffer | npt.NDArray[np.int64]
 
 @final
+def first_repeat(rows: _Int64Buffer, bitmap: Buffer | npt.NDArray[np.uint8], /) -> int:
+    """Position of the first element of ``rows`` equal to an earlier one, or -1."""
+
 class Int64Index:
     """Hash index from int64 keys to dense row ids ``0..len-1``, in order of first insertion."""
 

@@ -180,10 +180,13 @@ class Shard:
             rows = tensor_from_bytes(values, dtype, (len(keys), dim))
             if not meta.assign and not table.spec.allow_non_finite:
                 check_finite(name, rows)
+            known = table.check_unique(keys)
         except PSError:
             table.count(pushes_rejected=1)
             raise
-        return self._apply(table, policy, meta, lambda: table.apply(keys, rows, meta.assign))
+        return self._apply(
+            table, policy, meta, lambda: table.apply(keys, rows, meta.assign, known)
+        )
 
     def _apply(
         self, table: Table, policy: Policy, meta: PushMeta, apply: Callable[[], None]

@@ -300,6 +300,35 @@ class SparseTable(_Counted):
                 f"values ({value_bytes} bytes at dim {dim}); keys and values must match"
             )
 
+    def check_unique(self, keys: np.ndarray) -> np.ndarray:
+        """Row ids of `keys` (-1 where new); InvalidArgumentError naming a repeated key.
+
+        Inserts nothing, so a refused push creates no rows. Repeats among known keys cost one
+        bit test each; only new keys (rare once a table is warm) go through a scratch index.
+        """
+        with self._index_lock:
+            rows = self.index.lookup(keys)
+            known = rows >= 0
+            everything_known = bool(known.all())
+            known_rows = rows if everything_known else rows[known]
+            repeat = self.index.first_repeat(known_rows)
+        if repeat >= 0:
+            key = (keys if everything_known else keys[known])[repeat]
+            self._repeated(int(key))
+        if not everything_known:
+            scratch = KeyIndex()
+            fresh = keys[~known]
+            scratch_rows, distinct = scratch.lookup_or_insert(fresh)
+            if distinct < len(fresh):
+                self._repeated(int(fresh[scratch.first_repeat(scratch_rows)]))
+        return rows
+
+    def _repeated(self, key: int) -> None:
+        raise InvalidArgumentError(
+            f"key {key} appears more than once in one push to table {self.spec.name!r}; "
+            "send each key once per request, with its gradients summed"
+        )
+
     # ---- reads and writes ------------------------------------------------------------------
 
     def pull(self, keys: np.ndarray) -> SparseRows:
@@ -313,9 +342,15 @@ class SparseTable(_Counted):
         with self._storage.shared():
             return self.value.index_select(0, rows)
 
-    def apply(self, keys: np.ndarray, values: torch.Tensor, assign: bool) -> None:
-        """Runs the optimizer on the rows of `keys` (creating new ones first). Validated input."""
-        rows = self._rows(keys)
+    def apply(
+        self, keys: np.ndarray, values: torch.Tensor, assign: bool, known: np.ndarray
+    ) -> None:
+        """Runs the optimizer on the rows of `keys` (creating new ones first). Validated input.
+
+        `known` are the row ids from check_unique; row ids never change, so when every key
+        was known they are used as they are.
+        """
+        rows = torch.from_numpy(known) if bool((known >= 0).all()) else self._rows(keys)
         with self._storage.shared(), self._update_lock:
             if assign:
                 self.value.index_copy_(0, rows, values)

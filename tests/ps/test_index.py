@@ -302,3 +302,24 @@ def test_raw_extension_releases_buffers_on_every_path(
             with pytest.raises(export_error):
                 index.export(keys_out)
         keys_out.release()
+
+
+@pytest.mark.parametrize(
+    ("rows", "expected"),
+    [([], -1), ([0], -1), ([3, 1, 2, 0], -1), ([2, 1, 2], 2), ([0, 0], 1), ([5, 4, 3, 4, 5], 3)],
+)
+def test_first_repeat_finds_first_repeated_position(rows: list[int], expected: int) -> None:
+    index = KeyIndex()
+    index.lookup_or_insert(np.arange(6, dtype=np.int64))
+    array = np.array(rows, dtype=np.int64)
+    assert index.first_repeat(array) == expected
+    # The bitmap is clean afterwards: the same rows without the repeat are all distinct.
+    assert index.first_repeat(np.unique(array)) == -1
+
+
+def test_first_repeat_rejects_rows_outside_the_index() -> None:
+    index = KeyIndex()
+    index.lookup_or_insert(np.arange(3, dtype=np.int64))
+    with pytest.raises(ValueError, match="outside the bitmap"):
+        index.first_repeat(np.array([0, 1 << 40], dtype=np.int64))
+    assert index.first_repeat(np.array([0, 1, 2], dtype=np.int64)) == -1

@@ -190,3 +190,24 @@ def test_health_service_reports_serving(raw: Raw) -> None:
     for service in ("", "pstrain.v1.ParameterServer"):
         reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize(
+    "keys", [[1, 2, 1], [5, 6, 5], [1, 9, 9]], ids=["known-keys", "new-keys", "mixed"]
+)
+def test_repeated_key_in_one_push_is_refused_and_creates_nothing(
+    raw: Raw, keys: list[int]
+) -> None:
+    before = raw.snapshot()
+    rows_before = next(t.rows for t in raw.client.stats()[0].tables if t.name == "e")
+    array = np.array(keys, dtype=np.int64)
+    with pytest.raises(grpc.RpcError) as err:
+        raw.push_sparse([_sparse_push(codec.keys_bytes(array), _values(3))])
+    assert err.value.code().name == "INVALID_ARGUMENT"
+    repeated = next(k for i, k in enumerate(keys) if k in keys[:i])
+    assert f"key {repeated} appears more than once" in (err.value.details() or "")
+    after = raw.snapshot()
+    torch.testing.assert_close(after[1], before[1], atol=0, rtol=0)
+    assert after[2] == before[2]
+    rows_after = next(t.rows for t in raw.client.stats()[0].tables if t.name == "e")
+    assert rows_after == rows_before

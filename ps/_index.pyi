@@ -13,10 +13,10 @@ from typing_extensions import Buffer
 # numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12, so name it explicitly.
 _Int64Buffer: TypeAlias = Buffer | npt.NDArray[np.int64]
 
-@final
 def first_repeat(rows: _Int64Buffer, bitmap: Buffer | npt.NDArray[np.uint8], /) -> int:
     """Position of the first element of ``rows`` equal to an earlier one, or -1."""
 
+@final
 class Int64Index:
     """Hash index from int64 keys to dense row ids ``0..len-1``, in order of first insertion."""
 

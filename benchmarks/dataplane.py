@@ -262,6 +262,8 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures to this path")
     parser.add_argument("--only", choices=["dense", "sparse", "index"], action="append",
                         help="run only these parts (repeatable); figures of others are absent")
+    parser.add_argument("--chunk-mib", type=float, default=None,
+                        help="chunk size of the pstrain server (default: the server's own)")
     parser.add_argument("--serve-raw", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_raw:
@@ -272,13 +274,14 @@ def main() -> None:
     tune_malloc()
     parts = set(args.only or ["dense", "sparse", "index"])
     rows = 1_000_000 if args.quick else 10_000_000
-    reps = {1: 20, 16: 9, 64: 3} if args.quick else {1: 40, 16: 15, 64: 5}
+    reps = {1: 20, 16: 11, 64: 3} if args.quick else {1: 40, 16: 25, 64: 7}
     tmp = Path(tempfile.mkdtemp(prefix="pstrain-bench-"))
     procs = []
     try:
         server, address = spawn(
             [sys.executable, "-m", "ps", "--bind", "127.0.0.1:0",
-             "--ready-file", str(tmp / "ps.ready"), "--log-level", "WARNING"],
+             "--ready-file", str(tmp / "ps.ready"), "--log-level", "WARNING",
+             *(["--chunk-mib", str(args.chunk_mib)] if args.chunk_mib else [])],
             tmp / "ps.ready",
         )
         procs.append(server)

@@ -211,35 +211,37 @@ class ParameterServerServicer:
             itemsize = torch.empty((), dtype=dtype).element_size()
             expected = math.prod(shape) * itemsize
             self._check_request_size(expected)
-            parts: list[tuple[int, torch.Tensor]] = []
-            received = 0
-            for frame in itertools.chain((first,), chunks):
-                if frame.msg.offset * itemsize != received:
+
+            def parts() -> Iterator[tuple[int, torch.Tensor]]:
+                # Decoded lazily, so the shard checks each chunk while later ones arrive.
+                received = 0
+                for frame in itertools.chain((first,), chunks):
+                    if frame.msg.offset * itemsize != received:
+                        raise InvalidArgumentError(
+                            f"dense push chunk at element {frame.msg.offset} does not follow "
+                            f"the {received // itemsize} elements received so far"
+                        )
+                    data = frame.payload("data")
+                    if data.nbytes % itemsize:
+                        raise InvalidArgumentError(
+                            f"dense push chunk of {data.nbytes} bytes is not a whole number "
+                            f"of {codec.dtype_name(head.dtype)} elements"
+                        )
+                    received += data.nbytes
+                    self._check_request_size(received)
+                    self.bytes.add(received=data.nbytes)
+                    if data.nbytes:
+                        n = data.nbytes // itemsize
+                        yield received // itemsize - n, codec.tensor_from_bytes(data, dtype, (n,))
+                if received != expected:
                     raise InvalidArgumentError(
-                        f"dense push chunk at element {frame.msg.offset} does not follow the "
-                        f"{received // itemsize} elements received so far"
+                        f"dense push carries {received} bytes but shape {list(shape)} of "
+                        f"{codec.dtype_name(head.dtype)} needs {expected}"
                     )
-                data = frame.payload("data")
-                if data.nbytes % itemsize:
-                    raise InvalidArgumentError(
-                        f"dense push chunk of {data.nbytes} bytes is not a whole number of "
-                        f"{codec.dtype_name(head.dtype)} elements"
-                    )
-                received += data.nbytes
-                self._check_request_size(received)
-                if data.nbytes:
-                    n = data.nbytes // itemsize
-                    values = codec.tensor_from_bytes(data, dtype, (n,))
-                    parts.append((received // itemsize - n, values))
-            self.bytes.add(received=received)
-            if received != expected:
-                raise InvalidArgumentError(
-                    f"dense push carries {received} bytes but shape {list(shape)} of "
-                    f"{codec.dtype_name(head.dtype)} needs {expected}"
-                )
-            duplicate = self.shard.push_dense(head.table, _meta(head), dtype, shape, parts)
+
+            duplicate = self.shard.push_dense(head.table, _meta(head), dtype, shape, parts())
             return pb.PushResponse(
-                duplicate=duplicate, elements=received // itemsize
+                duplicate=duplicate, elements=expected // itemsize
             ).SerializeToString()
 
         return _guard(push, context)

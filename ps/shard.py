@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -148,22 +148,27 @@ class Shard:
 
     def push_dense(
         self, name: str, meta: PushMeta, dtype: torch.dtype, shape: tuple[int, ...],
-        parts: Sequence[tuple[int, torch.Tensor]],
+        parts: Iterable[tuple[int, torch.Tensor]],
     ) -> bool:
         """Applies a dense push once; returns True when it was a duplicate (nothing changed).
 
-        `parts` are (flat element offset, values) slices covering the block exactly once.
+        `parts` yields (flat element offset, values) slices covering the block exactly once,
+        typically as they come off the wire: each is checked on arrival, so validation
+        overlaps the transfer, and nothing is applied until every part has passed.
         """
         table, policy = self._dense(name)
+        check = not meta.assign and not table.spec.allow_non_finite
+        received: list[tuple[int, torch.Tensor]] = []
         try:
             table.check_push(dtype, shape)
-            if not meta.assign and not table.spec.allow_non_finite:
-                for offset, part in parts:
+            for offset, part in parts:
+                if check:
                     check_finite(name, part, offset)
+                received.append((offset, part))
         except PSError:
             table.count(pushes_rejected=1)
             raise
-        return self._apply(table, policy, meta, lambda: table.apply(parts, meta.assign))
+        return self._apply(table, policy, meta, lambda: table.apply(received, meta.assign))
 
     def push_sparse(
         self, name: str, meta: PushMeta, dtype: torch.dtype, dim: int, keys: np.ndarray,

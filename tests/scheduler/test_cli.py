@@ -1,0 +1,52 @@
+"""The pstrain command line, run as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from procs import REPO, Procs, wait_ready
+
+
+def _pstrain(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "scheduler.cli", *args], cwd=REPO, capture_output=True,
+        text=True, timeout=60,
+    )
+
+
+def test_help_lists_commands() -> None:
+    out = _pstrain("--help")
+    assert out.returncode == 0 and "server" in out.stdout
+
+
+def test_server_help() -> None:
+    out = _pstrain("server", "--help")
+    assert out.returncode == 0
+    for flag in ("--bind", "--shard", "--num-shards"):
+        assert flag in out.stdout
+
+
+def test_unknown_command_names_it() -> None:
+    out = _pstrain("serve")
+    assert out.returncode == 2 and "unknown command 'serve'" in out.stderr
+
+
+def test_bad_server_flags_name_the_value() -> None:
+    out = _pstrain("server", "--bind", "localhost")
+    assert out.returncode == 2 and "got 'localhost'" in out.stderr
+    out = _pstrain("server", "--bind", "127.0.0.1:0", "--shard", "3", "--num-shards", "2")
+    assert out.returncode == 2 and "shard must be in [0, 2), got 3" in out.stderr
+
+
+def test_server_runs_and_stops_on_sigterm(procs: Procs) -> None:
+    ready = procs.workdir / "cli.ready"
+    proc = procs.spawn(
+        [sys.executable, "-m", "scheduler.cli", "server", "--bind", "127.0.0.1:0",
+         "--ready-file", str(ready)],
+        "cli-server",
+    )
+    info = wait_ready(proc, ready, 60)
+    assert info["pid"] == proc.pid  # the CLI replaced itself with the server
+    proc.popen.terminate()
+    assert proc.popen.wait(timeout=20) == 0

@@ -127,14 +127,16 @@ class PushId(_message.Message):
     def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class PullDenseRequest(_message.Message):
-    __slots__ = ("table", "worker", "clock")
+    __slots__ = ("table", "worker", "clock", "wait_ms")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     table: str
     worker: int
     clock: int
-    def __init__(self, table: _Optional[str] = ..., worker: _Optional[int] = ..., clock: _Optional[int] = ...) -> None: ...
+    wait_ms: int
+    def __init__(self, table: _Optional[str] = ..., worker: _Optional[int] = ..., clock: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class DenseChunk(_message.Message):
     __slots__ = ("dtype", "shape", "offset", "data")
@@ -149,20 +151,22 @@ class DenseChunk(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushDenseHeader(_message.Message):
-    __slots__ = ("table", "id", "clock", "kind", "dtype", "shape")
+    __slots__ = ("table", "id", "clock", "kind", "dtype", "shape", "wait_ms")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     table: str
     id: PushId
     clock: int
     kind: PushKind
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, table: _Optional[str] = ..., id: _Optional[_Union[PushId, _Mapping]] = ..., clock: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    wait_ms: int
+    def __init__(self, table: _Optional[str] = ..., id: _Optional[_Union[PushId, _Mapping]] = ..., clock: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class PushDenseChunk(_message.Message):
     __slots__ = ("header", "offset", "data")
@@ -175,16 +179,18 @@ class PushDenseChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PushDenseHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PullSparseRequest(_message.Message):
-    __slots__ = ("table", "worker", "clock", "keys")
+    __slots__ = ("table", "worker", "clock", "wait_ms", "keys")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     table: str
     worker: int
     clock: int
+    wait_ms: int
     keys: bytes
-    def __init__(self, table: _Optional[str] = ..., worker: _Optional[int] = ..., clock: _Optional[int] = ..., keys: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, table: _Optional[str] = ..., worker: _Optional[int] = ..., clock: _Optional[int] = ..., wait_ms: _Optional[int] = ..., keys: _Optional[bytes] = ...) -> None: ...
 
 class SparseChunk(_message.Message):
     __slots__ = ("dtype", "dim", "row_offset", "rows", "values")
@@ -201,20 +207,22 @@ class SparseChunk(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., dim: _Optional[int] = ..., row_offset: _Optional[int] = ..., rows: _Optional[int] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class PushSparseHeader(_message.Message):
-    __slots__ = ("table", "id", "clock", "kind", "dtype", "dim")
+    __slots__ = ("table", "id", "clock", "kind", "dtype", "dim", "wait_ms")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     table: str
     id: PushId
     clock: int
     kind: PushKind
     dtype: DType
     dim: int
-    def __init__(self, table: _Optional[str] = ..., id: _Optional[_Union[PushId, _Mapping]] = ..., clock: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., dim: _Optional[int] = ...) -> None: ...
+    wait_ms: int
+    def __init__(self, table: _Optional[str] = ..., id: _Optional[_Union[PushId, _Mapping]] = ..., clock: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., dim: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class PushSparseChunk(_message.Message):
     __slots__ = ("header", "keys", "values")
@@ -227,19 +235,61 @@ class PushSparseChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PushSparseHeader, _Mapping]] = ..., keys: _Optional[bytes] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("duplicate", "elements")
+    __slots__ = ("duplicate", "elements", "dropped")
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     duplicate: bool
     elements: int
-    def __init__(self, duplicate: _Optional[bool] = ..., elements: _Optional[int] = ...) -> None: ...
+    dropped: bool
+    def __init__(self, duplicate: _Optional[bool] = ..., elements: _Optional[int] = ..., dropped: _Optional[bool] = ...) -> None: ...
+
+class TickRequest(_message.Message):
+    __slots__ = ("worker", "incarnation", "clock")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    incarnation: int
+    clock: int
+    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ...) -> None: ...
+
+class TickResponse(_message.Message):
+    __slots__ = ("open_clock",)
+    OPEN_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    open_clock: int
+    def __init__(self, open_clock: _Optional[int] = ...) -> None: ...
+
+class WorkerClock(_message.Message):
+    __slots__ = ("worker", "clock", "live")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    clock: int
+    live: bool
+    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., live: _Optional[bool] = ...) -> None: ...
+
+class MembershipRequest(_message.Message):
+    __slots__ = ("live_workers",)
+    LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    live_workers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, live_workers: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MembershipResponse(_message.Message):
+    __slots__ = ("open_clock", "clocks")
+    OPEN_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    CLOCKS_FIELD_NUMBER: _ClassVar[int]
+    open_clock: int
+    clocks: _containers.RepeatedCompositeFieldContainer[WorkerClock]
+    def __init__(self, open_clock: _Optional[int] = ..., clocks: _Optional[_Iterable[_Union[WorkerClock, _Mapping]]] = ...) -> None: ...
 
 class ServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("shard", "num_shards", "incarnation", "job", "version", "max_message_bytes", "chunk_bytes")
+    __slots__ = ("shard", "num_shards", "incarnation", "job", "version", "max_message_bytes", "chunk_bytes", "mode", "workers", "backups", "staleness", "open_clock")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +297,11 @@ class ServerInfo(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    BACKUPS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_CLOCK_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     incarnation: int
@@ -254,14 +309,33 @@ class ServerInfo(_message.Message):
     version: str
     max_message_bytes: int
     chunk_bytes: int
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., incarnation: _Optional[int] = ..., job: _Optional[str] = ..., version: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    mode: str
+    workers: int
+    backups: int
+    staleness: int
+    open_clock: int
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., incarnation: _Optional[int] = ..., job: _Optional[str] = ..., version: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., mode: _Optional[str] = ..., workers: _Optional[int] = ..., backups: _Optional[int] = ..., staleness: _Optional[int] = ..., open_clock: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("pull_log",)
+    PULL_LOG_FIELD_NUMBER: _ClassVar[int]
+    pull_log: bool
+    def __init__(self, pull_log: _Optional[bool] = ...) -> None: ...
+
+class PullRecord(_message.Message):
+    __slots__ = ("table", "worker", "clock", "min_live_clock")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    MIN_LIVE_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    worker: int
+    clock: int
+    min_live_clock: int
+    def __init__(self, table: _Optional[str] = ..., worker: _Optional[int] = ..., clock: _Optional[int] = ..., min_live_clock: _Optional[int] = ...) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("name", "kind", "optimizer", "rows", "value_bytes", "state_bytes", "index_bytes", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "rows_pulled", "rows_pushed", "row_start", "row_end")
+    __slots__ = ("name", "kind", "optimizer", "rows", "value_bytes", "state_bytes", "index_bytes", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "rows_pulled", "rows_pushed", "row_start", "row_end", "mode", "pushes_dropped", "gradients_aggregated")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
@@ -277,6 +351,9 @@ class TableStats(_message.Message):
     ROWS_PUSHED_FIELD_NUMBER: _ClassVar[int]
     ROW_START_FIELD_NUMBER: _ClassVar[int]
     ROW_END_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    GRADIENTS_AGGREGATED_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     optimizer: str
@@ -292,16 +369,27 @@ class TableStats(_message.Message):
     rows_pushed: int
     row_start: int
     row_end: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., optimizer: _Optional[str] = ..., rows: _Optional[int] = ..., value_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., index_bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ...) -> None: ...
+    mode: str
+    pushes_dropped: int
+    gradients_aggregated: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., optimizer: _Optional[str] = ..., rows: _Optional[int] = ..., value_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., index_bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., mode: _Optional[str] = ..., pushes_dropped: _Optional[int] = ..., gradients_aggregated: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("info", "tables", "bytes_received", "bytes_sent")
+    __slots__ = ("info", "tables", "bytes_received", "bytes_sent", "open_clock", "clocks_closed", "clocks", "pull_log")
     INFO_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    OPEN_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    CLOCKS_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    CLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PULL_LOG_FIELD_NUMBER: _ClassVar[int]
     info: ServerInfo
     tables: _containers.RepeatedCompositeFieldContainer[TableStats]
     bytes_received: int
     bytes_sent: int
-    def __init__(self, info: _Optional[_Union[ServerInfo, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
+    open_clock: int
+    clocks_closed: int
+    clocks: _containers.RepeatedCompositeFieldContainer[WorkerClock]
+    pull_log: _containers.RepeatedCompositeFieldContainer[PullRecord]
+    def __init__(self, info: _Optional[_Union[ServerInfo, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., open_clock: _Optional[int] = ..., clocks_closed: _Optional[int] = ..., clocks: _Optional[_Iterable[_Union[WorkerClock, _Mapping]]] = ..., pull_log: _Optional[_Iterable[_Union[PullRecord, _Mapping]]] = ...) -> None: ...

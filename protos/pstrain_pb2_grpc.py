@@ -70,6 +70,16 @@ class ParameterServerStub:
                 request_serializer=protos_dot_pstrain__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_pstrain__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Tick = channel.unary_unary(
+                '/pstrain.v1.ParameterServer/Tick',
+                request_serializer=protos_dot_pstrain__pb2.TickRequest.SerializeToString,
+                response_deserializer=protos_dot_pstrain__pb2.TickResponse.FromString,
+                _registered_method=True)
+        self.SetMembership = channel.unary_unary(
+                '/pstrain.v1.ParameterServer/SetMembership',
+                request_serializer=protos_dot_pstrain__pb2.MembershipRequest.SerializeToString,
+                response_deserializer=protos_dot_pstrain__pb2.MembershipResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -118,6 +128,18 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tick(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetMembership(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +177,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=protos_dot_pstrain__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_pstrain__pb2.StatsResponse.SerializeToString,
+            ),
+            'Tick': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tick,
+                    request_deserializer=protos_dot_pstrain__pb2.TickRequest.FromString,
+                    response_serializer=protos_dot_pstrain__pb2.TickResponse.SerializeToString,
+            ),
+            'SetMembership': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetMembership,
+                    request_deserializer=protos_dot_pstrain__pb2.MembershipRequest.FromString,
+                    response_serializer=protos_dot_pstrain__pb2.MembershipResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -347,6 +379,60 @@ class ParameterServer:
             '/pstrain.v1.ParameterServer/GetStats',
             protos_dot_pstrain__pb2.StatsRequest.SerializeToString,
             protos_dot_pstrain__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tick(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.ParameterServer/Tick',
+            protos_dot_pstrain__pb2.TickRequest.SerializeToString,
+            protos_dot_pstrain__pb2.TickResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetMembership(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.ParameterServer/SetMembership',
+            protos_dot_pstrain__pb2.MembershipRequest.SerializeToString,
+            protos_dot_pstrain__pb2.MembershipResponse.FromString,
             options,
             channel_credentials,
             insecure,

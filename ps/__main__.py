@@ -27,7 +27,18 @@ def parse_args(argv: list[str]) -> ServerConfig:
                    help="number of shards N in the job (env PSTRAIN_NUM_SHARDS)")
     p.add_argument("--job", default=env.get("PSTRAIN_JOB", ""), help="job name (env PSTRAIN_JOB)")
     p.add_argument("--mode", default=env.get("PSTRAIN_MODE", "async"),
-                   help="default consistency mode of tables (env PSTRAIN_MODE)")
+                   help="default consistency mode of tables: sync, ssp, ssp:S or async "
+                        "(env PSTRAIN_MODE)")
+    p.add_argument("--staleness", type=int, default=int(env.get("PSTRAIN_STALENESS", "0")),
+                   help="ssp staleness bound S (env PSTRAIN_STALENESS)")
+    p.add_argument("--workers", type=int, default=int(env.get("PSTRAIN_WORKERS", "1")),
+                   help="workers in the job, backups included; ranks 0..W-1 start live "
+                        "(env PSTRAIN_WORKERS)")
+    p.add_argument("--backups", type=int, default=int(env.get("PSTRAIN_BACKUPS", "0")),
+                   help="sync backup workers b: a clock closes with the first W - b "
+                        "(env PSTRAIN_BACKUPS)")
+    p.add_argument("--max-wait-s", type=float, default=300.0,
+                   help="longest a pull or push waits for the clocks (default 300)")
     p.add_argument("--incarnation", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--torch-threads", type=int,
                    default=int(env.get("PSTRAIN_TORCH_THREADS", "1")),
@@ -51,7 +62,8 @@ def parse_args(argv: list[str]) -> ServerConfig:
     )
     return ServerConfig(
         bind=a.bind, shard=a.shard, num_shards=a.num_shards, job=a.job,
-        incarnation=a.incarnation, mode=a.mode, torch_threads=a.torch_threads,
+        incarnation=a.incarnation, mode=a.mode, staleness=a.staleness, workers=a.workers,
+        backups=a.backups, max_wait_s=a.max_wait_s, torch_threads=a.torch_threads,
         grpc_threads=a.grpc_threads, chunk_bytes=int(a.chunk_mib * MiB),
         max_message_bytes=int(a.max_message_mib * MiB),
         max_request_bytes=int(a.max_request_mib * MiB), ready_file=a.ready_file,

@@ -111,6 +111,11 @@ class PushLedger:
                 log.in_flight.discard(seq)
             self._cond.notify_all()
 
+    def check_incarnation(self, worker: int, incarnation: int) -> None:
+        """FailedPreconditionError if a newer incarnation of `worker` has been seen."""
+        with self._cond:
+            self._log_for(worker, incarnation)
+
     def _log_for(self, worker: int, incarnation: int) -> _WorkerLog:
         log = self._logs.get(worker)
         if log is None or incarnation > log.incarnation:

@@ -16,6 +16,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.runtime import tune_malloc
+from ps.clocks import Quorum
 from ps.errors import InvalidArgumentError
 from ps.servicer import SERVICE, ParameterServerServicer, WireLimits
 from ps.shard import Shard, ShardConfig
@@ -36,6 +37,10 @@ class ServerConfig:
     job: str = ""
     incarnation: int = 1
     mode: str = "async"
+    staleness: int = 0
+    workers: int = 1
+    backups: int = 0
+    max_wait_s: float = 300.0
     torch_threads: int = 1
     grpc_threads: int = 16
     chunk_bytes: int = 2 * MiB
@@ -63,7 +68,8 @@ class ServerConfig:
     def shard_config(self) -> ShardConfig:
         return ShardConfig(
             shard=self.shard, num_shards=self.num_shards, job=self.job,
-            incarnation=self.incarnation, mode=self.mode,
+            incarnation=self.incarnation, mode=self.mode, staleness=self.staleness,
+            quorum=Quorum(self.workers, self.backups), max_wait_s=self.max_wait_s,
         )
 
 

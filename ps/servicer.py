@@ -29,7 +29,7 @@ from ps.errors import (
     ResourceExhaustedError,
 )
 from ps.initializers import InitSpec
-from ps.shard import PushMeta, Shard
+from ps.shard import ClockState, PushMeta, PushOutcome, Shard
 from ps.tables import OptimizerConfig, SparseRows, TableSpec, TableStats
 
 log = logging.getLogger(__name__)
@@ -112,18 +112,34 @@ def _meta(msg: pb.PushDenseHeader | pb.PushSparseHeader) -> PushMeta:
         seq=msg.id.seq,
         clock=msg.clock,
         assign=msg.kind == pb.ASSIGN,
+        wait_s=msg.wait_ms / 1000,
     )
 
 
-def _stats_to_proto(s: TableStats) -> pb.TableStats:
+def _push_response(outcome: PushOutcome, elements: int) -> bytes:
+    return pb.PushResponse(
+        duplicate=outcome is PushOutcome.DUPLICATE, dropped=outcome is PushOutcome.DROPPED,
+        elements=elements,
+    ).SerializeToString()
+
+
+def _stats_to_proto(s: TableStats, mode: str) -> pb.TableStats:
     c = s.counters
     return pb.TableStats(
         name=s.name, kind=s.kind, optimizer=s.optimizer, rows=s.rows,
         value_bytes=s.value_bytes, state_bytes=s.state_bytes, index_bytes=s.index_bytes,
         pushes_applied=c.pushes_applied, pushes_duplicate=c.pushes_duplicate,
         pushes_rejected=c.pushes_rejected, pulls=c.pulls, rows_pulled=c.rows_pulled,
-        rows_pushed=c.rows_pushed, row_start=s.row_start, row_end=s.row_end,
+        rows_pushed=c.rows_pushed, row_start=s.row_start, row_end=s.row_end, mode=mode,
+        pushes_dropped=c.pushes_dropped, gradients_aggregated=c.gradients_aggregated,
     )
+
+
+def _clocks_to_proto(state: ClockState) -> list[pb.WorkerClock]:
+    return [
+        pb.WorkerClock(worker=w, clock=c, live=w in state.live)
+        for w, c in sorted(state.clocks.items())
+    ]
 
 
 class _ByteCounter:
@@ -155,7 +171,9 @@ class ParameterServerServicer:
         return pb.ServerInfo(
             shard=cfg.shard, num_shards=cfg.num_shards, incarnation=cfg.incarnation,
             job=cfg.job, version=self.version, max_message_bytes=self.limits.max_message_bytes,
-            chunk_bytes=self.limits.chunk_bytes,
+            chunk_bytes=self.limits.chunk_bytes, mode=cfg.mode, workers=cfg.quorum.workers,
+            backups=cfg.quorum.backups, staleness=cfg.staleness,
+            open_clock=self.shard.clock_state().open_clock,
         )
 
     def GetServerInfo(self, request: Frame[pb.ServerInfoRequest], context: Any) -> bytes:
@@ -175,18 +193,45 @@ class ParameterServerServicer:
         return _guard(declare, context)
 
     def GetStats(self, request: Frame[pb.StatsRequest], context: Any) -> bytes:
-        return pb.StatsResponse(
+        state = self.shard.clock_state()
+        response = pb.StatsResponse(
             info=self.info(),
-            tables=[_stats_to_proto(s) for s in self.shard.stats()],
+            tables=[_stats_to_proto(s, mode) for s, mode in self.shard.stats()],
             bytes_received=self.bytes.received,
             bytes_sent=self.bytes.sent,
+            open_clock=state.open_clock,
+            clocks_closed=state.clocks_closed,
+            clocks=_clocks_to_proto(state),
+        )
+        if request.msg.pull_log:
+            response.pull_log.extend(
+                pb.PullRecord(table=r.table, worker=r.worker, clock=r.clock,
+                              min_live_clock=r.min_live_clock)
+                for r in self.shard.pull_log()
+            )
+        return response.SerializeToString()
+
+    def Tick(self, request: Frame[pb.TickRequest], context: Any) -> bytes:
+        msg = request.msg
+        open_clock = _guard(
+            lambda: self.shard.tick(msg.worker, msg.incarnation, msg.clock), context
+        )
+        return pb.TickResponse(open_clock=open_clock).SerializeToString()
+
+    def SetMembership(self, request: Frame[pb.MembershipRequest], context: Any) -> bytes:
+        state = _guard(lambda: self.shard.set_live(request.msg.live_workers), context)
+        return pb.MembershipResponse(
+            open_clock=state.open_clock, clocks=_clocks_to_proto(state)
         ).SerializeToString()
 
     # ---- dense -----------------------------------------------------------------------------
 
     def PullDense(self, request: Frame[pb.PullDenseRequest], context: Any) -> Iterator[bytes]:
         msg = request.msg
-        block = _guard(lambda: self.shard.pull_dense(msg.table, msg.worker, msg.clock), context)
+        block = _guard(
+            lambda: self.shard.pull_dense(msg.table, msg.worker, msg.clock, msg.wait_ms / 1000),
+            context,
+        )
         data = codec.tensor_bytes(block)
         dtype = codec.dtype_to_wire(block.dtype)
         itemsize = block.element_size()
@@ -239,10 +284,8 @@ class ParameterServerServicer:
                         f"{codec.dtype_name(head.dtype)} needs {expected}"
                     )
 
-            duplicate = self.shard.push_dense(head.table, _meta(head), dtype, shape, parts())
-            return pb.PushResponse(
-                duplicate=duplicate, elements=expected // itemsize
-            ).SerializeToString()
+            outcome = self.shard.push_dense(head.table, _meta(head), dtype, shape, parts())
+            return _push_response(outcome, expected // itemsize)
 
         return _guard(push, context)
 
@@ -254,7 +297,9 @@ class ParameterServerServicer:
         def pull() -> SparseRows:
             keys = codec.keys_from_bytes(request.payload("keys"))
             self.bytes.add(received=keys.nbytes)
-            return self.shard.pull_sparse(msg.table, msg.worker, msg.clock, keys)
+            return self.shard.pull_sparse(
+                msg.table, msg.worker, msg.clock, keys, msg.wait_ms / 1000
+            )
 
         rows = _guard(pull, context)
         dtype = codec.dtype_to_wire(rows.dtype)
@@ -288,12 +333,10 @@ class ParameterServerServicer:
             self.bytes.add(received=received)
             keys = codec.keys_from_bytes(_join(key_parts))
             values = _join(value_parts)
-            duplicate = self.shard.push_sparse(
+            outcome = self.shard.push_sparse(
                 head.table, _meta(head), dtype, head.dim, keys, values
             )
-            return pb.PushResponse(
-                duplicate=duplicate, elements=len(keys) * head.dim
-            ).SerializeToString()
+            return _push_response(outcome, len(keys) * head.dim)
 
         return _guard(push, context)
 
@@ -333,6 +376,12 @@ class ParameterServerServicer:
             ),
             "PushSparse": grpc.stream_unary_rpc_method_handler(
                 self.PushSparse, request_deserializer=de(pb.PushSparseChunk)
+            ),
+            "Tick": grpc.unary_unary_rpc_method_handler(
+                self.Tick, request_deserializer=de(pb.TickRequest)
+            ),
+            "SetMembership": grpc.unary_unary_rpc_method_handler(
+                self.SetMembership, request_deserializer=de(pb.MembershipRequest)
             ),
         }
         return grpc.method_handlers_generic_handler(SERVICE, methods)

@@ -1,24 +1,37 @@
-"""One shard of the parameter server: its tables, the push ledger and the consistency policy.
+"""One shard of the parameter server: its tables, the push ledger and the consistency executor.
 
-The shard is the executor: it validates a request against the table, admits a push through
-the exactly-once ledger, asks the table's policy whether to serve now, and calls the table.
+The shard validates a request against its table, admits a push through the exactly-once
+ledger, asks the table's policy whether to serve now, and then waits, aggregates, applies or
+drops as the policy says. Policies decide; only this module waits, locks and applies.
 Every method is thread-safe and may be called from many gRPC threads at once.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from protos.codec import tensor_from_bytes
 from protos.partition import RowRange, dense_placement
-from ps.consistency import ClockView, Decision, Policy, make_policy
-from ps.errors import InvalidArgumentError, NotFoundError, PSError
+from ps.aggregate import Aggregate, DenseSum, SparseSum
+from ps.clocks import ClockBoard, Quorum
+from ps.consistency import ClockView, Decision, Policy, SSPPolicy, SyncPolicy, make_policy
+from ps.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PSError,
+)
 from ps.ledger import Admission, PushLedger
 from ps.tables import (
     DenseTable,
@@ -33,6 +46,11 @@ from ps.tables import (
 
 log = logging.getLogger(__name__)
 
+S = TypeVar("S", DenseSum, SparseSum)
+
+# Served ssp pulls remembered for inspection (GetStats with pull_log).
+PULL_LOG_SIZE = 100_000
+
 
 @dataclass(frozen=True)
 class ShardConfig:
@@ -41,6 +59,10 @@ class ShardConfig:
     job: str = ""
     incarnation: int = 1
     mode: str = "async"
+    staleness: int = 0
+    quorum: Quorum = field(default_factory=Quorum)
+    # Longest a pull or push may wait for the clocks to move, unless the request asks less.
+    max_wait_s: float = 300.0
     # How long a retried push waits for its first attempt, still being applied, to finish.
     inflight_wait_s: float = 30.0
 
@@ -51,7 +73,7 @@ class ShardConfig:
             raise InvalidArgumentError(
                 f"shard must be in [0, {self.num_shards}), got {self.shard}"
             )
-        make_policy(self.mode)
+        make_policy(self.mode, self.staleness)
 
 
 @dataclass(frozen=True)
@@ -63,18 +85,47 @@ class PushMeta:
     seq: int
     clock: int = 0
     assign: bool = False
+    wait_s: float = 0.0  # 0: the shard's limit
+
+
+class PushOutcome(Enum):
+    APPLIED = "applied"  # applied now, or aggregated into its sync clock
+    DUPLICATE = "duplicate"  # applied before; nothing changed
+    DROPPED = "dropped"  # past its clock's quorum: counted, not applied
+
+
+@dataclass(frozen=True)
+class PullRecord:
+    table: str
+    worker: int
+    clock: int
+    min_live_clock: int
+
+
+@dataclass(frozen=True)
+class ClockState:
+    open_clock: int
+    clocks_closed: int
+    clocks: dict[int, int]
+    live: frozenset[int]
 
 
 class Shard:
     """Holds this shard's tables and applies pushes and pulls to them."""
 
-    def __init__(self, config: ShardConfig) -> None:
+    def __init__(self, config: ShardConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.ledger = PushLedger()
-        # Guards _tables and _policies (the dicts, not the tables).
+        self._now = clock
+        # Guards _tables, _policies and _sums (the dicts, not the tables).
         self._lock = threading.Lock()
         self._tables: dict[str, Table] = {}
         self._policies: dict[str, Policy] = {}
+        # Guards the clock board, the sync sums' contents and the pull log; waiters wait on it.
+        self._clocks = threading.Condition(threading.Lock())
+        self.board = ClockBoard(config.quorum)
+        self._sums: dict[str, Aggregate] = {}
+        self._pull_log: collections.deque[PullRecord] = collections.deque(maxlen=PULL_LOG_SIZE)
 
     # ---- tables ----------------------------------------------------------------------------
 
@@ -85,22 +136,30 @@ class Shard:
                 held = self._tables.get(spec.name)
                 if held is not None:
                     check_same_spec(held.spec, spec)
-                make_policy(spec.mode or self.config.mode)
+                self._policy_for(spec)
             placements = []
             for spec in specs:
                 table = self._tables.get(spec.name)
                 if table is None:
                     table = self._create(spec)
+                    policy = self._policy_for(spec)
                     self._tables[spec.name] = table
-                    self._policies[spec.name] = make_policy(spec.mode or self.config.mode)
-                    log.info("shard %d: created %s table %r", self.config.shard, spec.kind,
-                             spec.name)
+                    self._policies[spec.name] = policy
+                    if policy.aggregates:
+                        self._sums[spec.name] = (
+                            DenseSum(table) if isinstance(table, DenseTable) else SparseSum(table)
+                        )
+                    log.info("shard %d: created %s table %r (%s)", self.config.shard,
+                             spec.kind, spec.name, policy.name)
                 placements.append(
                     table.placement
                     if isinstance(table, DenseTable)
                     else RowRange(self.config.shard, 0, 0)
                 )
             return placements
+
+    def _policy_for(self, spec: TableSpec) -> Policy:
+        return make_policy(spec.mode or self.config.mode, self.config.staleness)
 
     def _create(self, spec: TableSpec) -> Table:
         if spec.kind == "sparse":
@@ -131,26 +190,83 @@ class Shard:
             raise InvalidArgumentError(f"table {name!r} is dense; use the dense calls")
         return table, policy
 
-    # ---- data plane ------------------------------------------------------------------------
+    # ---- pulls -----------------------------------------------------------------------------
 
-    def pull_dense(self, name: str, worker: int, clock: int) -> torch.Tensor:
-        """This shard's block of dense table `name` (the live tensor, not a copy)."""
+    def pull_dense(self, name: str, worker: int, clock: int, wait_s: float = 0.0) -> torch.Tensor:
+        """This shard's block of dense table `name` (the live tensor, not a copy).
+
+        Blocks while the table's consistency mode makes the pull wait.
+        """
         table, policy = self._dense(name)
-        self._await(policy.on_pull(ClockView(worker, clock)))
+        self._await_pull(name, policy, worker, clock, wait_s)
         return table.read()
 
-    def pull_sparse(self, name: str, worker: int, clock: int, keys: np.ndarray) -> SparseRows:
-        """Rows of `keys` from sparse table `name`, created on first touch, in key order."""
+    def pull_sparse(
+        self, name: str, worker: int, clock: int, keys: np.ndarray, wait_s: float = 0.0
+    ) -> SparseRows:
+        """Rows of `keys` from sparse table `name`, created on first touch, in key order.
+
+        Blocks while the table's consistency mode makes the pull wait.
+        """
         table, policy = self._sparse(name)
         table.check_keys(keys)
-        self._await(policy.on_pull(ClockView(worker, clock)))
+        self._await_pull(name, policy, worker, clock, wait_s)
         return table.pull(keys)
+
+    def _await_pull(
+        self, name: str, policy: Policy, worker: int, clock: int, wait_s: float
+    ) -> None:
+        if isinstance(policy, SSPPolicy | SyncPolicy):
+            with self._clocks:
+                view = self._wait_for(
+                    lambda: self.board.view(worker, clock), policy.on_pull, wait_s,
+                    lambda waited: self._pull_wait_error(name, policy, worker, clock, waited),
+                )
+                if isinstance(policy, SSPPolicy):
+                    self._pull_log.append(PullRecord(name, worker, clock, view.min_live_clock))
+
+    def _wait_for(
+        self, view_fn: Callable[[], ClockView], decide: Callable[[ClockView], Decision],
+        wait_s: float, on_timeout: Callable[[float], PSError],
+    ) -> ClockView:
+        """Asks `decide` until it stops saying WAIT. Caller holds self._clocks."""
+        limit = self.config.max_wait_s if wait_s <= 0 else min(wait_s, self.config.max_wait_s)
+        start = self._now()
+        while True:
+            view = view_fn()
+            if decide(view) is not Decision.WAIT:
+                return view
+            remaining = start + limit - self._now()
+            if remaining <= 0:
+                raise on_timeout(self._now() - start)
+            self._clocks.wait(remaining)
+
+    def _pull_wait_error(
+        self, name: str, policy: Policy, worker: int, clock: int, waited: float
+    ) -> PSError:
+        if isinstance(policy, SyncPolicy):
+            return DeadlineExceededError(
+                f"waited {waited:.1f} s: pull of sync table {name!r} by worker {worker} at "
+                f"clock {clock} needs clock {clock - 1} closed, but clock "
+                f"{self.board.open_clock} is open ({len(self.board.contributors)} of quorum "
+                f"{self.board.quorum} counted); waiting for workers "
+                f"{_workers(self.board.unfinished())}"
+            )
+        assert isinstance(policy, SSPPolicy)
+        bound = clock - policy.staleness
+        return DeadlineExceededError(
+            f"waited {waited:.1f} s: pull of ssp table {name!r} by worker {worker} at clock "
+            f"{clock} needs every live worker at clock >= {bound} (staleness "
+            f"{policy.staleness}); waiting for workers {_workers(self.board.behind(bound))}"
+        )
+
+    # ---- pushes ----------------------------------------------------------------------------
 
     def push_dense(
         self, name: str, meta: PushMeta, dtype: torch.dtype, shape: tuple[int, ...],
         parts: Iterable[tuple[int, torch.Tensor]],
-    ) -> bool:
-        """Applies a dense push once; returns True when it was a duplicate (nothing changed).
+    ) -> PushOutcome:
+        """Applies a dense push once, as the table's mode says.
 
         `parts` yields (flat element offset, values) slices covering the block exactly once,
         typically as they come off the wire: each is checked on arrival, so validation
@@ -168,13 +284,17 @@ class Shard:
         except PSError:
             table.count(pushes_rejected=1)
             raise
-        return self._apply(table, policy, meta, lambda: table.apply(received, meta.assign))
+        return self._push(
+            name, table, policy, meta,
+            apply=lambda: table.apply(received, meta.assign),
+            aggregate=lambda: self._sum(name, DenseSum).add(received),
+        )
 
     def push_sparse(
         self, name: str, meta: PushMeta, dtype: torch.dtype, dim: int, keys: np.ndarray,
         values: memoryview,
-    ) -> bool:
-        """Applies a sparse push once; returns True when it was a duplicate (nothing changed).
+    ) -> PushOutcome:
+        """Applies a sparse push once, as the table's mode says.
 
         `values` are the raw row bytes in key order, checked against the keys here.
         """
@@ -189,39 +309,131 @@ class Shard:
         except PSError:
             table.count(pushes_rejected=1)
             raise
-        return self._apply(
-            table, policy, meta, lambda: table.apply(keys, rows, meta.assign, known)
+        return self._push(
+            name, table, policy, meta,
+            apply=lambda: table.apply(keys, rows, meta.assign, known),
+            aggregate=lambda: self._sum(name, SparseSum).add(keys, rows),
         )
 
-    def _apply(
-        self, table: Table, policy: Policy, meta: PushMeta, apply: Callable[[], None]
-    ) -> bool:
+    def _push(
+        self, name: str, table: Table, policy: Policy, meta: PushMeta,
+        apply: Callable[[], None], aggregate: Callable[[], None],
+    ) -> PushOutcome:
         admission = self.ledger.admit(
             meta.worker, meta.incarnation, meta.seq, self.config.inflight_wait_s
         )
         if admission is Admission.DUPLICATE:
             table.count(pushes_duplicate=1)
-            return True
+            return PushOutcome.DUPLICATE
         try:
-            if meta.assign or self._decide(policy.on_push(ClockView(meta.worker, meta.clock))):
-                apply()
+            outcome = self._run_push(name, table, policy, meta, apply, aggregate)
         except BaseException:
             self.ledger.abandon(meta.worker, meta.incarnation, meta.seq)
             raise
         self.ledger.done(meta.worker, meta.incarnation, meta.seq)
-        return False
+        return outcome
 
-    def _decide(self, decision: Decision) -> bool:
-        # Only the async policy exists so far; it never waits or drops.
-        return decision is Decision.SERVE
+    def _run_push(
+        self, name: str, table: Table, policy: Policy, meta: PushMeta,
+        apply: Callable[[], None], aggregate: Callable[[], None],
+    ) -> PushOutcome:
+        if meta.assign:
+            apply()
+            return PushOutcome.APPLIED
+        if not policy.aggregates:
+            with self._clocks:
+                self.board.report(meta.worker, meta.clock)
+            # Async and ssp apply at once; the table serialises whole pushes.
+            apply()
+            return PushOutcome.APPLIED
+        with self._clocks:
+            if meta.worker not in self.board.live:
+                raise FailedPreconditionError(
+                    f"worker {meta.worker} is not a live member of this job (live: "
+                    f"{sorted(self.board.live)}); a removed worker must rejoin first"
+                )
+            view = self._wait_for(
+                lambda: self.board.view(meta.worker, meta.clock), policy.on_push, meta.wait_s,
+                lambda waited: DeadlineExceededError(
+                    f"waited {waited:.1f} s: push to sync table {name!r} by worker "
+                    f"{meta.worker} for clock {meta.clock} needs clock {self.board.open_clock} "
+                    f"closed first; waiting for workers {_workers(self.board.unfinished())}"
+                ),
+            )
+            if policy.on_push(view) is Decision.DROP:
+                table.count(pushes_dropped=1)
+                return PushOutcome.DROPPED
+            self.board.report(meta.worker, meta.clock)
+            self.board.claim(meta.worker)
+            aggregate()
+        return PushOutcome.APPLIED
 
-    def _await(self, decision: Decision) -> None:
-        if decision is not Decision.SERVE:
-            raise InvalidArgumentError(f"pull decision {decision.value} is not supported yet")
+    def _sum(self, name: str, kind: type[S]) -> S:
+        """The sync sum of table `name`. Caller holds self._clocks."""
+        with self._lock:
+            total = self._sums[name]
+        assert isinstance(total, kind)  # declare() pairs each table with its kind of sum
+        return total
+
+    # ---- clocks and membership -------------------------------------------------------------
+
+    def tick(self, worker: int, incarnation: int, clock: int) -> int:
+        """`worker` finished iteration `clock` on this shard; returns the open sync clock."""
+        self.ledger.check_incarnation(worker, incarnation)
+        with self._clocks:
+            self.board.tick(worker, clock)
+            self._close_ready()
+            self._clocks.notify_all()
+            return self.board.open_clock
+
+    def set_live(self, workers: Iterable[int]) -> ClockState:
+        """Replaces the live set: the quorum and the ssp minimum follow at once."""
+        with self._clocks:
+            self.board.set_live(workers)
+            log.info("shard %d: live workers %s (quorum %d)", self.config.shard,
+                     sorted(self.board.live), self.board.quorum)
+            self._close_ready()
+            self._clocks.notify_all()
+            return self._clock_state()
+
+    def _close_ready(self) -> None:
+        """Closes every sync clock whose quorum has finished. Caller holds self._clocks."""
+        board = self.board
+        while SyncPolicy.closes(len(board.contributors), len(board.finished), board.quorum):
+            divisor = len(board.contributors)
+            with self._lock:
+                sums = list(self._sums.values())
+            for total in sums:
+                used = total.apply(divisor)
+                total.table.count(gradients_aggregated=used)
+            log.debug("shard %d: clock %d closed with %d workers", self.config.shard,
+                      board.open_clock, divisor)
+            board.close()
+
+    def clock_state(self) -> ClockState:
+        with self._clocks:
+            return self._clock_state()
+
+    def _clock_state(self) -> ClockState:
+        return ClockState(
+            self.board.open_clock, self.board.clocks_closed, dict(self.board.clocks),
+            frozenset(self.board.live),
+        )
+
+    def pull_log(self) -> list[PullRecord]:
+        with self._clocks:
+            return list(self._pull_log)
 
     # ---- introspection ---------------------------------------------------------------------
 
-    def stats(self) -> list[TableStats]:
+    def stats(self) -> list[tuple[TableStats, str]]:
+        """Each table's stats with its mode's name."""
         with self._lock:
-            tables = list(self._tables.values())
-        return [t.stats() for t in tables]
+            tables = [(t, self._policies[n].name) for n, t in self._tables.items()]
+        return [(t.stats(), mode) for t, mode in tables]
+
+
+def _workers(pairs: list[tuple[int, int]]) -> str:
+    if not pairs:
+        return "none (the quorum is waiting on ticks in flight)"
+    return ", ".join(f"{w} (clock {c})" for w, c in pairs)

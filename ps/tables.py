@@ -111,6 +111,8 @@ class TableCounters:
     pulls: int = 0
     rows_pulled: int = 0
     rows_pushed: int = 0
+    pushes_dropped: int = 0
+    gradients_aggregated: int = 0
 
 
 @dataclass(frozen=True)
@@ -343,14 +345,18 @@ class SparseTable(_Counted):
             return self.value.index_select(0, rows)
 
     def apply(
-        self, keys: np.ndarray, values: torch.Tensor, assign: bool, known: np.ndarray
+        self, keys: np.ndarray, values: torch.Tensor, assign: bool,
+        known: np.ndarray | None = None,
     ) -> None:
-        """Runs the optimizer on the rows of `keys` (creating new ones first). Validated input.
+        """Runs the optimizer on the rows of unique `keys` (creating new ones first).
 
-        `known` are the row ids from check_unique; row ids never change, so when every key
-        was known they are used as they are.
+        Input is validated. `known` are row ids from check_unique; row ids never change, so
+        when every key was known they are used as they are.
         """
-        rows = torch.from_numpy(known) if bool((known >= 0).all()) else self._rows(keys)
+        if known is not None and bool((known >= 0).all()):
+            rows = torch.from_numpy(known)
+        else:
+            rows = self._rows(keys)
         with self._storage.shared(), self._update_lock:
             if assign:
                 self.value.index_copy_(0, rows, values)

@@ -127,6 +127,11 @@ class PSClient:
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
         tune_malloc()
+        # This worker's iteration count: pulls and pushes carry it, end_iteration advances it.
+        self.clock = 0
+        # Guards dropped_pushes.
+        self._count_lock = threading.Lock()
+        self.dropped_pushes = 0
         self._seq = itertools.count(1)
         # Guards _tables.
         self._lock = threading.Lock()
@@ -167,6 +172,8 @@ class PSClient:
             "PushDense": method("PushDense", "stream_unary", pb.PushResponse),
             "PullSparse": method("PullSparse", "unary_stream", pb.SparseChunk),
             "PushSparse": method("PushSparse", "stream_unary", pb.PushResponse),
+            "Tick": method("Tick", "unary_unary", pb.TickResponse),
+            "SetMembership": method("SetMembership", "unary_unary", pb.MembershipResponse),
         }
         try:
             info: Frame[pb.ServerInfo] = methods["GetServerInfo"](
@@ -213,7 +220,10 @@ class PSClient:
                 return call()
             except grpc.RpcError as exc:
                 code = exc.code()
-                if code in _RETRYABLE and attempt + 1 < self.retry.attempts:
+                # A server that waited out its clock limit has said why; asking again would
+                # only wait again.
+                waited = (exc.details() or "").startswith("waited ")
+                if code in _RETRYABLE and not waited and attempt + 1 < self.retry.attempts:
                     delay = self.retry.delay_s(attempt)
                     log.warning(
                         "worker %d: %s on shard %d (%s) failed with %s; retry %d in %.2f s",
@@ -235,6 +245,47 @@ class PSClient:
 
     def _push_id(self) -> pb.PushId:
         return pb.PushId(worker=self.worker, incarnation=self.incarnation, seq=next(self._seq))
+
+    def _wait_ms(self) -> int:
+        # The server gives up a little before the call's own deadline, so the caller gets the
+        # server's account of what it waited for rather than a bare timeout.
+        return max(1, int(self.timeout_s * 900))
+
+    # ---- clocks ----------------------------------------------------------------------------
+
+    def end_iteration(self) -> int:
+        """Ends iteration `self.clock` on every shard, then advances the clock. Blocks.
+
+        Call it once per iteration after that iteration's pushes: sync clocks close and
+        ssp pulls of other workers move on when every worker has done so.
+        """
+        request = pb.TickRequest(
+            worker=self.worker, incarnation=self.incarnation, clock=self.clock
+        ).SerializeToString()
+        self._each(
+            [(s, partial(self._unary, s, "Tick", request)) for s in self._shards],
+            f"end iteration {self.clock}",
+        )
+        self.clock += 1
+        return self.clock
+
+    def set_membership(self, live_workers: Sequence[int]) -> dict[int, int]:
+        """Admin: tells every shard which workers are live; returns worker -> clock.
+
+        Removed workers stop counting for sync quorums and ssp bounds at once; added ones
+        enter at the current clock. Normally the scheduler calls this.
+        """
+        request = pb.MembershipRequest(live_workers=list(live_workers)).SerializeToString()
+        frames = self._each(
+            [(s, partial(self._unary, s, "SetMembership", request)) for s in self._shards],
+            "set membership",
+        )
+        return {c.worker: c.clock for c in frames[0].msg.clocks}
+
+    def _count_push(self, frame: Frame[pb.PushResponse]) -> None:
+        if frame.msg.dropped:
+            with self._count_lock:
+                self.dropped_pushes += 1
 
     # ---- tables ----------------------------------------------------------------------------
 
@@ -313,13 +364,19 @@ class PSClient:
 
     # ---- dense -----------------------------------------------------------------------------
 
-    def pull_dense(self, name: str, *, clock: int = 0) -> torch.Tensor:
-        """The whole dense tensor `name`, assembled from every shard's rows. Blocks."""
+    def pull_dense(self, name: str, *, clock: int | None = None) -> torch.Tensor:
+        """The whole dense tensor `name`, assembled from every shard's rows. Blocks.
+
+        `clock` defaults to this worker's clock; the table's mode may make the pull wait.
+        """
         table = self._table(name, "dense")
+        clock = self.clock if clock is None else clock
         out = torch.empty(table.shape, dtype=table.dtype)
         flat = out.view(-1) if out.dim() else out.view(1)
         width = math.prod(table.shape[1:]) if table.shape else 1
-        request = pb.PullDenseRequest(table=name, worker=self.worker, clock=clock)
+        request = pb.PullDenseRequest(
+            table=name, worker=self.worker, clock=clock, wait_ms=self._wait_ms()
+        )
         data = request.SerializeToString()
 
         def pull(shard: _Shard, rows: RowRange) -> None:
@@ -338,9 +395,12 @@ class PSClient:
         self._each(jobs, f"pull {name!r}")
         return out
 
-    def push_dense(self, name: str, grad: torch.Tensor, *, clock: int = 0) -> None:
-        """Sends the gradient of dense tensor `name`; the servers apply their optimizer once."""
-        self._push_dense(name, grad, clock, pb.GRADIENT)
+    def push_dense(self, name: str, grad: torch.Tensor, *, clock: int | None = None) -> None:
+        """Sends the gradient of dense tensor `name`; the servers apply their optimizer once.
+
+        `clock` defaults to this worker's clock.
+        """
+        self._push_dense(name, grad, self.clock if clock is None else clock, pb.GRADIENT)
 
     def assign_dense(self, name: str, values: torch.Tensor) -> None:
         """Overwrites dense tensor `name` (initialising it from a module, for example)."""
@@ -368,6 +428,7 @@ class PSClient:
             header = pb.PushDenseHeader(
                 table=name, id=self._push_id(), clock=clock, kind=kind, dtype=wire_dtype,
                 shape=[r.rows, *table.shape[1:]] if table.shape else [],
+                wait_ms=self._wait_ms(),
             )
             frames = partial(self._dense_frames, header, codec.tensor_bytes(block), itemsize,
                              shard.chunk_bytes)
@@ -388,12 +449,13 @@ class PSClient:
     def _send(self, shard: _Shard, method: str, frames: Callable[[], Iterator[bytes]]) -> None:
         # gRPC encodes lazily on its own thread while earlier chunks are on the wire; each
         # attempt (the first and every retry) starts a fresh iterator.
-        shard.methods[method](frames(), timeout=self.timeout_s)
+        self._count_push(shard.methods[method](frames(), timeout=self.timeout_s))
 
     # ---- sparse ----------------------------------------------------------------------------
 
     def pull_sparse(
-        self, name: str, keys: KeysLike, *, clock: int = 0, assume_unique: bool = False
+        self, name: str, keys: KeysLike, *, clock: int | None = None,
+        assume_unique: bool = False,
     ) -> torch.Tensor:
         """Rows of `keys` as a [len(keys), dim] tensor in the caller's order. Blocks.
 
@@ -401,13 +463,16 @@ class PSClient:
         once; pass assume_unique=True when the caller has already removed repeats.
         """
         table = self._table(name, "sparse")
+        clock = self.clock if clock is None else clock
         all_keys = _as_keys(keys)
         unique, inverse = self._unique(all_keys, assume_unique)
         rows = torch.empty((len(unique), table.dim), dtype=table.dtype)
         jobs = []
         for shard, positions in self._route(unique):
             request = codec.encode(
-                pb.PullSparseRequest(table=name, worker=self.worker, clock=clock),
+                pb.PullSparseRequest(
+                    table=name, worker=self.worker, clock=clock, wait_ms=self._wait_ms()
+                ),
                 {"keys": codec.keys_bytes(unique if positions is None else unique[positions])},
             )
             jobs.append(
@@ -432,13 +497,15 @@ class PSClient:
                 out.index_copy_(0, index[start:end], chunk)
 
     def push_sparse(
-        self, name: str, keys: KeysLike, grads: torch.Tensor, *, clock: int = 0,
+        self, name: str, keys: KeysLike, grads: torch.Tensor, *, clock: int | None = None,
         assume_unique: bool = False,
     ) -> None:
         """Sends gradient rows for `keys`; the servers run the table's optimizer on them.
 
         Gradients of repeated keys are summed first, as for a coalesced sparse gradient.
+        `clock` defaults to this worker's clock.
         """
+        clock = self.clock if clock is None else clock
         self._push_sparse(name, keys, grads, clock, pb.GRADIENT, assume_unique)
 
     def assign_sparse(self, name: str, keys: KeysLike, values: torch.Tensor) -> None:
@@ -469,7 +536,7 @@ class PSClient:
             shard_grads = grads if positions is None else grads[torch.from_numpy(positions)]
             header = pb.PushSparseHeader(
                 table=name, id=self._push_id(), clock=clock, kind=kind, dtype=wire_dtype,
-                dim=table.dim,
+                dim=table.dim, wait_ms=self._wait_ms(),
             )
             frames = partial(self._sparse_frames, header, shard_keys, shard_grads,
                              shard.chunk_bytes)
@@ -522,9 +589,9 @@ class PSClient:
 
     # ---- introspection ---------------------------------------------------------------------
 
-    def stats(self) -> list[pb.StatsResponse]:
-        """Every shard's counters and table sizes, in shard order."""
-        request = pb.StatsRequest().SerializeToString()
+    def stats(self, *, pull_log: bool = False) -> list[pb.StatsResponse]:
+        """Every shard's counters, clocks and table sizes, in shard order."""
+        request = pb.StatsRequest(pull_log=pull_log).SerializeToString()
         frames = self._each(
             [(s, partial(self._unary, s, "GetStats", request)) for s in self._shards], "stats"
         )

@@ -1,0 +1,116 @@
+"""What a shard knows about worker clocks, liveness and the open sync clock.
+
+A ClockBoard is plain state with no locking of its own: the shard's executor holds its
+condition variable around every call and waits on it for the board to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ps.consistency import ClockView
+from ps.errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """Workers in the job, backups included; a sync clock needs workers - backups of them."""
+
+    workers: int = 1
+    backups: int = 0
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise InvalidArgumentError(f"workers must be >= 1, got {self.workers}")
+        if not 0 <= self.backups < self.workers:
+            raise InvalidArgumentError(
+                f"backups must be in [0, workers={self.workers}), got {self.backups}"
+            )
+
+
+class ClockBoard:
+    """Worker clocks, the live set, and who counts for the open sync clock. Not thread-safe."""
+
+    def __init__(self, quorum: Quorum) -> None:
+        self.config = quorum
+        self.live: set[int] = set(range(quorum.workers))
+        self.clocks: dict[int, int] = dict.fromkeys(self.live, 0)
+        self.open_clock = 0
+        self.clocks_closed = 0
+        self.contributors: set[int] = set()  # count for the open clock
+        self.finished: set[int] = set()  # contributors that ticked the open clock
+        self._early: dict[int, list[int]] = {}  # clock -> workers that ticked it before it opened
+
+    @property
+    def quorum(self) -> int:
+        """Contributors a sync clock needs: N of N + b, fewer when fewer are live."""
+        return max(1, min(self.config.workers - self.config.backups, len(self.live)))
+
+    def min_live_clock(self) -> int:
+        if not self.live:
+            return max(self.clocks.values(), default=0)
+        return min(self.clocks[w] for w in self.live)
+
+    def view(self, worker: int, clock: int) -> ClockView:
+        return ClockView(
+            worker=worker, clock=clock, min_live_clock=self.min_live_clock(),
+            open_clock=self.open_clock, contributors=len(self.contributors),
+            quorum=self.quorum, is_contributor=worker in self.contributors,
+        )
+
+    def report(self, worker: int, clock: int) -> None:
+        """A request from `worker` at iteration `clock`: its clock is at least that."""
+        self.clocks[worker] = max(self.clocks.get(worker, self._entry_clock()), clock)
+
+    def claim(self, worker: int) -> None:
+        """`worker`'s gradients count for the open clock."""
+        self.contributors.add(worker)
+
+    def tick(self, worker: int, clock: int) -> None:
+        """`worker` finished iteration `clock`."""
+        self.report(worker, clock + 1)
+        if clock == self.open_clock:
+            self._finish(worker)
+        elif clock > self.open_clock:
+            self._early.setdefault(clock, []).append(worker)
+
+    def _finish(self, worker: int) -> None:
+        if worker in self.contributors:
+            self.finished.add(worker)
+        elif len(self.contributors) < self.quorum and worker in self.live:
+            # Finished without a gradient for this shard: it counts, with nothing to add.
+            self.contributors.add(worker)
+            self.finished.add(worker)
+
+    def close(self) -> None:
+        """Closes the open clock and opens the next one."""
+        self.open_clock += 1
+        self.clocks_closed += 1
+        self.contributors.clear()
+        self.finished.clear()
+        for worker in self._early.pop(self.open_clock, []):
+            self._finish(worker)
+
+    def set_live(self, workers: Iterable[int]) -> None:
+        """Replaces the live set. Dead contributors count as finished; joiners enter at the
+        slowest live worker's clock, so they hold nobody back."""
+        new = set(workers)
+        entry = self._entry_clock()
+        for worker in new - self.live:
+            self.clocks[worker] = max(self.clocks.get(worker, 0), entry)
+        for worker in self.live - new:
+            if worker in self.contributors:
+                self.finished.add(worker)
+        self.live = new
+
+    def _entry_clock(self) -> int:
+        return max(self.open_clock, self.min_live_clock()) if self.live else self.open_clock
+
+    def unfinished(self) -> list[tuple[int, int]]:
+        """(worker, clock) of live workers the open sync clock still waits for."""
+        return sorted((w, self.clocks[w]) for w in self.live if w not in self.finished)
+
+    def behind(self, clock: int) -> list[tuple[int, int]]:
+        """(worker, clock) of live workers whose clock is below `clock`."""
+        return sorted((w, self.clocks[w]) for w in self.live if self.clocks[w] < clock)

@@ -1,0 +1,72 @@
+"""The clock board: quorum slots, early ticks, membership changes."""
+
+from __future__ import annotations
+
+import pytest
+
+from ps.clocks import ClockBoard, Quorum
+from ps.consistency import SyncPolicy
+from ps.errors import InvalidArgumentError
+
+
+def closes(board: ClockBoard) -> bool:
+    return SyncPolicy.closes(len(board.contributors), len(board.finished), board.quorum)
+
+
+def test_first_quorum_workers_count_and_the_clock_closes() -> None:
+    board = ClockBoard(Quorum(workers=4, backups=1))
+    assert board.quorum == 3
+    for w in (2, 0, 3):
+        board.claim(w)
+    for w in (2, 0):
+        board.tick(w, 0)
+    assert not closes(board)
+    board.tick(1, 0)  # not a contributor and the quorum is full: a backup
+    assert board.contributors == {0, 2, 3} and not closes(board)
+    board.tick(3, 0)
+    assert closes(board)
+    board.close()
+    assert board.open_clock == 1 and not board.contributors
+
+
+def test_tick_without_push_counts_as_an_empty_contribution() -> None:
+    board = ClockBoard(Quorum(workers=2))
+    board.tick(0, 0)
+    board.tick(1, 0)
+    assert closes(board)
+
+
+def test_early_ticks_count_when_their_clock_opens() -> None:
+    board = ClockBoard(Quorum(workers=2))
+    board.tick(0, 0)
+    board.tick(0, 1)  # worker 0 had nothing to push here in iteration 1 either
+    board.tick(1, 0)
+    board.close()
+    assert board.finished == {0}
+    board.tick(1, 1)
+    assert closes(board)
+
+
+def test_removing_a_worker_shrinks_quorum_and_min_clock() -> None:
+    board = ClockBoard(Quorum(workers=3))
+    for w in (0, 1):
+        board.tick(w, 0)
+        board.tick(w, 1)
+    assert board.min_live_clock() == 0 and board.unfinished() == [(2, 0)]
+    board.set_live([0, 1])
+    assert board.quorum == 2 and board.min_live_clock() == 2
+
+
+def test_joiner_enters_at_the_current_clock() -> None:
+    board = ClockBoard(Quorum(workers=2))
+    for w in (0, 1):
+        for c in range(5):
+            board.tick(w, c)
+    board.set_live([0, 1, 7])
+    assert board.clocks[7] == 5 and board.min_live_clock() == 5
+
+
+@pytest.mark.parametrize(("workers", "backups"), [(0, 0), (2, 2), (3, -1)])
+def test_bad_quorum(workers: int, backups: int) -> None:
+    with pytest.raises(InvalidArgumentError):
+        Quorum(workers, backups)

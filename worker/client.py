@@ -257,16 +257,18 @@ class PSClient:
         """Ends iteration `self.clock` on every shard, then advances the clock. Blocks.
 
         Call it once per iteration after that iteration's pushes: sync clocks close and
-        ssp pulls of other workers move on when every worker has done so.
+        ssp pulls of other workers move on when every worker has done so. A worker that fell
+        behind closed sync clocks (a backup, a straggler) jumps to the oldest open one, so it
+        carries on from the newest parameters instead of pushing gradients bound to be dropped.
         """
         request = pb.TickRequest(
             worker=self.worker, incarnation=self.incarnation, clock=self.clock
         ).SerializeToString()
-        self._each(
+        frames = self._each(
             [(s, partial(self._unary, s, "Tick", request)) for s in self._shards],
             f"end iteration {self.clock}",
         )
-        self.clock += 1
+        self.clock = max(self.clock + 1, min(f.msg.open_clock for f in frames))
         return self.clock
 
     def set_membership(self, live_workers: Sequence[int]) -> dict[int, int]:

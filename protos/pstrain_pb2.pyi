@@ -317,10 +317,22 @@ class ServerInfo(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., incarnation: _Optional[int] = ..., job: _Optional[str] = ..., version: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., mode: _Optional[str] = ..., workers: _Optional[int] = ..., backups: _Optional[int] = ..., staleness: _Optional[int] = ..., open_clock: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ("pull_log",)
+    __slots__ = ("pull_log", "history")
     PULL_LOG_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
     pull_log: bool
-    def __init__(self, pull_log: _Optional[bool] = ...) -> None: ...
+    history: bool
+    def __init__(self, pull_log: _Optional[bool] = ..., history: _Optional[bool] = ...) -> None: ...
+
+class ClockRecord(_message.Message):
+    __slots__ = ("clock", "workers", "dropped")
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    clock: int
+    workers: int
+    dropped: int
+    def __init__(self, clock: _Optional[int] = ..., workers: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class PullRecord(_message.Message):
     __slots__ = ("table", "worker", "clock", "min_live_clock")
@@ -375,7 +387,7 @@ class TableStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., optimizer: _Optional[str] = ..., rows: _Optional[int] = ..., value_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., index_bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., mode: _Optional[str] = ..., pushes_dropped: _Optional[int] = ..., gradients_aggregated: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("info", "tables", "bytes_received", "bytes_sent", "open_clock", "clocks_closed", "clocks", "pull_log")
+    __slots__ = ("info", "tables", "bytes_received", "bytes_sent", "open_clock", "clocks_closed", "clocks", "pull_log", "history")
     INFO_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +396,7 @@ class StatsResponse(_message.Message):
     CLOCKS_CLOSED_FIELD_NUMBER: _ClassVar[int]
     CLOCKS_FIELD_NUMBER: _ClassVar[int]
     PULL_LOG_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
     info: ServerInfo
     tables: _containers.RepeatedCompositeFieldContainer[TableStats]
     bytes_received: int
@@ -392,4 +405,5 @@ class StatsResponse(_message.Message):
     clocks_closed: int
     clocks: _containers.RepeatedCompositeFieldContainer[WorkerClock]
     pull_log: _containers.RepeatedCompositeFieldContainer[PullRecord]
-    def __init__(self, info: _Optional[_Union[ServerInfo, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., open_clock: _Optional[int] = ..., clocks_closed: _Optional[int] = ..., clocks: _Optional[_Iterable[_Union[WorkerClock, _Mapping]]] = ..., pull_log: _Optional[_Iterable[_Union[PullRecord, _Mapping]]] = ...) -> None: ...
+    history: _containers.RepeatedCompositeFieldContainer[ClockRecord]
+    def __init__(self, info: _Optional[_Union[ServerInfo, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., open_clock: _Optional[int] = ..., clocks_closed: _Optional[int] = ..., clocks: _Optional[_Iterable[_Union[WorkerClock, _Mapping]]] = ..., pull_log: _Optional[_Iterable[_Union[PullRecord, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[ClockRecord, _Mapping]]] = ...) -> None: ...

@@ -6,11 +6,15 @@ condition variable around every call and waits on it for the board to change.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ps.consistency import ClockView
 from ps.errors import InvalidArgumentError
+
+# Closed sync clocks remembered for inspection.
+HISTORY = 10_000
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,8 @@ class ClockBoard:
         self.contributors: set[int] = set()  # count for the open clock
         self.finished: set[int] = set()  # contributors that ticked the open clock
         self._early: dict[int, list[int]] = {}  # clock -> workers that ticked it before it opened
+        # Recent sync clocks: clock -> [workers counted, gradients dropped].
+        self.history: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
 
     @property
     def quorum(self) -> int:
@@ -83,8 +89,19 @@ class ClockBoard:
             self.contributors.add(worker)
             self.finished.add(worker)
 
+    def count_drop(self, clock: int) -> None:
+        """A gradient for `clock` was dropped (late, or past the quorum)."""
+        self._record(clock)[1] += 1
+
+    def _record(self, clock: int) -> list[int]:
+        record = self.history.setdefault(clock, [0, 0])
+        while len(self.history) > HISTORY:
+            self.history.popitem(last=False)
+        return record
+
     def close(self) -> None:
         """Closes the open clock and opens the next one."""
+        self._record(self.open_clock)[0] = len(self.contributors)
         self.open_clock += 1
         self.clocks_closed += 1
         self.contributors.clear()

@@ -203,6 +203,11 @@ class ParameterServerServicer:
             clocks_closed=state.clocks_closed,
             clocks=_clocks_to_proto(state),
         )
+        if request.msg.history:
+            response.history.extend(
+                pb.ClockRecord(clock=c, workers=used, dropped=dropped)
+                for c, used, dropped in state.history
+            )
         if request.msg.pull_log:
             response.pull_log.extend(
                 pb.PullRecord(table=r.table, worker=r.worker, clock=r.clock,

@@ -108,6 +108,7 @@ class ClockState:
     clocks_closed: int
     clocks: dict[int, int]
     live: frozenset[int]
+    history: tuple[tuple[int, int, int], ...] = ()  # (clock, workers counted, dropped)
 
 
 class Shard:
@@ -162,10 +163,11 @@ class Shard:
         return make_policy(spec.mode or self.config.mode, self.config.staleness)
 
     def _create(self, spec: TableSpec) -> Table:
+        hogwild = self._policy_for(spec).name == "async"
         if spec.kind == "sparse":
-            return SparseTable(spec, self.config.shard, self.config.num_shards)
+            return SparseTable(spec, self.config.shard, self.config.num_shards, hogwild)
         ranges = dense_placement(spec.name, spec.shape, spec.itemsize, self.config.num_shards)
-        return DenseTable(spec, ranges[self.config.shard])
+        return DenseTable(spec, ranges[self.config.shard], hogwild)
 
     def _table(self, name: str) -> tuple[Table, Policy]:
         with self._lock:
@@ -362,6 +364,7 @@ class Shard:
             )
             if policy.on_push(view) is Decision.DROP:
                 table.count(pushes_dropped=1)
+                self.board.count_drop(meta.clock)
                 return PushOutcome.DROPPED
             self.board.report(meta.worker, meta.clock)
             self.board.claim(meta.worker)
@@ -418,6 +421,7 @@ class Shard:
         return ClockState(
             self.board.open_clock, self.board.clocks_closed, dict(self.board.clocks),
             frozenset(self.board.live),
+            tuple((c, used, dropped) for c, (used, dropped) in self.board.history.items()),
         )
 
     def pull_log(self) -> list[PullRecord]:

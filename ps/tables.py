@@ -7,9 +7,11 @@ about gRPC, clocks or retries: the shard decides when to call it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -153,6 +155,15 @@ def check_finite(table: str, values: torch.Tensor, offset: int = 0) -> None:
         )
 
 
+def _update_guard(hogwild: bool) -> AbstractContextManager[object]:
+    """What row updates hold: nothing under Hogwild, else a lock that applies pushes whole.
+
+    Hogwild (the async mode) lets concurrent pushes interleave, and racing updates of one
+    element may lose one of them, in exchange for never making a push wait for another.
+    """
+    return contextlib.nullcontext() if hogwild else threading.Lock()
+
+
 class _Counted:
     """Mixin: counters and the lock that guards them."""
 
@@ -175,7 +186,7 @@ class _Counted:
 class DenseTable(_Counted):
     """This shard's rows [start, end) of a dense tensor, with its optimizer state."""
 
-    def __init__(self, spec: TableSpec, placement: RowRange) -> None:
+    def __init__(self, spec: TableSpec, placement: RowRange, hogwild: bool = False) -> None:
         super().__init__()
         self.spec = spec
         self.placement = placement
@@ -190,8 +201,7 @@ class DenseTable(_Counted):
         self.value = block.reshape(self.block_shape).contiguous()
         self.state = {s: self.optimizer.init_slot(s, self.value) for s in self.optimizer.slots}
         self.step = torch.zeros(1, dtype=torch.int64)
-        # Serialises updates so that each push is applied whole (see ps.shard for modes).
-        self._update_lock = threading.Lock()
+        self._update_lock = _update_guard(hogwild)
 
     def check_push(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         """InvalidArgumentError unless a push of this dtype and shape fits this block."""
@@ -248,7 +258,9 @@ class DenseTable(_Counted):
 class SparseTable(_Counted):
     """Rows keyed by int64, created on first touch and initialised from (seed, key)."""
 
-    def __init__(self, spec: TableSpec, shard: int, num_shards: int) -> None:
+    def __init__(
+        self, spec: TableSpec, shard: int, num_shards: int, hogwild: bool = False
+    ) -> None:
         super().__init__()
         self.spec = spec
         self.shard = shard
@@ -263,8 +275,7 @@ class SparseTable(_Counted):
         self._index_lock = threading.Lock()
         # Shared by every read and update of rows; exclusive while storage is reallocated.
         self._storage = RWLock()
-        # Serialises row updates so that each push is applied whole.
-        self._update_lock = threading.Lock()
+        self._update_lock = _update_guard(hogwild)
         self._grow(_INITIAL_SPARSE_ROWS)
 
     # ---- validation (changes nothing) -----------------------------------------------------

@@ -591,9 +591,12 @@ class PSClient:
 
     # ---- introspection ---------------------------------------------------------------------
 
-    def stats(self, *, pull_log: bool = False) -> list[pb.StatsResponse]:
-        """Every shard's counters, clocks and table sizes, in shard order."""
-        request = pb.StatsRequest(pull_log=pull_log).SerializeToString()
+    def stats(self, *, pull_log: bool = False, history: bool = False) -> list[pb.StatsResponse]:
+        """Every shard's counters, clocks and table sizes, in shard order.
+
+        `pull_log` adds the record of served ssp pulls, `history` that of recent sync clocks.
+        """
+        request = pb.StatsRequest(pull_log=pull_log, history=history).SerializeToString()
         frames = self._each(
             [(s, partial(self._unary, s, "GetStats", request)) for s in self._shards], "stats"
         )

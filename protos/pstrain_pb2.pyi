@@ -270,6 +270,24 @@ class WorkerClock(_message.Message):
     live: bool
     def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., live: _Optional[bool] = ...) -> None: ...
 
+class JoinRequest(_message.Message):
+    __slots__ = ("worker", "incarnation")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    incarnation: int
+    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("clock", "open_clock", "live")
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    OPEN_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    clock: int
+    open_clock: int
+    live: bool
+    def __init__(self, clock: _Optional[int] = ..., open_clock: _Optional[int] = ..., live: _Optional[bool] = ...) -> None: ...
+
 class MembershipRequest(_message.Message):
     __slots__ = ("live_workers",)
     LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]

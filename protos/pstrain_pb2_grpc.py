@@ -80,6 +80,11 @@ class ParameterServerStub:
                 request_serializer=protos_dot_pstrain__pb2.MembershipRequest.SerializeToString,
                 response_deserializer=protos_dot_pstrain__pb2.MembershipResponse.FromString,
                 _registered_method=True)
+        self.Join = channel.unary_unary(
+                '/pstrain.v1.ParameterServer/Join',
+                request_serializer=protos_dot_pstrain__pb2.JoinRequest.SerializeToString,
+                response_deserializer=protos_dot_pstrain__pb2.JoinResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -140,6 +145,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Join(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -187,6 +198,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.SetMembership,
                     request_deserializer=protos_dot_pstrain__pb2.MembershipRequest.FromString,
                     response_serializer=protos_dot_pstrain__pb2.MembershipResponse.SerializeToString,
+            ),
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=protos_dot_pstrain__pb2.JoinRequest.FromString,
+                    response_serializer=protos_dot_pstrain__pb2.JoinResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -433,6 +449,33 @@ class ParameterServer:
             '/pstrain.v1.ParameterServer/SetMembership',
             protos_dot_pstrain__pb2.MembershipRequest.SerializeToString,
             protos_dot_pstrain__pb2.MembershipResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.ParameterServer/Join',
+            protos_dot_pstrain__pb2.JoinRequest.SerializeToString,
+            protos_dot_pstrain__pb2.JoinResponse.FromString,
             options,
             channel_credentials,
             insecure,

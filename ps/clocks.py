@@ -109,6 +109,19 @@ class ClockBoard:
         for worker in self._early.pop(self.open_clock, []):
             self._finish(worker)
 
+    def restart(self, worker: int) -> int:
+        """A new incarnation of `worker` starts; returns the clock it starts at.
+
+        A gradient its previous incarnation pushed for the open clock stays counted, and the
+        open clock is finished for it; otherwise it resumes where the old one stood.
+        """
+        if worker in self.contributors:
+            self.finished.add(worker)
+            self.report(worker, self.open_clock + 1)
+        else:
+            self.report(worker, self._entry_clock() if worker not in self.clocks else 0)
+        return self.clocks[worker]
+
     def set_live(self, workers: Iterable[int]) -> None:
         """Replaces the live set. Dead contributors count as finished; joiners enter at the
         slowest live worker's clock, so they hold nobody back."""

@@ -111,10 +111,15 @@ class PushLedger:
                 log.in_flight.discard(seq)
             self._cond.notify_all()
 
-    def check_incarnation(self, worker: int, incarnation: int) -> None:
-        """FailedPreconditionError if a newer incarnation of `worker` has been seen."""
+    def check_incarnation(self, worker: int, incarnation: int) -> bool:
+        """FailedPreconditionError if a newer incarnation of `worker` has been seen.
+
+        Returns True when `incarnation` is new (its log starts empty from now on).
+        """
         with self._cond:
+            known = self._logs.get(worker)
             self._log_for(worker, incarnation)
+            return known is None or known.incarnation != incarnation
 
     def _log_for(self, worker: int, incarnation: int) -> _WorkerLog:
         log = self._logs.get(worker)

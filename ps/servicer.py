@@ -223,6 +223,13 @@ class ParameterServerServicer:
         )
         return pb.TickResponse(open_clock=open_clock).SerializeToString()
 
+    def Join(self, request: Frame[pb.JoinRequest], context: Any) -> bytes:
+        msg = request.msg
+        clock, open_clock, live = _guard(
+            lambda: self.shard.join(msg.worker, msg.incarnation), context
+        )
+        return pb.JoinResponse(clock=clock, open_clock=open_clock, live=live).SerializeToString()
+
     def SetMembership(self, request: Frame[pb.MembershipRequest], context: Any) -> bytes:
         state = _guard(lambda: self.shard.set_live(request.msg.live_workers), context)
         return pb.MembershipResponse(
@@ -387,6 +394,9 @@ class ParameterServerServicer:
             ),
             "SetMembership": grpc.unary_unary_rpc_method_handler(
                 self.SetMembership, request_deserializer=de(pb.MembershipRequest)
+            ),
+            "Join": grpc.unary_unary_rpc_method_handler(
+                self.Join, request_deserializer=de(pb.JoinRequest)
             ),
         }
         return grpc.method_handlers_generic_handler(SERVICE, methods)

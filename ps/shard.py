@@ -389,6 +389,17 @@ class Shard:
             self._clocks.notify_all()
             return self.board.open_clock
 
+    def join(self, worker: int, incarnation: int) -> tuple[int, int, bool]:
+        """A worker process announces itself: (its clock here, the open clock, is it live)."""
+        new = self.ledger.check_incarnation(worker, incarnation)
+        with self._clocks:
+            clock = self.board.restart(worker) if new else self.board.clocks.get(worker, 0)
+            self._close_ready()
+            self._clocks.notify_all()
+            log.info("shard %d: worker %d incarnation %d joined at clock %d",
+                     self.config.shard, worker, incarnation, clock)
+            return clock, self.board.open_clock, worker in self.board.live
+
     def set_live(self, workers: Iterable[int]) -> ClockState:
         """Replaces the live set: the quorum and the ssp minimum follow at once."""
         with self._clocks:

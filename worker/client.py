@@ -83,6 +83,7 @@ class _Shard:
     channel: grpc.Channel
     methods: dict[str, Any]
     chunk_bytes: int
+    incarnation: int = 0
 
 
 def _as_keys(keys: KeysLike) -> np.ndarray:
@@ -119,6 +120,7 @@ class PSClient:
         connect_timeout_s: float = 30.0,
         retry: RetryPolicy | None = None,
         max_message_bytes: int = 64 * MiB,
+        resolve: Callable[[int], str | None] | None = None,
     ) -> None:
         if not addresses:
             raise PSClientError("PSClient needs at least one server address")
@@ -132,6 +134,12 @@ class PSClient:
         # Guards dropped_pushes.
         self._count_lock = threading.Lock()
         self.dropped_pushes = 0
+        # Finds a shard's current address (a restarted server may have moved), e.g. in Redis.
+        self._resolve = resolve
+        # Guards reconnecting a shard and _specs.
+        self._reconnect_lock = threading.Lock()
+        self._specs: dict[str, pb.TableSpec] = {}
+        self._connect_timeout_s = connect_timeout_s
         self._seq = itertools.count(1)
         # Guards _tables.
         self._lock = threading.Lock()
@@ -140,6 +148,7 @@ class PSClient:
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ]
+        self._options = options
         self._shards = [
             self._connect(i, address, len(addresses), options, connect_timeout_s)
             for i, address in enumerate(addresses)
@@ -173,6 +182,7 @@ class PSClient:
             "PullSparse": method("PullSparse", "unary_stream", pb.SparseChunk),
             "PushSparse": method("PushSparse", "stream_unary", pb.PushResponse),
             "Tick": method("Tick", "unary_unary", pb.TickResponse),
+            "Join": method("Join", "unary_unary", pb.JoinResponse),
             "SetMembership": method("SetMembership", "unary_unary", pb.MembershipResponse),
         }
         try:
@@ -192,7 +202,8 @@ class PSClient:
                 f"server {address} is shard {info.msg.shard} of {info.msg.num_shards}, but the "
                 f"client lists it as shard {index} of {expected}; list every server, in shard order"
             )
-        return _Shard(index, address, channel, methods, int(info.msg.chunk_bytes) or 2 * MiB)
+        return _Shard(index, address, channel, methods, int(info.msg.chunk_bytes) or 2 * MiB,
+                      int(info.msg.incarnation))
 
     @property
     def num_shards(self) -> int:
@@ -213,13 +224,24 @@ class PSClient:
     # ---- calls with retries ----------------------------------------------------------------
 
     def _call(self, shard: _Shard, what: str, call: Callable[[], T]) -> T:
-        """Runs `call`, retrying on UNAVAILABLE and DEADLINE_EXCEEDED with backoff."""
+        """Runs `call`, retrying on UNAVAILABLE and DEADLINE_EXCEEDED with backoff.
+
+        Between attempts a shard whose address changed (a restarted server) is reconnected,
+        and tables are declared again on a server that came back without them.
+        """
         attempt = 0
+        redeclared = False
         while True:
             try:
                 return call()
             except grpc.RpcError as exc:
                 code = exc.code()
+                if code == grpc.StatusCode.NOT_FOUND and not redeclared and self._specs:
+                    redeclared = True
+                    if self._redeclare(shard):
+                        continue
+                if code in _RETRYABLE and attempt > 0:
+                    self._follow(shard)
                 # A server that waited out its clock limit has said why; asking again would
                 # only wait again.
                 waited = (exc.details() or "").startswith("waited ")
@@ -234,6 +256,48 @@ class PSClient:
                     attempt += 1
                     continue
                 raise RemoteError(code, exc.details() or "", shard.index, shard.address) from exc
+
+    def _follow(self, shard: _Shard) -> None:
+        """Reconnects `shard` if the resolver now gives another address."""
+        if self._resolve is None:
+            return
+        try:
+            address = self._resolve(shard.index)
+        except Exception as exc:  # a resolver outage must not end the retries
+            log.debug("worker %d: resolving shard %d failed: %s", self.worker, shard.index, exc)
+            return
+        if not address or address == shard.address:
+            return
+        with self._reconnect_lock:
+            if address == shard.address:
+                return
+            try:
+                fresh = self._connect(shard.index, address, self.num_shards, self._options,
+                                      min(5.0, self._connect_timeout_s))
+            except PSClientError as exc:
+                log.info("worker %d: shard %d not ready at %s yet: %s", self.worker,
+                         shard.index, address, exc)
+                return
+            old = shard.channel
+            shard.address, shard.channel = fresh.address, fresh.channel
+            shard.methods, shard.chunk_bytes = fresh.methods, fresh.chunk_bytes
+            shard.incarnation = fresh.incarnation
+            old.close()
+            log.warning("worker %d: shard %d moved to %s (incarnation %d)", self.worker,
+                        shard.index, address, shard.incarnation)
+
+    def _redeclare(self, shard: _Shard) -> bool:
+        """Declares every known table on `shard` again; True if that worked."""
+        with self._reconnect_lock:
+            specs = list(self._specs.values())
+        request = pb.DeclareTablesRequest(tables=specs).SerializeToString()
+        try:
+            shard.methods["DeclareTables"](request, timeout=self.timeout_s)
+        except grpc.RpcError:
+            return False
+        log.warning("worker %d: declared %d tables again on shard %d", self.worker, len(specs),
+                    shard.index)
+        return True
 
     def _each(self, jobs: Sequence[tuple[_Shard, Callable[[], T]]], what: str) -> list[T]:
         """Runs one call per shard, in parallel when there are several."""
@@ -270,6 +334,34 @@ class PSClient:
         )
         self.clock = max(self.clock + 1, min(f.msg.open_clock for f in frames))
         return self.clock
+
+    def join(self) -> int:
+        """Announces this process (its incarnation) to every shard; sets and returns its clock.
+
+        A restarted worker calls this first: it resumes at the newest clock any shard has for
+        its rank, and shards behind that are ticked up to it. Pushes from older incarnations
+        are refused from then on.
+        """
+        data = pb.JoinRequest(worker=self.worker, incarnation=self.incarnation).SerializeToString()
+        frames = self._each(
+            [(s, partial(self._unary, s, "Join", data)) for s in self._shards], "join"
+        )
+        clock = int(max(f.msg.clock for f in frames))
+        for shard, frame in zip(self._shards, frames, strict=True):
+            for behind in range(frame.msg.clock, clock):
+                tick = pb.TickRequest(worker=self.worker, incarnation=self.incarnation,
+                                      clock=behind).SerializeToString()
+                self._call(shard, "catch up", partial(self._unary, shard, "Tick", tick))
+        self.clock = clock
+        return clock
+
+    def live_everywhere(self) -> bool:
+        """Whether every shard lists this worker as live (sync pushes need it)."""
+        data = pb.JoinRequest(worker=self.worker, incarnation=self.incarnation).SerializeToString()
+        frames = self._each(
+            [(s, partial(self._unary, s, "Join", data)) for s in self._shards], "join"
+        )
+        return all(f.msg.live for f in frames)
 
     def set_membership(self, live_workers: Sequence[int]) -> dict[int, int]:
         """Admin: tells every shard which workers are live; returns worker -> clock.
@@ -336,6 +428,8 @@ class PSClient:
 
     def _declare(self, spec: pb.TableSpec) -> None:
         request = pb.DeclareTablesRequest(tables=[spec]).SerializeToString()
+        with self._reconnect_lock:
+            self._specs[spec.name] = spec
         self._each(
             [(s, partial(self._unary, s, "DeclareTables", request)) for s in self._shards],
             f"declare {spec.name!r}",

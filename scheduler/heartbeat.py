@@ -1,0 +1,77 @@
+"""Heartbeats: a background thread that keeps a process's heartbeat key alive in Redis."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from scheduler.store import JobStore, ride_out
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeat:
+    """Beats every `interval_s` for (role, ident) until stopped.
+
+    Each beat writes `payload()` with a time to live of `ttl_s`, and re-writes the
+    registration, so a Redis that comes back empty refills itself. `on_beat` runs after each
+    beat (a server checks for checkpoint requests there). Redis outages are ridden out: the
+    thread logs and keeps trying; it never stops the process. Thread-safe start/stop.
+    """
+
+    def __init__(
+        self, store: JobStore, role: str, ident: int, *, interval_s: float, ttl_s: float,
+        payload: Callable[[], Mapping[str, Any]], registration: Mapping[str, Any],
+        on_beat: Callable[[], None] | None = None,
+        sleep: Callable[[float], bool] | None = None,
+    ) -> None:
+        self.store = store
+        self.role = role
+        self.ident = ident
+        self.interval_s = interval_s
+        self.ttl_s = ttl_s
+        self._payload = payload
+        self._registration = dict(registration)
+        self._on_beat = on_beat
+        self._stop = threading.Event()
+        self._sleep = sleep or self._stop.wait
+        self._thread = threading.Thread(
+            target=self._run, name=f"heartbeat-{role}{ident}", daemon=True
+        )
+
+    def start(self) -> None:
+        self.beat()
+        self._thread.start()
+
+    def beat(self) -> None:
+        """One beat now (also used at start so the process is visible at once)."""
+        payload = {**self._payload(), "time": time.time()}
+        ride_out(
+            "heartbeat",
+            lambda: self.store.beat(self.role, self.ident, payload, self.ttl_s,
+                                    self._registration),
+            None,
+        )
+
+    def update_registration(self, **fields: Any) -> None:
+        self._registration.update(fields)
+
+    def _run(self) -> None:
+        while not self._sleep(self.interval_s):
+            try:
+                self.beat()
+                if self._on_beat is not None:
+                    self._on_beat()
+            except Exception:  # a bug in a hook must not stop the heartbeat
+                log.exception("%s %d: heartbeat hook failed", self.role, self.ident)
+
+    def stop(self, forget: bool = True) -> None:
+        """Stops beating; with `forget`, deletes the key so the exit is seen at once."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        if forget:
+            ride_out("heartbeat", lambda: self.store.forget(self.role, self.ident), None)

@@ -1,0 +1,85 @@
+"""The job spec: what every process of a job must agree on, stored once in Redis."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, fields
+
+from scheduler.errors import SpecError, SpecMismatchError
+
+MODES = ("sync", "ssp", "async")
+_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A job's shape and policies. Validated on construction; compared field by field."""
+
+    job: str
+    mode: str = "async"
+    staleness: int = 0
+    servers: int = 1
+    workers: int = 1
+    backups: int = 0
+    heartbeat_interval_s: float = 0.5
+    heartbeat_misses: int = 3
+    checkpoint_dir: str = ""
+    checkpoint_every_s: float = 0.0  # async and ssp: 0 turns periodic checkpoints off
+    checkpoint_every_clocks: int = 0  # sync: 0 turns periodic checkpoints off
+
+    def __post_init__(self) -> None:
+        if not _JOB_NAME.match(self.job):
+            raise SpecError(
+                f"job name {self.job!r} must be 1-64 letters, digits, '_', '-' or '.', "
+                "starting with a letter or digit"
+            )
+        if self.mode not in MODES:
+            raise SpecError(f"mode {self.mode!r} must be one of {', '.join(MODES)}")
+        checks = [
+            ("staleness", self.staleness >= 0, ">= 0"),
+            ("servers", self.servers >= 1, ">= 1"),
+            ("workers", self.workers >= 1, ">= 1"),
+            ("backups", 0 <= self.backups < self.workers, f"in [0, workers={self.workers})"),
+            ("heartbeat_interval_s", self.heartbeat_interval_s > 0, "> 0"),
+            ("heartbeat_misses", self.heartbeat_misses >= 1, ">= 1"),
+            ("checkpoint_every_s", self.checkpoint_every_s >= 0, ">= 0"),
+            ("checkpoint_every_clocks", self.checkpoint_every_clocks >= 0, ">= 0"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise SpecError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+    @property
+    def heartbeat_ttl_s(self) -> float:
+        """How long a heartbeat lives: a process is dead after `heartbeat_misses` misses."""
+        return self.heartbeat_interval_s * self.heartbeat_misses
+
+    @property
+    def quorum(self) -> int:
+        return self.workers - self.backups
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> JobSpec:
+        try:
+            raw = json.loads(text)
+            known = {f.name for f in fields(cls)}
+            return cls(**{k: v for k, v in raw.items() if k in known})
+        except (ValueError, TypeError) as exc:
+            raise SpecError(f"the job spec stored in Redis is unreadable: {exc}") from exc
+
+    def check_agrees(self, **given: object) -> None:
+        """SpecMismatchError listing every field where `given` (not None) differs."""
+        clashes = [
+            f"{name}: the job has {getattr(self, name)!r}, this process was given {value!r}"
+            for name, value in given.items()
+            if value is not None and getattr(self, name) != value
+        ]
+        if clashes:
+            raise SpecMismatchError(
+                f"this process disagrees with job {self.job!r}:\n  " + "\n  ".join(clashes)
+                + "\nDrop the flag to take the job's value, or start a job under another name"
+            )

@@ -1,0 +1,306 @@
+"""A job's coordination state in Redis, and the one place that knows the key schema.
+
+Every key of a job lives under the prefix ``pstrain:{job}:``:
+
+| key | type | holds |
+| --- | --- | --- |
+| ``spec`` | string | the JobSpec as JSON |
+| ``leader`` | string | the id of the scheduler holding the leader lease (expires) |
+| ``servers`` | hash | shard -> JSON {address, incarnation, pid, host, restored} |
+| ``workers`` | hash | rank -> JSON {incarnation, pid, host} |
+| ``hb:{role}:{id}`` | string | the latest heartbeat as JSON; expires after the misses allowed |
+| ``events`` | stream | membership events: joined, dead, restored, rollback, checkpoint |
+| ``checkpoint:request`` | string | JSON {id, clock} of the newest checkpoint asked for |
+| ``checkpoints`` | sorted set | checkpoint ids by time of completion of their first shard |
+| ``checkpoint:{id}`` | hash | shard -> JSON {path, sha256, nbytes, clock} |
+
+Blocking calls with a socket timeout; thread-safe (redis-py pools connections).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+import redis.exceptions
+
+from scheduler.errors import JobExistsError, RedisUnavailableError
+from scheduler.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# What a lost or restarting Redis raises; callers that must ride out an outage catch these.
+REDIS_DOWN: tuple[type[Exception], ...] = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.BusyLoadingError,
+    OSError,
+)
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+
+def redact(url: str) -> str:
+    """The URL with any password replaced, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+
+
+@dataclass(frozen=True)
+class Keys:
+    job: str
+
+    @property
+    def prefix(self) -> str:
+        return f"pstrain:{self.job}:"
+
+    def spec(self) -> str:
+        return self.prefix + "spec"
+
+    def leader(self) -> str:
+        return self.prefix + "leader"
+
+    def members(self, role: str) -> str:
+        return f"{self.prefix}{role}s"
+
+    def heartbeat(self, role: str, ident: int | str) -> str:
+        return f"{self.prefix}hb:{role}:{ident}"
+
+    def events(self) -> str:
+        return self.prefix + "events"
+
+    def checkpoint_request(self) -> str:
+        return self.prefix + "checkpoint:request"
+
+    def checkpoints(self) -> str:
+        return self.prefix + "checkpoints"
+
+    def checkpoint(self, checkpoint_id: str) -> str:
+        return f"{self.prefix}checkpoint:{checkpoint_id}"
+
+
+@dataclass(frozen=True)
+class Event:
+    id: str
+    time_s: float
+    type: str
+    role: str
+    member: str
+    detail: dict[str, Any]
+
+
+class JobStore:
+    """Reads and writes one job's keys. Construct with `connect`."""
+
+    def __init__(self, client: redis.Redis, url: str, job: str) -> None:
+        self.redis = client
+        self.url = url
+        self.keys = Keys(job)
+
+    @classmethod
+    def connect(cls, url: str, job: str, timeout_s: float = 5.0) -> JobStore:
+        """Connects and pings; RedisUnavailableError naming the URL if that fails in time.
+
+        Accepts redis://, rediss:// (TLS) and unix:// URLs, with a password or an ACL user and
+        password in the URL (redis://user:secret@host:6379/0).
+        """
+        try:
+            client = redis.Redis.from_url(
+                url, socket_connect_timeout=min(2.0, timeout_s), socket_timeout=2.0,
+                health_check_interval=10, decode_responses=True,
+            )
+        except ValueError as exc:
+            raise RedisUnavailableError(
+                f"cannot use Redis URL {redact(url)!r}: {exc}. Use redis://HOST:PORT/DB, "
+                "rediss:// for TLS, optionally with user:password@"
+            ) from exc
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                client.ping()
+                return cls(client, url, job)
+            except redis.exceptions.AuthenticationError as exc:
+                raise RedisUnavailableError(
+                    f"Redis at {redact(url)} refused the credentials: {exc}"
+                ) from exc
+            except REDIS_DOWN as exc:
+                if time.monotonic() + 0.5 > deadline:
+                    raise RedisUnavailableError(
+                        f"cannot reach Redis at {redact(url)} within {timeout_s:g} s ({exc}); "
+                        "check the URL, that redis-server runs, and the network"
+                    ) from exc
+                time.sleep(0.25)
+
+    # ---- the spec ----------------------------------------------------------------------------
+
+    def spec(self) -> JobSpec | None:
+        raw = self.redis.get(self.keys.spec())
+        return None if raw is None else JobSpec.from_json(raw)
+
+    def put_spec(self, spec: JobSpec) -> None:
+        self.redis.set(self.keys.spec(), spec.to_json())
+
+    def create_job(
+        self, spec: JobSpec, *, adopt: bool, given: Mapping[str, object] | None = None
+    ) -> JobSpec:
+        """Stores `spec` as the job's, or checks it against the stored one.
+
+        With adopt=False (a new job) a job of that name that is live (a leader holds its
+        lease, or a process heartbeats) is refused. With adopt=True an existing spec must
+        agree with the values in `given` (the flags a user set); the stored one is returned.
+        """
+        held = self.spec()
+        if held is not None and adopt:
+            held.check_agrees(**(given or {}))
+            return held
+        if held is not None and self.is_live():
+            raise JobExistsError(
+                f"job {spec.job!r} is running (its scheduler or processes still heartbeat in "
+                f"Redis at {redact(self.url)}); choose another --job, or stop it first"
+            )
+        self.put_spec(spec)
+        return spec
+
+    def is_live(self) -> bool:
+        if self.redis.exists(self.keys.leader()):
+            return True
+        return any(True for _ in self.redis.scan_iter(self.keys.heartbeat("*", "*"), count=100))
+
+    # ---- members and heartbeats --------------------------------------------------------------
+
+    def register(self, role: str, ident: int, info: Mapping[str, Any]) -> None:
+        self.redis.hset(self.keys.members(role), str(ident), json.dumps(dict(info)))
+
+    def members(self, role: str) -> dict[int, dict[str, Any]]:
+        raw = self.redis.hgetall(self.keys.members(role))
+        return {int(k): json.loads(v) for k, v in raw.items()}
+
+    def beat(
+        self, role: str, ident: int, payload: Mapping[str, Any], ttl_s: float,
+        registration: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Refreshes a heartbeat (and the registration, so an emptied Redis refills itself)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.keys.heartbeat(role, ident), json.dumps(dict(payload)),
+                 px=max(1, int(ttl_s * 1000)))
+        if registration is not None:
+            pipe.hset(self.keys.members(role), str(ident), json.dumps(dict(registration)))
+        pipe.execute()
+
+    def claim(self, role: str, ident: int, payload: Mapping[str, Any], ttl_s: float) -> bool:
+        """Takes `ident` if no live process holds it (its heartbeat key is the claim)."""
+        return bool(self.redis.set(self.keys.heartbeat(role, ident), json.dumps(dict(payload)),
+                                   px=max(1, int(ttl_s * 1000)), nx=True))
+
+    def heartbeats(self, role: str, idents: list[int]) -> dict[int, dict[str, Any] | None]:
+        """The latest heartbeat of each member, None where it has lapsed."""
+        if not idents:
+            return {}
+        raw = self.redis.mget([self.keys.heartbeat(role, i) for i in idents])
+        return {i: (None if r is None else json.loads(r)) for i, r in zip(idents, raw, strict=True)}
+
+    def forget(self, role: str, ident: int) -> None:
+        self.redis.delete(self.keys.heartbeat(role, ident))
+
+    # ---- events ------------------------------------------------------------------------------
+
+    def event(self, kind: str, role: str, member: int | str, **detail: Any) -> None:
+        self.redis.xadd(
+            self.keys.events(),
+            {"type": kind, "role": role, "member": str(member), "time": f"{time.time():.6f}",
+             "detail": json.dumps(detail)},
+            maxlen=100_000, approximate=True,
+        )
+
+    def events(self, after: str = "-", count: int = 1000) -> list[Event]:
+        """Events after id `after` ("-" from the start), oldest first."""
+        start = "-" if after == "-" else f"({after}"
+        out = []
+        for eid, fields in self.redis.xrange(self.keys.events(), start, "+", count=count) or []:
+            f = {_text(k): _text(v) for k, v in (fields or {}).items()}
+            out.append(Event(_text(eid), float(f["time"]), f["type"], f["role"], f["member"],
+                             json.loads(f.get("detail", "{}"))))
+        return out
+
+    # ---- the leader lease --------------------------------------------------------------------
+
+    def acquire_lease(self, holder: str, ttl_s: float) -> bool:
+        return bool(self.redis.set(self.keys.leader(), holder, nx=True, px=int(ttl_s * 1000)))
+
+    def renew_lease(self, holder: str, ttl_s: float) -> bool:
+        return bool(self.redis.eval(_RENEW, 1, self.keys.leader(), holder, int(ttl_s * 1000)))
+
+    def leader(self) -> str | None:
+        raw = self.redis.get(self.keys.leader())
+        return None if raw is None else _text(raw)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def request_checkpoint(self, checkpoint_id: str, clock: int) -> None:
+        self.redis.set(self.keys.checkpoint_request(),
+                       json.dumps({"id": checkpoint_id, "clock": clock, "time": time.time()}))
+
+    def checkpoint_request(self) -> dict[str, Any] | None:
+        raw = self.redis.get(self.keys.checkpoint_request())
+        return None if raw is None else dict(json.loads(raw))
+
+    def record_checkpoint(self, checkpoint_id: str, shard: int, entry: Mapping[str, Any]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(self.keys.checkpoint(checkpoint_id), str(shard), json.dumps(dict(entry)))
+        pipe.zadd(self.keys.checkpoints(), {checkpoint_id: time.time()}, nx=True)
+        pipe.execute()
+
+    def checkpoint(self, checkpoint_id: str) -> dict[int, dict[str, Any]]:
+        raw = self.redis.hgetall(self.keys.checkpoint(checkpoint_id))
+        return {int(k): json.loads(v) for k, v in raw.items()}
+
+    def checkpoint_ids(self) -> list[str]:
+        """Checkpoint ids, newest first."""
+        return [_text(c) for c in self.redis.zrevrange(self.keys.checkpoints(), 0, -1)]
+
+    def latest_checkpoint(self, num_shards: int) -> tuple[str, dict[int, dict[str, Any]]] | None:
+        """The newest checkpoint that every shard has written, with its entries."""
+        for checkpoint_id in self.checkpoint_ids():
+            entries = self.checkpoint(checkpoint_id)
+            if len(entries) == num_shards:
+                return checkpoint_id, entries
+        return None
+
+
+def _text(value: object) -> str:
+    """A Redis reply as text (the client decodes replies; this narrows the type)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def ride_out(what: str, call: Callable[[], T], default: T) -> T:
+    """Runs a Redis call; during an outage logs (once in a while) and returns `default`."""
+    try:
+        return call()
+    except REDIS_DOWN as exc:
+        now = time.monotonic()
+        last = _last_warning.get(what, 0.0)
+        if now - last > 10:
+            _last_warning[what] = now
+            log.warning("Redis unavailable (%s): %s; carrying on without it", what, exc)
+        return default
+
+
+_last_warning: dict[str, float] = {}

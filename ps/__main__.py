@@ -1,6 +1,8 @@
 """`python -m ps` (and `pstrain server`): run one parameter-server shard.
 
-This is the one place where the server reads its environment.
+This is the one place where the server reads its environment. Standalone, the flags say
+everything; with --redis the job's spec (written by its scheduler) supplies what the flags
+leave out, and a flag that disagrees with it is refused.
 """
 
 from __future__ import annotations
@@ -9,37 +11,59 @@ import argparse
 import logging
 import os
 import sys
+import time
+from collections.abc import Callable
+from typing import Any
 
-from ps.errors import PSError
-from ps.server import MiB, ServerConfig, run
+from ps.coordination import ServerCoordinator, advertised, new_incarnation
+from ps.errors import InvalidArgumentError, PSError
+from ps.server import MiB, ParameterServer, ServerConfig, run
+from scheduler.errors import CoordinationError
+from scheduler.spec import JobSpec
+from scheduler.store import JobStore
+
+log = logging.getLogger("ps")
 
 
-def parse_args(argv: list[str]) -> ServerConfig:
+def _int(env: str) -> int | None:
+    value = os.environ.get(env)
+    return int(value) if value else None
+
+
+def parser() -> argparse.ArgumentParser:
     env = os.environ
     p = argparse.ArgumentParser(
         prog="pstrain server", description="Run one parameter-server shard."
     )
     p.add_argument("--bind", default=env.get("PSTRAIN_BIND", "0.0.0.0:7000"),
                    help="HOST:PORT to listen on; port 0 picks a free one (env PSTRAIN_BIND)")
+    p.add_argument("--advertise", default=env.get("PSTRAIN_ADVERTISE", ""),
+                   help="HOST[:PORT] other machines reach this server at (default: the bind "
+                        "host, or this host's address when binding all interfaces; env "
+                        "PSTRAIN_ADVERTISE)")
     p.add_argument("--shard", type=int, default=int(env.get("PSTRAIN_SHARD", "0")),
                    help="this server's shard index K, 0 <= K < N (env PSTRAIN_SHARD)")
-    p.add_argument("--num-shards", type=int, default=int(env.get("PSTRAIN_NUM_SHARDS", "1")),
-                   help="number of shards N in the job (env PSTRAIN_NUM_SHARDS)")
+    p.add_argument("--redis", default=env.get("PSTRAIN_REDIS", ""),
+                   help="Redis URL of the job (env PSTRAIN_REDIS); omit to run standalone")
     p.add_argument("--job", default=env.get("PSTRAIN_JOB", ""), help="job name (env PSTRAIN_JOB)")
-    p.add_argument("--mode", default=env.get("PSTRAIN_MODE", "async"),
+    p.add_argument("--num-shards", type=int, default=_int("PSTRAIN_NUM_SHARDS"),
+                   help="shards in the job (env PSTRAIN_NUM_SHARDS; default: the job's, or 1)")
+    p.add_argument("--mode", default=env.get("PSTRAIN_MODE"),
                    help="default consistency mode of tables: sync, ssp, ssp:S or async "
-                        "(env PSTRAIN_MODE)")
-    p.add_argument("--staleness", type=int, default=int(env.get("PSTRAIN_STALENESS", "0")),
-                   help="ssp staleness bound S (env PSTRAIN_STALENESS)")
-    p.add_argument("--workers", type=int, default=int(env.get("PSTRAIN_WORKERS", "1")),
+                        "(env PSTRAIN_MODE; default: the job's, or async)")
+    p.add_argument("--staleness", type=int, default=_int("PSTRAIN_STALENESS"),
+                   help="ssp staleness bound S (env PSTRAIN_STALENESS; default: the job's, or 0)")
+    p.add_argument("--workers", type=int, default=_int("PSTRAIN_WORKERS"),
                    help="workers in the job, backups included; ranks 0..W-1 start live "
-                        "(env PSTRAIN_WORKERS)")
-    p.add_argument("--backups", type=int, default=int(env.get("PSTRAIN_BACKUPS", "0")),
+                        "(env PSTRAIN_WORKERS; default: the job's, or 1)")
+    p.add_argument("--backups", type=int, default=_int("PSTRAIN_BACKUPS"),
                    help="sync backup workers b: a clock closes with the first W - b "
-                        "(env PSTRAIN_BACKUPS)")
+                        "(env PSTRAIN_BACKUPS; default: the job's, or 0)")
     p.add_argument("--max-wait-s", type=float, default=300.0,
                    help="longest a pull or push waits for the clocks (default 300)")
-    p.add_argument("--incarnation", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--spec-wait-s", type=float, default=60.0,
+                   help="with --redis: how long to wait for the job's scheduler to create "
+                        "the job (default 60)")
     p.add_argument("--torch-threads", type=int,
                    default=int(env.get("PSTRAIN_TORCH_THREADS", "1")),
                    help="torch intra-op threads (env PSTRAIN_TORCH_THREADS, default 1)")
@@ -55,26 +79,74 @@ def parse_args(argv: list[str]) -> ServerConfig:
                    help="write {address, pid} as JSON here once serving")
     p.add_argument("--log-level", default=env.get("PSTRAIN_LOG_LEVEL", "INFO"),
                    help="DEBUG, INFO, WARNING or ERROR (env PSTRAIN_LOG_LEVEL)")
-    a = p.parse_args(argv)
+    return p
+
+
+def wait_for_spec(store: JobStore, timeout_s: float) -> JobSpec:
+    """The job's spec, waiting for its scheduler to write it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        spec = store.spec()
+        if spec is not None:
+            return spec
+        if time.monotonic() > deadline:
+            raise InvalidArgumentError(
+                f"job {store.keys.job!r} has no spec in Redis after {timeout_s:g} s: start "
+                "its scheduler (pstrain scheduler --job ...) or check --job"
+            )
+        time.sleep(0.2)
+
+
+def build(argv: list[str]) -> tuple[ServerConfig, Callable[[ParameterServer], Any] | None]:
+    a = parser().parse_args(argv)
     logging.basicConfig(
         level=a.log_level.upper(),
         format=f"%(asctime)s %(levelname)s server[{a.shard}] %(name)s: %(message)s",
     )
-    return ServerConfig(
-        bind=a.bind, shard=a.shard, num_shards=a.num_shards, job=a.job,
-        incarnation=a.incarnation, mode=a.mode, staleness=a.staleness, workers=a.workers,
-        backups=a.backups, max_wait_s=a.max_wait_s, torch_threads=a.torch_threads,
-        grpc_threads=a.grpc_threads, chunk_bytes=int(a.chunk_mib * MiB),
-        max_message_bytes=int(a.max_message_mib * MiB),
+    mode, staleness = a.mode, a.staleness
+    if mode and mode.startswith("ssp:"):
+        mode, staleness = "ssp", int(mode.split(":", 1)[1])
+    attach = None
+    if a.redis:
+        if not a.job:
+            raise InvalidArgumentError("--redis needs --job NAME (or PSTRAIN_JOB)")
+        store = JobStore.connect(a.redis, a.job)
+        spec = wait_for_spec(store, a.spec_wait_s)
+        spec.check_agrees(servers=a.num_shards, mode=mode, staleness=staleness,
+                          workers=a.workers, backups=a.backups)
+        mode, staleness = spec.mode, spec.staleness
+        num_shards, workers, backups = spec.servers, spec.workers, spec.backups
+        attach = _attacher(store, spec, a.bind, a.advertise)
+    else:
+        num_shards, workers, backups = a.num_shards or 1, a.workers or 1, a.backups or 0
+    config = ServerConfig(
+        bind=a.bind, shard=a.shard, num_shards=num_shards, job=a.job,
+        incarnation=new_incarnation(), mode=mode or "async", staleness=staleness or 0,
+        workers=workers, backups=backups, max_wait_s=a.max_wait_s,
+        torch_threads=a.torch_threads, grpc_threads=a.grpc_threads,
+        chunk_bytes=int(a.chunk_mib * MiB), max_message_bytes=int(a.max_message_mib * MiB),
         max_request_bytes=int(a.max_request_mib * MiB), ready_file=a.ready_file,
     )
+    return config, attach
+
+
+def _attacher(
+    store: JobStore, spec: JobSpec, bind: str, advertise: str
+) -> Callable[[ParameterServer], Callable[[], None]]:
+    def attach(server: ParameterServer) -> Callable[[], None]:
+        address = advertised(bind.rpartition(":")[0], server.port, advertise)
+        coordinator = ServerCoordinator(store, spec, server, address)
+        coordinator.start()
+        return coordinator.stop
+
+    return attach
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        config = parse_args(sys.argv[1:] if argv is None else argv)
-        run(config)
-    except PSError as exc:
+        config, attach = build(sys.argv[1:] if argv is None else argv)
+        run(config, attach)
+    except (PSError, CoordinationError) as exc:
         print(f"pstrain server: {exc}", file=sys.stderr)
         return 2
     return 0

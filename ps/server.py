@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from types import FrameType
@@ -149,11 +150,19 @@ class ParameterServer:
         return self._stopped.wait(timeout_s)
 
 
-def run(config: ServerConfig) -> None:
-    """Serves until SIGTERM or SIGINT. Blocks."""
+def run(
+    config: ServerConfig,
+    attach: Callable[[ParameterServer], Callable[[], None]] | None = None,
+) -> None:
+    """Serves until SIGTERM or SIGINT. Blocks.
+
+    `attach` is called once the server listens (to register it in a job); the function it
+    returns is called on the way out.
+    """
     tune_process(config.torch_threads)
     server = ParameterServer(config)
     server.start()
+    detach = attach(server) if attach is not None else None
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         log.info("shard %d: signal %d, stopping", config.shard, signum)
@@ -161,4 +170,8 @@ def run(config: ServerConfig) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    server.wait()
+    try:
+        server.wait()
+    finally:
+        if detach is not None:
+            detach()

@@ -1,44 +1,239 @@
-"""The `pstrain` command line.
+"""The `pstrain` command line. This is the one place it reads environment variables.
 
-Roles run as their own processes: `pstrain server` replaces itself with `python -m ps`, so
-the CLI never imports the server (DESIGN.md: the launcher starts roles through the CLI).
+Roles run as their own processes: `pstrain server` replaces itself with `python -m ps` and
+`pstrain worker` with the training script, so the CLI never imports the server or the
+worker (DESIGN.md: the launcher starts roles through the CLI).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
+import signal
 import sys
+import threading
+import time
+from types import FrameType
 
-COMMANDS = {
-    "server": ("ps", "run one parameter-server shard (pstrain server --help)"),
-}
+from scheduler.errors import CoordinationError
+from scheduler.launcher import UpConfig, status_of, up
+from scheduler.scheduler import Scheduler
+from scheduler.spec import JobSpec
+from scheduler.store import JobStore
+
+ENV_REDIS = "PSTRAIN_REDIS"
+ENV_JOB = "PSTRAIN_JOB"
+
+
+def _spec_flags(p: argparse.ArgumentParser, defaults: bool) -> None:
+    """Flags that make up a JobSpec. Without defaults, unset flags stay None (adopt)."""
+    d = JobSpec("x") if defaults else None
+    p.add_argument("--mode", choices=("sync", "ssp", "async"), default=d and d.mode,
+                   help="consistency mode of the job's tables (default async)")
+    p.add_argument("--staleness", type=int, default=d and d.staleness,
+                   help="ssp staleness bound (default 0)")
+    p.add_argument("--servers", type=int, default=d and d.servers,
+                   help="parameter servers (shards) (default 1)")
+    p.add_argument("--workers", type=int, default=d and d.workers,
+                   help="workers, backups included (default 1)")
+    p.add_argument("--backups", type=int, default=d and d.backups,
+                   help="sync backup workers: clocks close with the first workers - backups")
+    p.add_argument("--heartbeat-interval-s", type=float, default=d and d.heartbeat_interval_s,
+                   help="seconds between heartbeats (default 0.5)")
+    p.add_argument("--heartbeat-misses", type=int, default=d and d.heartbeat_misses,
+                   help="missed heartbeats after which a process is dead (default 3)")
+    p.add_argument("--checkpoint-dir", default=d and d.checkpoint_dir,
+                   help="directory for checkpoints (default: none written)")
+    p.add_argument("--checkpoint-every-s", type=float, default=d and d.checkpoint_every_s,
+                   help="async/ssp: seconds between checkpoints (0: off)")
+    p.add_argument("--checkpoint-every-clocks", type=int,
+                   default=d and d.checkpoint_every_clocks,
+                   help="sync: clocks between checkpoints (0: off)")
+
+
+_SPEC_FIELDS = ("mode", "staleness", "servers", "workers", "backups", "heartbeat_interval_s",
+                "heartbeat_misses", "checkpoint_dir", "checkpoint_every_s",
+                "checkpoint_every_clocks")
+
+
+def _spec(job: str, a: argparse.Namespace) -> JobSpec:
+    return JobSpec(job, **{f: getattr(a, f) for f in _SPEC_FIELDS if getattr(a, f) is not None})
+
+
+def _redis_flags(p: argparse.ArgumentParser, job_required: bool = True) -> None:
+    p.add_argument("--redis", default=os.environ.get(ENV_REDIS, ""),
+                   help=f"Redis URL: redis://[user:password@]host:port/db or rediss:// for TLS "
+                        f"(env {ENV_REDIS})")
+    p.add_argument("--job", default=os.environ.get(ENV_JOB, "" if job_required else "local"),
+                   help=f"job name (env {ENV_JOB})")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="pstrain",
-        description="pstrain: a parameter-server training system for PyTorch.",
+        prog="pstrain", description="pstrain: a parameter-server training system for PyTorch."
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (_, help_text) in COMMANDS.items():
-        sub.add_parser(name, help=help_text, add_help=False)
+
+    sub.add_parser("server", help="run one parameter-server shard (see pstrain server --help)",
+                   add_help=False)
+
+    w = sub.add_parser("worker", help="run a training script as a worker of a job")
+    _redis_flags(w)
+    w.add_argument("--rank", type=int, help="this worker's rank (default: the first free one)")
+    w.add_argument("script", help="the training script (it calls worker.init())")
+    w.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+    s = sub.add_parser("scheduler", help="run a job's scheduler (leader or standby)")
+    _redis_flags(s)
+    _spec_flags(s, defaults=False)
+    s.add_argument("--adopt", action="store_true",
+                   help="adopt the job if it exists (a standby, or a restarted scheduler); "
+                        "without it a live job of that name is refused")
+    s.add_argument("--poll-s", type=float, default=0.1, help="heartbeat polling period")
+    s.add_argument("--lease-s", type=float, default=2.0, help="leader lease")
+
+    u = sub.add_parser("up", help="run a whole local cluster and a training script on it")
+    _redis_flags(u, job_required=False)
+    _spec_flags(u, defaults=True)
+    u.add_argument("--restart", action="store_true", help="restart crashed processes")
+    u.add_argument("--resume", action="store_true",
+                   help="start the servers from the job's newest complete checkpoint")
+    u.add_argument("--no-view", action="store_true", help="no live view")
+    u.add_argument("--log-dir", default="", help="keep each process's log here")
+    u.add_argument("script", help="the training script, run by every worker")
+    u.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script (after --)")
+
+    st = sub.add_parser("status", help="show a job: spec, processes, events, checkpoint")
+    _redis_flags(st)
+    st.add_argument("--json", action="store_true", help="print JSON")
+
+    c = sub.add_parser("checkpoint", help="ask a job's servers for a checkpoint now")
+    _redis_flags(c)
+    c.add_argument("--wait-s", type=float, default=120.0, help="how long to wait for it")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     parser = _parser()
-    if not args or args[0] in ("-h", "--help"):
+    if not args:
         parser.print_help()
-        return 0 if args else 2
-    command, rest = args[0], args[1:]
-    if command not in COMMANDS:
-        parser.error(f"unknown command {command!r}; choose one of {', '.join(COMMANDS)}")
-    module = COMMANDS[command][0]
-    # Replace this process so signals, exit status and pid belong to the role itself.
-    os.execv(sys.executable, [sys.executable, "-m", module, *rest])
-    return 0  # pragma: no cover - execv does not return
+        return 2
+    if args[0] == "server":
+        # Replace this process so signals, exit status and pid belong to the server itself.
+        os.execv(sys.executable, [sys.executable, "-m", "ps", *args[1:]])
+    a = parser.parse_args(args)
+    logging.basicConfig(level=os.environ.get("PSTRAIN_LOG_LEVEL", "INFO").upper(),
+                        format=f"%(asctime)s %(levelname)s {a.command} %(name)s: %(message)s")
+    try:
+        return _run(a)
+    except CoordinationError as exc:
+        print(f"pstrain {a.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _need_redis(a: argparse.Namespace) -> None:
+    if not a.redis:
+        raise CoordinationError(f"--redis URL (or {ENV_REDIS}) is required")
+    if not a.job:
+        raise CoordinationError(f"--job NAME (or {ENV_JOB}) is required")
+
+
+def _run(a: argparse.Namespace) -> int:
+    if a.command == "worker":
+        _need_redis(a)
+        env = {**os.environ, ENV_REDIS: a.redis, ENV_JOB: a.job}
+        if a.rank is not None:
+            env["PSTRAIN_RANK"] = str(a.rank)
+        script_args = a.args[1:] if a.args[:1] == ["--"] else a.args
+        os.execve(sys.executable, [sys.executable, a.script, *script_args], env)
+    if a.command == "scheduler":
+        return _scheduler(a)
+    if a.command == "up":
+        script_args = a.args[1:] if a.args[:1] == ["--"] else a.args
+        return up(UpConfig(
+            script=a.script, script_args=tuple(script_args), spec=_spec(a.job, a),
+            redis=a.redis, restart=a.restart, resume=a.resume, view=not a.no_view,
+            log_dir=a.log_dir,
+        ))
+    if a.command == "status":
+        _need_redis(a)
+        return _status(JobStore.connect(a.redis, a.job), a.json)
+    if a.command == "checkpoint":
+        _need_redis(a)
+        return _checkpoint(JobStore.connect(a.redis, a.job), a.wait_s)
+    raise CoordinationError(f"unknown command {a.command!r}")
+
+
+def _scheduler(a: argparse.Namespace) -> int:
+    _need_redis(a)
+    store = JobStore.connect(a.redis, a.job)
+    given = {f: getattr(a, f) for f in _SPEC_FIELDS if getattr(a, f) is not None}
+    spec = store.create_job(_spec(a.job, a), adopt=a.adopt, given=given)
+    scheduler = Scheduler(store, spec, poll_s=a.poll_s, lease_s=a.lease_s)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    scheduler.run(stop)
+    return 0
+
+
+def _status(store: JobStore, as_json: bool) -> int:
+    status = status_of(store)
+    if status["spec"] is None:
+        print(f"pstrain status: no job {store.keys.job!r} in this Redis", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps(status, indent=2))
+        return 0
+    spec = status["spec"]
+    print(f"job {status['job']}: {spec['mode']}, {spec['servers']} servers, {spec['workers']} "
+          f"workers ({spec['backups']} backups), leader {status['leader'] or 'none'}")
+    print(f"{'role':<8}{'id':>3} {'pid':>8} {'host':<14}{'address':<22}{'incarnation':>18}"
+          f"{'hb age':>8}{'clock':>7}")
+    for p in status["processes"]:
+        age = "-" if p["heartbeat_age_s"] is None else f"{p['heartbeat_age_s']:.1f}s"
+        print(f"{p['role']:<8}{p['id']:>3} {p['pid'] or '-':>8} {p['host'] or '-'!s:<14}"
+              f"{p['address'] or '-'!s:<22}{p['incarnation'] or '-':>18}{age:>8}"
+              f"{p['clock'] if p['clock'] is not None else '-':>7}")
+    print("recent events:")
+    for e in status["events"]:
+        when = time.strftime("%H:%M:%S", time.localtime(e["time"]))
+        print(f"  {when} {e['type']:<9} {e['role']} {e['member']}")
+    latest = status["latest_checkpoint"]
+    print(f"latest checkpoint: {latest['id'] if latest else 'none'}")
+    return 0
+
+
+def _checkpoint(store: JobStore, wait_s: float) -> int:
+    spec = store.spec()
+    if spec is None:
+        raise CoordinationError(f"no job {store.keys.job!r} in this Redis")
+    if not spec.checkpoint_dir:
+        raise CoordinationError(
+            f"job {spec.job!r} has no checkpoint directory; start it with --checkpoint-dir"
+        )
+    beats = store.heartbeats("server", list(range(spec.servers)))
+    open_clock = max((int(b.get("open_clock", 0)) for b in beats.values() if b), default=0)
+    at_clock = open_clock + 2 if spec.mode == "sync" else -1
+    checkpoint_id = f"manual-{int(time.time() * 1000):015d}"
+    store.request_checkpoint(checkpoint_id, at_clock)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        entries = store.checkpoint(checkpoint_id)
+        if len(entries) == spec.servers:
+            print(json.dumps({"checkpoint": checkpoint_id, "shards": entries}, indent=2))
+            return 0
+        time.sleep(0.2)
+    print(f"pstrain checkpoint: {checkpoint_id} not complete after {wait_s:g} s "
+          f"({len(store.checkpoint(checkpoint_id))} of {spec.servers} shards)", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

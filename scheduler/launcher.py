@@ -1,0 +1,398 @@
+"""`pstrain up`: a whole local cluster from one command.
+
+Starts a private redis-server (unless --redis is given), a scheduler, the servers and the
+workers, each as its own process through the CLI; restarts crashed ones with --restart;
+shows a live view; returns the workers' exit status; and on Ctrl-C or SIGTERM stops every
+process it started. Children get a parent-death signal, so none outlives this process even
+if it is killed outright.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import enum
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from scheduler.errors import CoordinationError
+from scheduler.spec import JobSpec
+from scheduler.store import JobStore, ride_out
+
+log = logging.getLogger(__name__)
+
+# A worker exits with this to be started again at once (the job rolled back).
+RESTART_EXIT_CODE = 75
+MAX_RESTARTS = 20
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    script: str
+    script_args: tuple[str, ...]
+    spec: JobSpec
+    redis: str = ""
+    restart: bool = False
+    resume: bool = False
+    view: bool = True
+    log_dir: str = ""
+    host: str = "127.0.0.1"
+    start_timeout_s: float = 120.0
+
+
+class State(enum.Enum):
+    RUNNING = "running"
+    EXITED = "exited"
+    STOPPED = "stopped"
+
+
+@dataclass
+class Child:
+    """A started process and how to start it again."""
+
+    name: str
+    role: str
+    ident: int
+    args: list[str]
+    env: dict[str, str]
+    log_path: Path
+    popen: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    state: State = State.STOPPED
+    exit_code: int | None = None
+    history: list[int] = field(default_factory=list)
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGKILL it when its parent dies."""
+    name = ctypes.util.find_library("c")
+    if name:
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(name).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class Cluster:
+    """The processes of one `pstrain up`. Not thread-safe: one launcher thread drives it."""
+
+    def __init__(self, config: UpConfig) -> None:
+        self.config = config
+        self.spec = config.spec
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"pstrain-{self.spec.job}-"))
+        self.log_dir = Path(config.log_dir) if config.log_dir else self.tmp / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.children: list[Child] = []
+        self.redis_url = config.redis
+        self.redis_child: Child | None = None
+        self.store: JobStore | None = None
+        self._stopping = False
+        self._last_view = 0.0
+
+    # ---- starting --------------------------------------------------------------------------
+
+    def _spawn(self, child: Child) -> None:
+        with open(child.log_path, "ab") as out:
+            child.popen = subprocess.Popen(
+                child.args, env=child.env, stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+                # The launcher runs no other threads, so a pre-exec hook cannot deadlock.
+                preexec_fn=_die_with_parent,  # noqa: PLW1509
+            )
+        child.state = State.RUNNING
+        child.exit_code = None
+        log.debug("started %s (pid %d)", child.name, child.popen.pid)
+
+    def _child(self, name: str, role: str, ident: int, args: list[str],
+               env: dict[str, str] | None = None) -> Child:
+        child = Child(name, role, ident, args, {**os.environ, "PYTHONUNBUFFERED": "1",
+                                                **(env or {})},
+                      self.log_dir / f"{name}.log")
+        self.children.append(child)
+        self._spawn(child)
+        return child
+
+    def start(self) -> None:
+        """Starts Redis (if private), the scheduler, the servers and the workers. Blocks
+        until each stage is up; CoordinationError naming the stage and its log otherwise."""
+        if not self.redis_url:
+            self._start_redis()
+        self.store = JobStore.connect(self.redis_url, self.spec.job)
+        # A new job refuses a live one of the same name; --resume adopts it.
+        self.spec = self.store.create_job(self.spec, adopt=self.config.resume)
+        py = sys.executable
+        spec = self.spec
+        self._child("scheduler", "scheduler", 0, [
+            py, "-m", "scheduler.cli", "scheduler", "--redis", self.redis_url, "--job",
+            spec.job, *self._spec_flags(), "--adopt",
+        ])
+        self._await(lambda: self.store is not None and self.store.leader() is not None,
+                    "the scheduler to lead", "scheduler")
+        for k in range(spec.servers):
+            args = [py, "-m", "ps", "--redis", self.redis_url, "--job", spec.job, "--shard",
+                    str(k), "--bind", f"{self.config.host}:0"]
+            if self.config.resume:
+                args += ["--restore", "latest"]
+            self._child(f"server{k}", "server", k, args)
+        self._await(self._servers_up, f"all {spec.servers} servers to register", "server0")
+        env = {"PSTRAIN_REDIS": self.redis_url, "PSTRAIN_JOB": spec.job,
+               "PSTRAIN_WORLD_SIZE": str(spec.workers)}
+        for r in range(spec.workers):
+            self._child(f"worker{r}", "worker", r,
+                        [py, self.config.script, *self.config.script_args],
+                        {**env, "PSTRAIN_RANK": str(r)})
+
+    def _spec_flags(self) -> list[str]:
+        s = self.spec
+        return ["--mode", s.mode, "--staleness", str(s.staleness), "--servers", str(s.servers),
+                "--workers", str(s.workers), "--backups", str(s.backups),
+                "--heartbeat-interval-s", str(s.heartbeat_interval_s),
+                "--heartbeat-misses", str(s.heartbeat_misses),
+                "--checkpoint-dir", s.checkpoint_dir,
+                "--checkpoint-every-s", str(s.checkpoint_every_s),
+                "--checkpoint-every-clocks", str(s.checkpoint_every_clocks)]
+
+    def _start_redis(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise CoordinationError(
+                "redis-server is not installed: run `apt-get install redis-server` (or "
+                "bash scripts/setup.sh), or pass --redis URL of a running Redis"
+            )
+        for _ in range(5):
+            port = free_port(self.config.host)
+            child = self._child("redis", "redis", 0, [
+                binary, "--port", str(port), "--bind", self.config.host, "--save", "",
+                "--appendonly", "no", "--dir", str(self.tmp), "--protected-mode", "no",
+            ])
+            self.redis_url = f"redis://{self.config.host}:{port}/0"
+            try:
+                JobStore.connect(self.redis_url, self.spec.job, timeout_s=5)
+            except CoordinationError:
+                self._terminate(child)
+                self.children.remove(child)
+                continue
+            self.redis_child = child
+            return
+        raise CoordinationError(f"could not start redis-server; see {self.log_dir}")
+
+    def _servers_up(self) -> bool:
+        assert self.store is not None
+        beats = self.store.heartbeats("server", list(range(self.spec.servers)))
+        return all(b is not None for b in beats.values())
+
+    def _await(self, ready: Callable[[], bool], what: str, name: str) -> None:
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while not ride_out("start", ready, False):
+            for child in self.children:
+                if child.popen is not None and child.popen.poll() is not None:
+                    raise CoordinationError(
+                        f"{child.name} exited with {child.popen.returncode} while waiting for "
+                        f"{what}:\n{_tail(child.log_path)}"
+                    )
+            if time.monotonic() > deadline or self._stopping:
+                raise CoordinationError(f"timed out waiting for {what}; see {self.log_dir}")
+            time.sleep(0.05)
+
+    # ---- running ---------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Supervises until every worker has finished; returns their exit status."""
+        while not self._stopping:
+            self._reap()
+            workers = [c for c in self.children if c.role == "worker"]
+            if all(c.state is State.EXITED for c in workers):
+                failed = [c for c in workers if c.exit_code]
+                return failed[0].exit_code or 1 if failed else 0
+            if self.config.view:
+                self._view()
+            time.sleep(0.1)
+        return 130
+
+    def _reap(self) -> None:
+        for child in self.children:
+            if child.state is not State.RUNNING or child.popen is None:
+                continue
+            code = child.popen.poll()
+            if code is None:
+                continue
+            child.state, child.exit_code = State.EXITED, code
+            child.history.append(code)
+            if child.role == "worker" and code == 0:
+                log.info("%s finished", child.name)
+                continue
+            again = code == RESTART_EXIT_CODE or self.config.restart
+            if again and child.restarts < MAX_RESTARTS:
+                child.restarts += 1
+                log.warning("%s exited with %d; restarting it (restart %d)", child.name, code,
+                            child.restarts)
+                self._spawn(child)
+            elif child.role == "worker":
+                log.error("%s failed with exit status %d; see %s", child.name, code,
+                          child.log_path)
+                raise _Failed(code, child)
+            else:
+                raise _Failed(code, child)
+
+    def _view(self) -> None:
+        now = time.monotonic()
+        interactive = sys.stdout.isatty()
+        if now - self._last_view < (1.0 if interactive else 10.0) or self.store is None:
+            return
+        self._last_view = now
+        lines = render_view(self.store, self.spec, self.children)
+        if interactive:
+            sys.stdout.write("\x1b[H\x1b[2J" + "\n".join(lines) + "\n")
+        else:
+            sys.stdout.write("\n".join(lines) + "\n")
+        sys.stdout.flush()
+
+    # ---- stopping --------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        self._stopping = True
+
+    def stop(self) -> None:
+        """Stops every process started here, workers first: SIGTERM, then SIGKILL."""
+        order = {"worker": 0, "server": 1, "scheduler": 2, "redis": 3}
+        for child in sorted(self.children, key=lambda c: order.get(c.role, 9)):
+            self._terminate(child)
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.redis.close()
+        if not self.config.log_dir:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _terminate(self, child: Child) -> None:
+        popen = child.popen
+        if popen is None or popen.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(popen.pid, signal.SIGTERM)
+        try:
+            popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait(timeout=10)
+        child.state = State.STOPPED
+
+
+class _Failed(Exception):
+    def __init__(self, code: int, child: Child) -> None:
+        super().__init__(f"{child.name} exited with status {code}")
+        self.code = code
+        self.child = child
+
+
+def render_view(store: JobStore, spec: JobSpec, children: list[Child]) -> list[str]:
+    """The live view: one line per worker and per server."""
+    pids = {(c.role, c.ident): c for c in children}
+    none: dict[int, dict[str, Any] | None] = {}
+    workers = ride_out("view", lambda: store.heartbeats("worker", list(range(spec.workers))),
+                       none)
+    servers = ride_out("view", lambda: store.heartbeats("server", list(range(spec.servers))),
+                       none)
+    lines = [f"pstrain job {spec.job!r}: {spec.mode}, {spec.servers} servers, "
+             f"{spec.workers} workers ({spec.backups} backups)   {time.strftime('%H:%M:%S')}",
+             f"{'worker':<8}{'clock':>8}{'samples/s':>11}{'loss':>10}  state"]
+    for r in range(spec.workers):
+        beat = workers.get(r) or {}
+        child = pids.get(("worker", r))
+        state = child.state.value if child else "-"
+        if child and child.restarts:
+            state += f" ({child.restarts} restarts)"
+        loss = beat.get("loss")
+        lines.append(f"{r:<8}{beat.get('clock', '-'):>8}{beat.get('samples_per_s', 0.0):>11.0f}"
+                     f"{'-' if loss is None else f'{loss:.4f}':>10}  "
+                     f"{state if beat else state + ', no heartbeat'}")
+    lines.append(f"{'server':<8}{'rows':>12}{'MiB':>9}{'pushes':>10}{'dropped':>9}  address")
+    for k in range(spec.servers):
+        beat = servers.get(k) or {}
+        lines.append(f"{k:<8}{beat.get('rows', 0):>12}{beat.get('bytes', 0) / 2**20:>9.1f}"
+                     f"{beat.get('pushes', 0):>10}{beat.get('dropped', 0):>9}  "
+                     f"{beat.get('address', 'no heartbeat')}")
+    return lines
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def up(config: UpConfig) -> int:
+    """Runs the cluster to completion. Blocks; returns the exit status for the shell."""
+    cluster = Cluster(config)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        cluster.request_stop()
+        raise KeyboardInterrupt
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        cluster.start()
+        code = cluster.run()
+        summary = {"job": config.spec.job, "exit_status": code,
+                   "restarts": {c.name: c.restarts for c in cluster.children if c.restarts}}
+        print(json.dumps(summary), flush=True)
+        return code
+    except KeyboardInterrupt:
+        print("pstrain up: interrupted; stopping every process it started", file=sys.stderr)
+        return 130
+    except _Failed as failed:
+        print(f"pstrain up: {failed}; last lines of {failed.child.log_path}:\n"
+              f"{_tail(failed.child.log_path)}", file=sys.stderr)
+        return failed.code or 1
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        cluster.stop()
+
+
+def status_of(store: JobStore, events: int = 20) -> dict[str, Any]:
+    """The job as `pstrain status` shows it."""
+    spec = store.spec()
+    now = time.time()
+    out: dict[str, Any] = {"job": store.keys.job, "spec": None if spec is None else
+                           json.loads(spec.to_json()), "leader": store.leader(), "processes": []}
+    for role in ("server", "worker"):
+        members = store.members(role)
+        ids = sorted(set(members) | set(range(spec.servers if role == "server" else
+                                               spec.workers) if spec else set()))
+        beats = store.heartbeats(role, ids)
+        for ident in ids:
+            info = {**members.get(ident, {}), **(beats.get(ident) or {})}
+            out["processes"].append({
+                "role": role, "id": ident, "pid": info.get("pid"), "host": info.get("host"),
+                "address": info.get("address"), "incarnation": info.get("incarnation"),
+                "heartbeat_age_s": None if beats.get(ident) is None else
+                round(now - float(info.get("time", now)), 3),
+                "clock": info.get("clock", info.get("open_clock")),
+                "alive": beats.get(ident) is not None,
+            })
+    out["events"] = [{"id": e.id, "time": e.time_s, "type": e.type, "role": e.role,
+                      "member": e.member, **e.detail} for e in store.events()[-events:]]
+    latest = store.latest_checkpoint(spec.servers) if spec else None
+    out["latest_checkpoint"] = None if latest is None else {"id": latest[0],
+                                                            "shards": latest[1]}
+    return out

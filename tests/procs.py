@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,6 +80,33 @@ class Procs:
     def servers(self, n: int, extra: list[str] | None = None) -> list[Proc]:
         return [self.server(k, n, extra) for k in range(n)]
 
+    def redis(self, port: int = 0, password: str = "") -> Proc:
+        """Starts a private redis-server on a free loopback port; its URL is `.address`."""
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (bash scripts/setup.sh does it)")
+        for _ in range(5):
+            chosen = port or free_port()
+            args = [binary, "--port", str(chosen), "--bind", "127.0.0.1", "--save", "",
+                    "--appendonly", "no", "--dir", str(self.workdir)]
+            if password:
+                args += ["--requirepass", password]
+            proc = self.spawn(args, "redis")
+            auth = f":{password}@" if password else ""
+            proc.address = f"redis://{auth}127.0.0.1:{chosen}/0"
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and proc.popen.poll() is None:
+                with socket.socket() as s:
+                    if s.connect_ex(("127.0.0.1", chosen)) == 0:
+                        return proc
+                time.sleep(0.05)
+            self.kill(proc)
+        raise RuntimeError("could not start redis-server")
+
+    def pstrain(self, args: list[str], name: str, env: dict[str, str] | None = None) -> Proc:
+        """Starts `pstrain ARGS` (the CLI) as a process."""
+        return self.spawn([sys.executable, "-m", "scheduler.cli", *args], name, env)
+
     def kill(self, proc: Proc, sig: int = signal.SIGKILL) -> None:
         """Sends `sig` to the process by pid and reaps it."""
         if proc.popen.poll() is None:
@@ -98,6 +128,23 @@ class Procs:
             except subprocess.TimeoutExpired:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.popen.wait(timeout=10)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(predicate: Callable[[], object], timeout_s: float, what: str) -> object:
+    """Polls `predicate` until it returns something truthy; TimeoutError naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def wait_ready(proc: Proc, ready: Path, timeout_s: float) -> dict[str, object]:

@@ -1,0 +1,158 @@
+"""The scheduler with real processes: death detection, quorum, rejoin, failover."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from procs import REPO, Proc, Procs, wait_until
+
+from scheduler.store import JobStore
+
+JOB_WORKER = str(REPO / "tests" / "job_worker.py")
+
+
+def start_job(procs: Procs, redis: str, job: str, mode: str, workers: int, servers: int = 1,
+              extra: list[str] | None = None) -> list[Proc]:
+    started = [procs.pstrain(["scheduler", "--redis", redis, "--job", job, "--mode", mode,
+                              "--workers", str(workers), "--servers", str(servers),
+                              *(extra or [])], "scheduler")]
+    store = JobStore.connect(redis, job)
+    wait_until(store.leader, 30, "a leader")
+    for k in range(servers):
+        started.append(procs.pstrain(["server", "--redis", redis, "--job", job, "--shard",
+                                      str(k), "--bind", "127.0.0.1:0"], f"server{k}"))
+    wait_until(lambda: all(store.heartbeats("server", list(range(servers))).values()), 60,
+               "servers")
+    return started
+
+
+def start_worker(procs: Procs, redis: str, job: str, rank: int, out: Path, steps: int,
+                 sleep_ms: float) -> Proc:
+    return procs.pstrain(["worker", "--redis", redis, "--job", job, "--rank", str(rank),
+                          JOB_WORKER, "--steps", str(steps), "--out", str(out),
+                          "--sleep-ms", str(sleep_ms)], f"worker{rank}")
+
+
+def open_clock(store: JobStore) -> int:
+    beat = store.heartbeats("server", [0])[0]
+    return int(beat["open_clock"]) if beat else -1
+
+
+def event(store: JobStore, kind: str, role: str, member: int, after: float = 0.0) -> object:
+    for e in store.events():
+        if e.type == kind and e.role == role and e.member == str(member) and e.time_s >= after:
+            return e
+    return None
+
+
+def test_worker_killed_in_sync_mode_shrinks_quorum_and_rejoins(procs: Procs) -> None:
+    redis = procs.redis().address
+    store = JobStore.connect(redis, "kill")
+    start_job(procs, redis, "kill", "sync", workers=3)
+    out = procs.workdir / "out"
+    steps = 260
+    workers = [start_worker(procs, redis, "kill", r, out, steps, 20.0) for r in range(3)]
+    wait_until(lambda: open_clock(store) >= 15, 60, "training to run")
+    killed_at = time.time()
+    procs.kill(workers[2], signal.SIGKILL)
+    dead = wait_until(lambda: event(store, "dead", "worker", 2), 10, "the dead event")
+    detection = dead.time_s - killed_at  # type: ignore[attr-defined]
+    assert detection < 3.0, detection
+    # The quorum shrank: clocks close without worker 2.
+    clock = open_clock(store)
+    wait_until(lambda: open_clock(store) >= clock + 5, 20, "clocks to close without worker 2")
+    # The restarted worker rejoins under a new incarnation and the job finishes.
+    again = start_worker(procs, redis, "kill", 2, out, steps, 20.0)
+    joined = wait_until(lambda: event(store, "joined", "worker", 2, after=killed_at), 30,
+                        "the rejoin")
+    assert joined.detail["incarnation"] != dead.detail["incarnation"]  # type: ignore[attr-defined]
+    for proc in (workers[0], workers[1], again):
+        assert proc.popen.wait(timeout=120) == 0, proc.log()
+    finals = [json.loads((out / f"worker{r}.json").read_text()) for r in range(3)]
+    assert {f["clock"] for f in finals} == {steps}
+    assert finals[0]["w"] == finals[1]["w"] == finals[2]["w"]
+
+
+def test_standby_scheduler_takes_over_and_still_detects_deaths(procs: Procs) -> None:
+    redis = procs.redis().address
+    store = JobStore.connect(redis, "failover")
+    leader, *_ = start_job(procs, redis, "failover", "async", workers=2)
+    first = store.leader()
+    standby = procs.pstrain(["scheduler", "--redis", redis, "--job", "failover", "--adopt"],
+                            "standby")
+    out = procs.workdir / "out"
+    workers = [start_worker(procs, redis, "failover", r, out, 100_000, 10.0) for r in range(2)]
+    wait_until(lambda: event(store, "joined", "worker", 1), 60, "worker 1 to join")
+    procs.kill(leader, signal.SIGKILL)
+    wait_until(lambda: store.leader() not in (None, first), 10, "the standby to lead")
+    assert standby.popen.poll() is None
+    killed_at = time.time()
+    procs.kill(workers[1], signal.SIGKILL)
+    wait_until(lambda: event(store, "dead", "worker", 1, after=killed_at), 10,
+               "the new leader to see worker 1 die")
+
+
+def test_spec_mismatch_is_refused_showing_both_values(procs: Procs) -> None:
+    redis = procs.redis().address
+    start_job(procs, redis, "clash", "sync", workers=2)
+    server = procs.pstrain(["server", "--redis", redis, "--job", "clash", "--shard", "0",
+                            "--bind", "127.0.0.1:0", "--mode", "async", "--num-shards", "3"],
+                           "clash")
+    assert server.popen.wait(timeout=30) == 2
+    log = server.log()
+    assert "mode: the job has 'sync', this process was given 'async'" in log
+    assert "servers: the job has 1, this process was given 3" in log
+
+
+def test_second_job_with_a_live_name_is_refused(procs: Procs) -> None:
+    redis = procs.redis().address
+    start_job(procs, redis, "taken", "async", workers=1)
+    second = procs.pstrain(["scheduler", "--redis", redis, "--job", "taken"], "second")
+    assert second.popen.wait(timeout=30) == 2
+    assert "job 'taken' is running" in second.log()
+
+
+@pytest.mark.parametrize("role", ["scheduler", "server"])
+def test_unreachable_redis_fails_within_5s_naming_the_url(procs: Procs, role: str) -> None:
+    url = "redis://127.0.0.1:9/0"  # the discard port: nothing listens there
+    args = ["scheduler", "--redis", url, "--job", "x"] if role == "scheduler" else [
+        "server", "--redis", url, "--job", "x", "--bind", "127.0.0.1:0"]
+    start = time.monotonic()
+    proc = procs.pstrain(args, role)
+    assert proc.popen.wait(timeout=30) == 2
+    assert time.monotonic() - start < 5.0 + 4.0  # 5 s, plus interpreter start-up
+    assert "cannot reach Redis at redis://127.0.0.1:9/0" in proc.log()
+
+
+def test_redis_password_in_url(procs: Procs) -> None:
+    redis = procs.redis(password="s3cret").address
+    store = JobStore.connect(redis, "auth")
+    assert store.spec() is None
+    wrong = redis.replace("s3cret", "nope")
+    proc = procs.pstrain(["scheduler", "--redis", wrong, "--job", "auth"], "wrong")
+    assert proc.popen.wait(timeout=30) == 2
+    assert "***" in proc.log() and "nope" not in proc.log()
+
+
+def test_status_lists_processes_and_events(procs: Procs) -> None:
+    redis = procs.redis().address
+    start_job(procs, redis, "shown", "async", workers=1)
+    out = procs.workdir / "out"
+    start_worker(procs, redis, "shown", 0, out, 100_000, 10.0)
+    store = JobStore.connect(redis, "shown")
+    wait_until(lambda: event(store, "joined", "worker", 0), 60, "the worker")
+    done = subprocess.run([sys.executable, "-m", "scheduler.cli", "status", "--redis", redis,
+                           "--job", "shown", "--json"], capture_output=True, text=True,
+                          cwd=REPO, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    status = json.loads(done.stdout)
+    roles = {(p["role"], p["id"]): p for p in status["processes"]}
+    assert roles[("worker", 0)]["alive"] and roles[("server", 0)]["address"]
+    assert roles[("worker", 0)]["heartbeat_age_s"] < 2
+    assert any(e["type"] == "joined" for e in status["events"])

@@ -1,0 +1,101 @@
+"""`pstrain up` as a user runs it: a whole job, interruption, restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from procs import REPO, Procs, wait_until
+
+JOB_WORKER = str(REPO / "tests" / "job_worker.py")
+sys.path.insert(0, str(REPO / "tests"))
+
+from job_worker import batch  # noqa: E402
+
+
+def children_of(pid: int) -> set[int]:
+    """Pids whose parent is `pid` (from /proc)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.add(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return state != "Z"
+
+
+def local_sync_run(workers: int, steps: int, dim: int = 16, lr: float = 0.5) -> torch.Tensor:
+    """What a sync job computes: SGD on the mean of the workers' gradients per clock."""
+    w = torch.zeros(dim)
+    for t in range(steps):
+        grads = []
+        for r in range(workers):
+            x, y = batch(r, t, dim)
+            grads.append(x.T @ (torch.sigmoid(x @ w) - y) / len(y))
+        w -= lr * torch.stack(grads).sum(0) / workers
+    return w
+
+
+def test_up_runs_a_sync_job_to_the_single_process_result(procs: Procs) -> None:
+    out = procs.workdir / "out"
+    up = procs.pstrain(["up", "--servers", "2", "--workers", "3", "--mode", "sync",
+                        "--no-view", JOB_WORKER, "--", "--steps", "25", "--out", str(out)], "up")
+    assert up.popen.wait(timeout=180) == 0, up.log()
+    summary = json.loads(up.log().strip().splitlines()[-1])
+    assert summary["exit_status"] == 0
+    expected = local_sync_run(3, 25)
+    for r in range(3):
+        result = json.loads((out / f"worker{r}.json").read_text())
+        torch.testing.assert_close(torch.tensor(result["w"]), expected, atol=1e-6, rtol=0)
+
+
+def test_interrupted_up_leaves_no_process_behind(procs: Procs) -> None:
+    out = procs.workdir / "out"
+    up = procs.pstrain(["up", "--servers", "2", "--workers", "2", "--no-view", JOB_WORKER,
+                        "--", "--steps", "1000000", "--sleep-ms", "10", "--out", str(out)], "up")
+    # redis, scheduler, 2 servers and 2 workers, all started by up
+    def all_started() -> set[int] | None:
+        found = children_of(up.pid)
+        return found if len(found) >= 6 else None
+
+    started = wait_until(all_started, 90, "every process to start")
+    time.sleep(1.0)
+    os.kill(up.pid, signal.SIGINT)
+    assert up.popen.wait(timeout=60) == 130
+    left = [p for p in started if alive(p)]  # type: ignore[union-attr]
+    assert not left, f"still running: {left}"
+
+
+def test_worker_exit_status_is_returned(procs: Procs) -> None:
+    script = procs.workdir / "fails.py"
+    script.write_text("import sys\nimport worker\nctx = worker.init()\nsys.exit(3 if ctx.rank "
+                      "== 1 else 0)\n")
+    up = procs.pstrain(["up", "--workers", "2", "--no-view", str(script)], "up")
+    assert up.popen.wait(timeout=120) == 3
+    assert "worker1 exited with status 3" in up.log()
+
+
+def test_up_refuses_a_bad_value_naming_it() -> None:
+    done = subprocess.run([sys.executable, "-m", "scheduler.cli", "up", "--workers", "2",
+                           "--backups", "2", "--no-view", JOB_WORKER], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2
+    assert "backups must be in [0, workers=2), got 2" in done.stderr

@@ -13,9 +13,8 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
 
-from ps.coordination import ServerCoordinator, advertised, new_incarnation
+from ps.coordination import ServerCoordinator, advertised, find_checkpoint, new_incarnation
 from ps.errors import InvalidArgumentError, PSError
 from ps.server import MiB, ParameterServer, ServerConfig, run
 from scheduler.errors import CoordinationError
@@ -61,6 +60,13 @@ def parser() -> argparse.ArgumentParser:
                         "(env PSTRAIN_BACKUPS; default: the job's, or 0)")
     p.add_argument("--max-wait-s", type=float, default=300.0,
                    help="longest a pull or push waits for the clocks (default 300)")
+    p.add_argument("--restore", choices=("auto", "latest", "none"), default="auto",
+                   help="auto: restore the newest checkpoint Redis lists for the job (a "
+                        "restarted server); latest: also search --checkpoint-dir on disk "
+                        "(resuming a job); none: start empty")
+    p.add_argument("--checkpoint-dir", default=env.get("PSTRAIN_CHECKPOINT_DIR", ""),
+                   help="standalone: where --restore latest looks (env PSTRAIN_CHECKPOINT_DIR); "
+                        "in a job, the job's directory")
     p.add_argument("--spec-wait-s", type=float, default=60.0,
                    help="with --redis: how long to wait for the job's scheduler to create "
                         "the job (default 60)")
@@ -97,7 +103,14 @@ def wait_for_spec(store: JobStore, timeout_s: float) -> JobSpec:
         time.sleep(0.2)
 
 
-def build(argv: list[str]) -> tuple[ServerConfig, Callable[[ParameterServer], Any] | None]:
+Built = tuple[
+    ServerConfig,
+    Callable[[ParameterServer], Callable[[], None]] | None,
+    Callable[[ParameterServer], None] | None,
+]
+
+
+def build(argv: list[str]) -> Built:
     a = parser().parse_args(argv)
     logging.basicConfig(
         level=a.log_level.upper(),
@@ -116,9 +129,18 @@ def build(argv: list[str]) -> tuple[ServerConfig, Callable[[ParameterServer], An
                           workers=a.workers, backups=a.backups)
         mode, staleness = spec.mode, spec.staleness
         num_shards, workers, backups = spec.servers, spec.workers, spec.backups
-        attach = _attacher(store, spec, a.bind, a.advertise)
+        directory = spec.checkpoint_dir or a.checkpoint_dir
     else:
+        store, spec = None, None
         num_shards, workers, backups = a.num_shards or 1, a.workers or 1, a.backups or 0
+        directory = a.checkpoint_dir
+    restored = None
+    if a.restore != "none":
+        restored = find_checkpoint(store, spec, a.shard, num_shards, a.job, directory,
+                                   from_disk=a.restore == "latest")
+    if store is not None and spec is not None:
+        attach = _attacher(store, spec, a.bind, a.advertise,
+                           restored.checkpoint_id if restored else "")
     config = ServerConfig(
         bind=a.bind, shard=a.shard, num_shards=num_shards, job=a.job,
         incarnation=new_incarnation(), mode=mode or "async", staleness=staleness or 0,
@@ -127,15 +149,22 @@ def build(argv: list[str]) -> tuple[ServerConfig, Callable[[ParameterServer], An
         chunk_bytes=int(a.chunk_mib * MiB), max_message_bytes=int(a.max_message_mib * MiB),
         max_request_bytes=int(a.max_request_mib * MiB), ready_file=a.ready_file,
     )
-    return config, attach
+    prepare = None
+    if restored is not None:
+        state = restored
+
+        def prepare(server: ParameterServer) -> None:
+            server.shard.restore(state)
+
+    return config, attach, prepare
 
 
 def _attacher(
-    store: JobStore, spec: JobSpec, bind: str, advertise: str
+    store: JobStore, spec: JobSpec, bind: str, advertise: str, restored: str
 ) -> Callable[[ParameterServer], Callable[[], None]]:
     def attach(server: ParameterServer) -> Callable[[], None]:
         address = advertised(bind.rpartition(":")[0], server.port, advertise)
-        coordinator = ServerCoordinator(store, spec, server, address)
+        coordinator = ServerCoordinator(store, spec, server, address, restored)
         coordinator.start()
         return coordinator.stop
 
@@ -144,8 +173,8 @@ def _attacher(
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        config, attach = build(sys.argv[1:] if argv is None else argv)
-        run(config, attach)
+        config, attach, prepare = build(sys.argv[1:] if argv is None else argv)
+        run(config, attach, prepare)
     except (PSError, CoordinationError) as exc:
         print(f"pstrain server: {exc}", file=sys.stderr)
         return 2

@@ -9,13 +9,16 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from typing import Any
 
+from ps.checkpoint import ShardState, latest_complete, read_shard, write_manifest, write_shard
+from ps.errors import PSError
 from ps.server import ParameterServer
 from scheduler.heartbeat import Heartbeat
 from scheduler.spec import JobSpec
-from scheduler.store import JobStore
+from scheduler.store import JobStore, ride_out
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +57,14 @@ class ServerCoordinator:
         self.heartbeat = Heartbeat(
             store, "server", shard, interval_s=spec.heartbeat_interval_s,
             ttl_s=spec.heartbeat_ttl_s, payload=self.payload, registration=self.registration,
+            on_beat=self.serve_checkpoint_request,
         )
+        self._handled: str | None = None
+        # Only the newest request matters: one already pending when this process starts
+        # belongs to an earlier incarnation's time.
+        request = ride_out("checkpoint", store.checkpoint_request, None)
+        if request is not None:
+            self._handled = str(request["id"])
 
     def payload(self) -> dict[str, Any]:
         shard = self.server.shard
@@ -70,6 +80,44 @@ class ServerCoordinator:
             "dropped": sum(s.counters.pushes_dropped for s in stats),
         }
 
+    def serve_checkpoint_request(self) -> None:
+        """Runs in the heartbeat thread: starts a checkpoint the scheduler or CLI asked for."""
+        request = ride_out("checkpoint", self.store.checkpoint_request, None)
+        if request is None or request["id"] == self._handled or not self.spec.checkpoint_dir:
+            return
+        checkpoint_id, clock = str(request["id"]), int(request["clock"])
+        self._handled = checkpoint_id
+        shard = self.server.shard
+        if clock >= 0 and self.spec.mode == "sync":
+            shard.snapshot_at(clock, checkpoint_id, self._write)
+        else:
+            state = shard.snapshot(checkpoint_id)
+            threading.Thread(target=self._write, args=(state,), daemon=True).start()
+
+    def _write(self, state: ShardState | None) -> None:
+        if state is None:
+            log.warning("shard %d: missed a checkpoint clock; skipping it",
+                        self.server.config.shard)
+            return
+        started = time.monotonic()
+        try:
+            written = write_shard(self.spec.checkpoint_dir, state)
+            write_manifest(self.spec.checkpoint_dir, state.checkpoint_id, state.job,
+                           state.clock, {state.shard: written}, state.num_shards)
+        except PSError:
+            log.exception("shard %d: checkpoint %s failed", state.shard, state.checkpoint_id)
+            return
+        entry = {"path": written.path, "sha256": written.sha256, "nbytes": written.nbytes,
+                 "clock": state.clock}
+        ride_out("checkpoint", lambda: self.store.record_checkpoint(
+            state.checkpoint_id, state.shard, entry), None)
+        ride_out("checkpoint", lambda: self.store.event(
+            "checkpoint", "server", state.shard, id=state.checkpoint_id, clock=state.clock,
+            nbytes=written.nbytes), None)
+        log.info("shard %d: checkpoint %s at clock %d, %.1f MB in %.2f s", state.shard,
+                 state.checkpoint_id, state.clock, written.nbytes / 1e6,
+                 time.monotonic() - started)
+
     def start(self) -> None:
         self.heartbeat.start()
         log.info("shard %d registered in job %r as %s", self.server.config.shard, self.spec.job,
@@ -77,3 +125,25 @@ class ServerCoordinator:
 
     def stop(self) -> None:
         self.heartbeat.stop(forget=True)
+
+
+def find_checkpoint(
+    store: JobStore | None, spec: JobSpec | None, shard: int, num_shards: int, job: str,
+    directory: str, from_disk: bool,
+) -> ShardState | None:
+    """The newest complete checkpoint's state of this shard, or None.
+
+    Inside a running job Redis lists the checkpoints; with `from_disk` (resuming a job with a
+    fresh Redis) the checkpoint directory is searched instead.
+    """
+    if store is not None:
+        latest = store.latest_checkpoint(num_shards)
+        if latest is not None:
+            entry = latest[1][shard]
+            return read_shard(entry["path"], entry["sha256"])
+    if from_disk and directory:
+        manifest = latest_complete(directory, job)
+        if manifest is not None:
+            file = manifest.shards[shard]
+            return read_shard(file.path, file.sha256)
+    return None

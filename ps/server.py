@@ -153,14 +153,17 @@ class ParameterServer:
 def run(
     config: ServerConfig,
     attach: Callable[[ParameterServer], Callable[[], None]] | None = None,
+    prepare: Callable[[ParameterServer], None] | None = None,
 ) -> None:
     """Serves until SIGTERM or SIGINT. Blocks.
 
-    `attach` is called once the server listens (to register it in a job); the function it
-    returns is called on the way out.
+    `prepare` runs before the server listens (restoring a checkpoint); `attach` once it
+    listens (registering it in a job), and the function it returns on the way out.
     """
     tune_process(config.torch_threads)
     server = ParameterServer(config)
+    if prepare is not None:
+        prepare(server)
     server.start()
     detach = attach(server) if attach is not None else None
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -23,6 +23,7 @@ import torch
 from protos.codec import tensor_from_bytes
 from protos.partition import RowRange, dense_placement
 from ps.aggregate import Aggregate, DenseSum, SparseSum
+from ps.checkpoint import ShardState, TableState
 from ps.clocks import ClockBoard, Quorum
 from ps.consistency import ClockView, Decision, Policy, SSPPolicy, SyncPolicy, make_policy
 from ps.errors import (
@@ -32,7 +33,7 @@ from ps.errors import (
     NotFoundError,
     PSError,
 )
-from ps.ledger import Admission, PushLedger
+from ps.ledger import Admission, LedgerEntry, PushLedger
 from ps.tables import (
     DenseTable,
     SparseRows,
@@ -127,6 +128,7 @@ class Shard:
         self.board = ClockBoard(config.quorum)
         self._sums: dict[str, Aggregate] = {}
         self._pull_log: collections.deque[PullRecord] = collections.deque(maxlen=PULL_LOG_SIZE)
+        self._pending_snapshot: tuple[int, str, Callable[[ShardState | None], None]] | None = None
 
     # ---- tables ----------------------------------------------------------------------------
 
@@ -423,6 +425,12 @@ class Shard:
             log.debug("shard %d: clock %d closed with %d workers", self.config.shard,
                       board.open_clock, divisor)
             board.close()
+            pending = self._pending_snapshot
+            if pending is not None and pending[0] == board.open_clock:
+                self._pending_snapshot = None
+                state = self._snapshot(pending[1])
+                # The write happens elsewhere: this thread holds the clocks.
+                threading.Thread(target=pending[2], args=(state,), daemon=True).start()
 
     def clock_state(self) -> ClockState:
         with self._clocks:
@@ -438,6 +446,88 @@ class Shard:
     def pull_log(self) -> list[PullRecord]:
         with self._clocks:
             return list(self._pull_log)
+
+    # ---- checkpoints -----------------------------------------------------------------------
+
+    def snapshot(self, checkpoint_id: str) -> ShardState:
+        """A consistent copy of the shard: tables, optimizer state, clocks, ledger. Blocks
+        pushes for as long as the copies take."""
+        with self._clocks:
+            return self._snapshot(checkpoint_id)
+
+    def snapshot_at(self, clock: int, checkpoint_id: str,
+                    done: Callable[[ShardState | None], None]) -> None:
+        """Snapshots when sync clock `clock` opens (at once if it is open now), then calls
+        `done` with it; with None if this shard is past `clock` already."""
+        with self._clocks:
+            if self.board.open_clock == clock:
+                state: ShardState | None = self._snapshot(checkpoint_id)
+            elif self.board.open_clock > clock:
+                state = None
+            else:
+                self._pending_snapshot = (clock, checkpoint_id, done)
+                return
+        done(state)
+
+    def _snapshot(self, checkpoint_id: str) -> ShardState:
+        """Caller holds self._clocks."""
+        with self._lock:
+            tables = list(self._tables.items())
+        board = self.board
+        meta: dict[str, object] = {
+            "mode": self.config.mode, "incarnation": self.config.incarnation,
+            "open_clock": board.open_clock, "clocks_closed": board.clocks_closed,
+            "clocks": {str(w): c for w, c in board.clocks.items()}, "live": sorted(board.live),
+            "ledger": [[e.worker, e.incarnation, e.floor, list(e.applied)]
+                       for e in self.ledger.entries()],
+        }
+        return ShardState(
+            job=self.config.job or "standalone", shard=self.config.shard,
+            num_shards=self.config.num_shards, checkpoint_id=checkpoint_id,
+            clock=board.open_clock, meta=meta,
+            tables=[TableState(n, t.spec.to_dict(), t.snapshot()) for n, t in tables],
+        )
+
+    def restore(self, state: ShardState | None) -> None:
+        """Replaces every table, clock and ledger entry with `state` (None: an empty shard).
+
+        FailedPreconditionError if the snapshot is of another shard or shard count.
+        """
+        if state is not None and (state.shard, state.num_shards) != (
+            self.config.shard, self.config.num_shards
+        ):
+            raise FailedPreconditionError(
+                f"checkpoint {state.checkpoint_id} holds shard {state.shard} of "
+                f"{state.num_shards}; this server is shard {self.config.shard} of "
+                f"{self.config.num_shards}"
+            )
+        with self._clocks:
+            with self._lock:
+                self._tables.clear()
+                self._policies.clear()
+                self._sums.clear()
+            self.board = ClockBoard(self.config.quorum)
+            self._pending_snapshot = None
+            if state is None:
+                self.ledger.restore([])
+                self._clocks.notify_all()
+                return
+            specs = [TableSpec.from_dict(t.spec) for t in state.tables]
+            self.declare(specs)
+            for t in state.tables:
+                self._table(t.name)[0].restore(t.tensors)
+            meta: dict[str, Any] = state.meta
+            self.ledger.restore([
+                LedgerEntry(int(w), int(inc), int(floor), tuple(int(s) for s in applied))
+                for w, inc, floor, applied in meta.get("ledger", [])
+            ])
+            self.board.open_clock = int(meta.get("open_clock", state.clock))
+            self.board.clocks_closed = int(meta.get("clocks_closed", 0))
+            self.board.clocks = {int(w): int(c) for w, c in meta.get("clocks", {}).items()}
+            self.board.live = {int(w) for w in meta.get("live", sorted(self.board.live))}
+            self._clocks.notify_all()
+        log.info("shard %d: restored checkpoint %s at clock %d (%d tables)", self.config.shard,
+                 state.checkpoint_id, state.clock, len(state.tables))
 
     # ---- introspection ---------------------------------------------------------------------
 

@@ -93,6 +93,27 @@ class TableSpec:
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-ready form, for checkpoints."""
+        return {
+            "name": self.name, "kind": self.kind, "dtype": _name(self.dtype),
+            "shape": list(self.shape), "dim": self.dim,
+            "init": [self.init.kind, self.init.a, self.init.b], "seed": self.seed,
+            "optimizer": [self.optimizer.name, [list(p) for p in self.optimizer.params]],
+            "allow_non_finite": self.allow_non_finite, "mode": self.mode,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TableSpec:
+        init = d["init"]
+        name, params = d["optimizer"]
+        return cls(
+            name=d["name"], kind=d["kind"], dtype=getattr(torch, d["dtype"]),
+            shape=tuple(d["shape"]), dim=d["dim"], init=InitSpec(init[0], init[1], init[2]),
+            seed=d["seed"], optimizer=OptimizerConfig(name, tuple((k, v) for k, v in params)),
+            allow_non_finite=d["allow_non_finite"], mode=d["mode"],
+        )
+
     def describe(self) -> str:
         what = f"shape={list(self.shape)}" if self.kind == "dense" else f"dim={self.dim}"
         return (
@@ -244,6 +265,21 @@ class DenseTable(_Counted):
                     self.optimizer.apply_dense(flat[offset:end], part, state, step)
                 self.step.copy_(step)
         self.count(pushes_applied=1, rows_pushed=self.placement.rows)
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """Copies of the block, its optimizer state and step (whole pushes only)."""
+        with self._update_lock:
+            out = {"value": self.value.clone(), "step": self.step.clone()}
+            out.update({f"state.{k}": v.clone() for k, v in self.state.items()})
+        return out
+
+    def restore(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Loads what `snapshot` made (of a table with this spec and placement)."""
+        with self._update_lock:
+            self.value.copy_(tensors["value"].reshape(self.value.shape))
+            self.step.copy_(tensors["step"])
+            for k, v in self.state.items():
+                v.copy_(tensors[f"state.{k}"].reshape(v.shape))
 
     def stats(self) -> TableStats:
         value_bytes = self.value.numel() * self.value.element_size()
@@ -423,6 +459,37 @@ class SparseTable(_Counted):
                     step[:used].copy_(self.step[:used])
                 self.step = step
             self._capacity = capacity
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """Copies of the keys (by row), values, optimizer state and steps of every row."""
+        with self._index_lock, self._storage.shared(), self._update_lock:
+            rows = len(self.index)
+            out = {"keys": torch.from_numpy(self.index.keys_by_row()),
+                   "value": self.value[:rows].clone()}
+            out.update({f"state.{k}": v[:rows].clone() for k, v in self.state.items()})
+            if self.step is not None:
+                out["step"] = self.step[:rows].clone()
+        return out
+
+    def restore(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Replaces every row with what `snapshot` made."""
+        keys = tensors["keys"].numpy()
+        with self._index_lock:
+            self.index.clear()
+            rows, _ = self.index.lookup_or_insert(keys)
+            if not np.array_equal(rows, np.arange(len(keys))):
+                raise FailedPreconditionError(
+                    f"checkpoint of table {self.spec.name!r} repeats keys; it cannot be restored"
+                )
+            if len(keys) > self._capacity:
+                self._grow(len(keys))
+            with self._storage.shared(), self._update_lock:
+                n = len(keys)
+                self.value[:n].copy_(tensors["value"])
+                for k, v in self.state.items():
+                    v[:n].copy_(tensors[f"state.{k}"])
+                if self.step is not None:
+                    self.step[:n].copy_(tensors["step"])
 
     def stats(self) -> TableStats:
         rows = len(self.index)

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from procs import REPO, Procs, wait_until
 
+from scheduler.store import JobStore
+
 JOB_WORKER = str(REPO / "tests" / "job_worker.py")
 sys.path.insert(0, str(REPO / "tests"))
 
@@ -99,3 +101,36 @@ def test_up_refuses_a_bad_value_naming_it() -> None:
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2
     assert "backups must be in [0, workers=2), got 2" in done.stderr
+
+
+def server_pid(store: JobStore, shard: int) -> int | None:
+    beat = store.heartbeats("server", [shard]).get(shard)
+    return None if beat is None else int(beat["pid"])
+
+
+def test_killed_server_restarts_restores_and_the_job_finishes(procs: Procs) -> None:
+    redis = procs.redis().address
+    out = procs.workdir / "out"
+    checkpoints = procs.workdir / "ckpt"
+    up = procs.pstrain(["up", "--redis", redis, "--job", "srv", "--servers", "2", "--workers",
+                        "2", "--mode", "async", "--restart", "--checkpoint-dir",
+                        str(checkpoints), "--checkpoint-every-s", "1", "--no-view", JOB_WORKER,
+                        "--", "--steps", "400", "--sleep-ms", "10", "--out", str(out)], "up")
+    store = JobStore.connect(redis, "srv")
+    wait_until(lambda: store.latest_checkpoint(2), 90, "a complete checkpoint")
+    old = server_pid(store, 0)
+    assert old is not None
+    killed_at = time.time()
+    os.kill(old, signal.SIGKILL)
+    wait_until(lambda: (p := server_pid(store, 0)) is not None and p != old, 60,
+               "the server to come back")
+    restored = store.members("server")[0]["restored"]
+    assert restored.startswith("time-")  # it restored a checkpoint, not an empty shard
+    # Restarted before its heartbeat lapsed, it shows as a new incarnation ("restored");
+    # restarted later, as "dead" then "joined".
+    wait_until(lambda: any(e.type in ("restored", "dead") and e.role == "server"
+                           and e.member == "0" and e.time_s >= killed_at
+                           for e in store.events()), 10, "the scheduler to see the restart")
+    assert up.popen.wait(timeout=180) == 0, up.log()
+    for r in range(2):
+        assert json.loads((out / f"worker{r}.json").read_text())["clock"] == 400

@@ -1,0 +1,458 @@
+"""Shard checkpoint files and manifests: round trips, integrity, atomicity, concurrent writers."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from ps import checkpoint as ckpt
+from ps.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointError,
+    ShardFile,
+    ShardState,
+    TableState,
+    latest_complete,
+    list_checkpoints,
+    read_manifest,
+    read_shard,
+    write_manifest,
+    write_shard,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+JOB = "job-1"
+
+
+def _state(
+    checkpoint_id: str = "c000001",
+    shard: int = 0,
+    num_shards: int = 1,
+    tables: list[TableState] | None = None,
+    meta: dict[str, object] | None = None,
+) -> ShardState:
+    if tables is None:
+        tables = [TableState("emb", {"dim": 4}, {"value": torch.arange(12.0).reshape(3, 4)})]
+    return ShardState(
+        job=JOB, shard=shard, num_shards=num_shards, checkpoint_id=checkpoint_id, clock=42,
+        meta=meta if meta is not None else {"mode": "sync"}, tables=tables,
+    )
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (so NaNs and float8 compare too)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+
+
+def _every_dtype() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    out: dict[str, torch.Tensor] = {}
+    for dtype in ckpt._DTYPE_TO_ST:
+        raw = torch.randint(0, 256, (5, 3 * dtype.itemsize), dtype=torch.uint8, generator=gen)
+        out[str(dtype)] = raw.view(dtype)  # every bit pattern, NaNs included
+    out["empty_rows"] = torch.empty(0, 64, dtype=torch.float32)
+    out["empty_1d"] = torch.empty(0, dtype=torch.int64)
+    out["scalar_step"] = torch.tensor(7, dtype=torch.int64)
+    out["scalar_bf16"] = torch.tensor(1.5, dtype=torch.bfloat16)
+    out["transposed"] = torch.arange(6.0).reshape(2, 3).t()  # not contiguous
+    return out
+
+
+# ---- round trips ----------------------------------------------------------------------------
+
+
+def test_round_trip_every_dtype_and_shape(tmp_path: Path) -> None:
+    tensors = _every_dtype()
+    written = write_shard(tmp_path, _state(tables=[TableState("t", {}, tensors)]))
+    back = read_shard(written.path, written.sha256)
+    assert list(back.tables[0].tensors) == list(tensors)  # order kept too
+    for name, tensor in tensors.items():
+        assert _same(back.tables[0].tensors[name], tensor.contiguous()), name
+
+
+def test_round_trip_names_meta_and_specs(tmp_path: Path) -> None:
+    names = ["a/b", "a%2Fb", "", "ünïcødé/表 ✓", "..", "x" * 300, "state.sum"]
+    tables = [
+        TableState(name, {"i": i, "name": name, "nested": {"l": [1, 2.5, None, True]}},
+                   {name: torch.full((2,), float(i)), "state/exp_avg": torch.ones(1) * i})
+        for i, name in enumerate(names)
+    ]
+    meta: dict[str, object] = {
+        "worker_clocks": {"0": 41, "1": 42},
+        "live": [0, 1],
+        "ledger": [{"worker": 0, "incarnation": 2, "floor": 10, "applied": [11, 13]}],
+        "big": 2**62,
+        "text": "ü\n\"quoted\"",
+        "ratio": 0.1,
+        "none": None,
+    }
+    state = _state(tables=tables, meta=meta)
+    written = write_shard(tmp_path, state)
+    back = read_shard(written.path, written.sha256)
+    assert (back.job, back.shard, back.num_shards, back.checkpoint_id, back.clock) == (
+        JOB, 0, 1, "c000001", 42)
+    assert back.meta == meta
+    assert [t.name for t in back.tables] == names
+    for i, table in enumerate(back.tables):
+        assert table.spec == tables[i].spec
+        assert list(table.tensors) == [names[i], "state/exp_avg"]
+        assert torch.equal(table.tensors[names[i]], torch.full((2,), float(i)))
+        assert torch.equal(table.tensors["state/exp_avg"], torch.ones(1) * i)
+
+
+def test_read_tensors_are_writable_and_owned(tmp_path: Path) -> None:
+    written = write_shard(tmp_path, _state())
+    first = read_shard(written.path).tables[0].tensors["value"]
+    first.add_(100.0)  # must neither fail nor reach the file
+    second = read_shard(written.path).tables[0].tensors["value"]
+    assert torch.equal(second, torch.arange(12.0).reshape(3, 4))
+
+
+def test_file_is_plain_safetensors_without_pickle(tmp_path: Path) -> None:
+    tensors = _every_dtype()
+    written = write_shard(tmp_path, _state(tables=[TableState("t/ü", {}, tensors)]))
+    loaded = load_file(written.path)
+    assert set(loaded) == {f"t%2F%C3%BC/{quote(n, safe='')}" for n in tensors}
+    for name, tensor in tensors.items():
+        assert _same(loaded[f"t%2F%C3%BC/{quote(name, safe='')}"], tensor.contiguous())
+    with safe_open(written.path, framework="pt") as f:
+        metadata = f.metadata()
+    assert metadata["format"] == "pstrain.shard" and json.loads(metadata["meta"]) == {
+        "mode": "sync"}
+    # The file is exactly: header length, JSON header, the tensors' raw bytes back to back.
+    # No room for anything else, so no pickle.
+    data = Path(written.path).read_bytes()
+    (header_len,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + header_len])
+    assert data[8:9] == b"{" and b"\x80" not in data[8 : 8 + header_len]
+    body = data[8 + header_len :]
+    spans = sorted(tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__")
+    assert spans[0][0] == 0 and spans[-1][1] == len(body) == written.nbytes - 8 - header_len
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+    for key, info in header.items():
+        if key != "__metadata__":
+            begin, end = info["data_offsets"]
+            assert body[begin:end] == loaded[key].reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"meta": {"t": (1, 2)}}, "round-trip"),
+        ({"meta": {1: "int key"}}, "round-trip"),
+        ({"meta": {"x": float("nan")}}, "JSON"),
+        ({"meta": {"x": object()}}, "JSON"),
+        ({"tables": [TableState("a", {}, {}), TableState("a", {}, {})]}, "twice"),
+        ({"tables": [TableState("a", {}, {"v": torch.zeros(2, dtype=torch.complex128)})]},
+         "complex128"),
+        ({"tables": [TableState("a", {}, {"v": torch.zeros(2, 2).to_sparse()})]}, "layout"),
+        ({"tables": [TableState("a", {}, {"v": [1.0]})]}, "not a torch.Tensor"),  # type: ignore[dict-item]
+        ({"job": "../etc"}, "'../etc'"),
+        ({"checkpoint_id": ""}, "checkpoint_id"),
+        ({"shard": 2, "num_shards": 2}, "shard 2"),
+        ({"clock": "3"}, "clock"),
+    ],
+)
+def test_bad_state_is_refused_and_nothing_written(
+    tmp_path: Path, change: dict[str, object], needle: str
+) -> None:
+    state = ShardState(**{**vars(_state()), **change})  # type: ignore[arg-type]
+    with pytest.raises(CheckpointError) as info:
+        write_shard(tmp_path, state)
+    assert needle in str(info.value)
+    assert not list(tmp_path.rglob("*.safetensors"))
+
+
+# ---- integrity ------------------------------------------------------------------------------
+
+
+def test_checksum_mismatch_names_file_and_both_digests(tmp_path: Path) -> None:
+    written = write_shard(tmp_path, _state())
+    data = bytearray(Path(written.path).read_bytes())
+    data[-1] ^= 0x01  # one bit of tensor data: the structure stays valid
+    Path(written.path).write_bytes(data)
+    with pytest.raises(CheckpointCorruptError) as info:
+        read_shard(written.path, written.sha256)
+    message = str(info.value)
+    assert written.path in message and written.sha256 in message
+    assert read_shard(written.path).tables  # without a digest the damage is not seen
+
+
+@pytest.mark.parametrize("keep", [0, 5, 8, 20, -1])
+def test_truncated_file_raises_checkpoint_error(tmp_path: Path, keep: int) -> None:
+    written = write_shard(tmp_path, _state())
+    path = Path(written.path)
+    path.write_bytes(path.read_bytes()[:keep])
+    with pytest.raises(CheckpointCorruptError, match=str(path)):
+        read_shard(path)
+    with pytest.raises(CheckpointCorruptError, match=str(path)):
+        read_shard(path, written.sha256)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"\x10\x00\x00\x00\x00\x00\x00\x00" + b"not json at all!",
+        struct.pack("<Q", 8) + b"[1,2,3] ",
+        struct.pack("<Q", 2) + b"{}",  # valid JSON, no pstrain metadata
+    ],
+)
+def test_garbage_file_raises_checkpoint_error(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "shard-0-of-1.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointCorruptError, match=str(path)):
+        read_shard(path)
+
+
+def test_missing_file_raises_checkpoint_error(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"nope\.safetensors"):
+        read_shard(tmp_path / "nope.safetensors")
+
+
+# ---- manifests ------------------------------------------------------------------------------
+
+
+class _Clock:
+    """A fake wall clock for manifest timestamps."""
+
+    def __init__(self, start_ns: int = 1_000) -> None:
+        self.now_ns = start_ns
+
+    def __call__(self) -> int:
+        self.now_ns += 1_000
+        return self.now_ns
+
+
+def _checkpoint(
+    root: Path, checkpoint_id: str, shards: list[int], num_shards: int, clock: _Clock
+) -> dict[int, ShardFile]:
+    files = {}
+    for k in shards:
+        written = write_shard(root, _state(checkpoint_id, k, num_shards))
+        write_manifest(root, checkpoint_id, JOB, 42, {k: written}, num_shards, now_ns=clock)
+        files[k] = written
+    return files
+
+
+def test_manifest_complete_only_with_every_shard(tmp_path: Path) -> None:
+    clock = _Clock()
+    files = _checkpoint(tmp_path, "c000001", [2, 0], 3, clock)
+    manifest = read_manifest(tmp_path / JOB / "c000001")
+    assert not manifest.complete and set(manifest.shards) == {0, 2}
+    assert not (tmp_path / JOB / "c000001" / "manifest.json").exists()
+    assert latest_complete(tmp_path, JOB) is None
+
+    files |= _checkpoint(tmp_path, "c000001", [1], 3, clock)
+    summary = tmp_path / JOB / "c000001" / "manifest.json"
+    manifest = read_manifest(summary)
+    assert manifest.complete and manifest.shards == files
+    assert (manifest.job, manifest.checkpoint_id, manifest.clock, manifest.num_shards) == (
+        JOB, "c000001", 42, 3)
+    on_disk = json.loads(summary.read_text())
+    assert on_disk["complete"] and on_disk["shards"]["1"]["sha256"] == files[1].sha256
+    latest = latest_complete(tmp_path, JOB)
+    assert latest is not None and latest.checkpoint_id == "c000001"
+    for k, shard_file in latest.shards.items():
+        assert read_shard(shard_file.path, shard_file.sha256).shard == k
+
+
+def test_latest_complete_skips_incomplete_and_corrupt(tmp_path: Path) -> None:
+    clock = _Clock()
+    _checkpoint(tmp_path, "c000009", [0, 1], 2, clock)  # oldest, though its id sorts last
+    _checkpoint(tmp_path, "t1000", [0, 1], 2, clock)  # the newest good one
+    _checkpoint(tmp_path, "c000011", [0], 2, clock)  # incomplete
+    truncated = _checkpoint(tmp_path, "c000012", [0, 1], 2, clock)
+    with open(truncated[1].path, "r+b") as f:
+        f.truncate(truncated[1].nbytes - 1)
+    _checkpoint(tmp_path, "c000013", [0, 1], 2, clock)
+    (tmp_path / JOB / "c000013" / "shard-1.json").write_text("{ half an entry")
+    gone = _checkpoint(tmp_path, "c000014", [0, 1], 2, clock)
+    os.unlink(gone[0].path)
+    (tmp_path / JOB / "c000015").mkdir()  # no entries yet: a checkpoint being written
+    (tmp_path / JOB / ".c000016.tmp-1-00000000").write_text("junk")
+
+    latest = latest_complete(tmp_path, JOB)
+    assert latest is not None and latest.checkpoint_id == "t1000"
+    listed = [(m.checkpoint_id, m.complete) for m in list_checkpoints(tmp_path, JOB)]
+    assert listed == [("c000009", True), ("t1000", True), ("c000011", False)]
+    assert list_checkpoints(tmp_path, "other-job") == []
+
+
+def test_latest_complete_can_verify_checksums(tmp_path: Path) -> None:
+    clock = _Clock()
+    _checkpoint(tmp_path, "c1", [0], 1, clock)
+    flipped = _checkpoint(tmp_path, "c2", [0], 1, clock)[0]
+    data = bytearray(Path(flipped.path).read_bytes())
+    data[-1] ^= 0x80  # same size: only a checksum sees it
+    Path(flipped.path).write_bytes(data)
+    newest = latest_complete(tmp_path, JOB)
+    assert newest is not None and newest.checkpoint_id == "c2"
+    verified = latest_complete(tmp_path, JOB, verify_checksums=True)
+    assert verified is not None and verified.checkpoint_id == "c1"
+
+
+def test_manifest_refuses_foreign_or_resized_files(tmp_path: Path) -> None:
+    written = write_shard(tmp_path, _state("c1"))
+    with pytest.raises(CheckpointError, match="not in checkpoint directory"):
+        write_manifest(tmp_path, "c2", JOB, 42, {0: written}, 1)
+    wrong_size = ShardFile(written.path, written.sha256, written.nbytes + 1)
+    with pytest.raises(CheckpointError, match=str(written.nbytes + 1)):
+        write_manifest(tmp_path, "c1", JOB, 42, {0: wrong_size}, 1)
+    with pytest.raises(CheckpointError, match="num_shards 1"):
+        write_manifest(tmp_path, "c1", JOB, 42, {1: written}, 1)
+
+
+def test_entries_that_disagree_are_corrupt(tmp_path: Path) -> None:
+    clock = _Clock()
+    _checkpoint(tmp_path, "c1", [0], 2, clock)
+    other = write_shard(tmp_path, _state("c1", 1, 3))
+    with pytest.raises(CheckpointError, match="num_shards 2"):  # refused up front
+        write_manifest(tmp_path, "c1", JOB, 42, {1: other}, 3, now_ns=clock)
+    entry = tmp_path / JOB / "c1" / "shard-0.json"
+    forged = json.loads(entry.read_text()) | {"shard": 1, "num_shards": 3}
+    (tmp_path / JOB / "c1" / "shard-1.json").write_text(json.dumps(forged))
+    with pytest.raises(CheckpointCorruptError, match="num_shards"):
+        read_manifest(tmp_path / JOB / "c1")
+    assert latest_complete(tmp_path, JOB) is None
+
+
+# ---- atomicity ------------------------------------------------------------------------------
+
+
+def test_failed_rename_leaves_no_file_and_keeps_previous(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = _Clock()
+    _checkpoint(tmp_path, "c1", [0], 1, clock)
+
+    def broken_replace(src: object, dst: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(CheckpointError, match="No space left"):
+        write_shard(tmp_path, _state("c2"))
+    c2 = tmp_path / JOB / "c2"
+    assert sorted(p.name for p in c2.iterdir()) == []  # neither final nor temporary files
+    monkeypatch.undo()
+
+    written = write_shard(tmp_path, _state("c2"))
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(CheckpointError, match=r"shard-0\.json"):
+        write_manifest(tmp_path, "c2", JOB, 42, {0: written}, 1, now_ns=clock)
+    monkeypatch.undo()
+    assert sorted(p.name for p in c2.iterdir()) == ["shard-0-of-1.safetensors"]
+    latest = latest_complete(tmp_path, JOB)
+    assert latest is not None and latest.checkpoint_id == "c1"
+
+
+_CRASH = """
+import os, stat, sys, torch
+from ps.checkpoint import ShardState, TableState, write_shard
+real_fsync = os.fsync
+def fsync(fd):
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        os._exit(3)  # die after the data is written, before the rename
+    real_fsync(fd)
+os.fsync = fsync
+state = ShardState("job-1", 0, 1, "c2", 42, {}, [
+    TableState("emb", {}, {"value": torch.ones(1 << 20)})])
+write_shard(sys.argv[1], state)
+"""
+
+
+def test_crash_mid_write_leaves_only_an_ignored_temp_file(tmp_path: Path) -> None:
+    clock = _Clock()
+    _checkpoint(tmp_path, "c1", [0], 1, clock)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CRASH, str(tmp_path)], cwd=REPO, capture_output=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60, check=False,
+    )
+    assert proc.returncode == 3, proc.stderr.decode()
+    c2 = tmp_path / JOB / "c2"
+    leftovers = list(c2.iterdir())
+    assert len(leftovers) == 1 and leftovers[0].name.startswith(".shard-0-of-1.safetensors.tmp-")
+    assert leftovers[0].stat().st_size > 1 << 20  # the data was written, just never renamed
+    latest = latest_complete(tmp_path, JOB)
+    assert latest is not None and latest.checkpoint_id == "c1"
+
+    # A later write in that directory removes the leftover once it is old enough.
+    old = time.time() - ckpt.STALE_TMP_AGE_S - 60
+    os.utime(leftovers[0], (old, old))
+    _checkpoint(tmp_path, "c2", [0], 1, clock)
+    assert sorted(p.name for p in c2.iterdir()) == [
+        "manifest.json", "shard-0-of-1.safetensors", "shard-0.json"]
+    latest = latest_complete(tmp_path, JOB)
+    assert latest is not None and latest.checkpoint_id == "c2"
+
+
+# ---- concurrent manifest writers ------------------------------------------------------------
+
+_WRITER = """
+import os, sys, time
+from ps.checkpoint import ShardState, TableState, write_manifest, write_shard
+import torch
+root, shard, num_shards, rounds, go = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
+    int(sys.argv[4]), sys.argv[5]
+open(go + ".ready", "w").close()
+deadline = time.monotonic() + 60
+while not os.path.exists(go) and time.monotonic() < deadline:
+    time.sleep(0.001)
+for i in range(rounds):
+    cid = f"c{i:06d}"
+    state = ShardState("job-1", shard, num_shards, cid, i, {}, [
+        TableState("emb", {}, {"value": torch.full((4,), float(shard))})])
+    write_manifest(root, cid, "job-1", i, {shard: write_shard(root, state)}, num_shards)
+"""
+
+
+def test_concurrent_writers_of_one_manifest_lose_no_entry(tmp_path: Path) -> None:
+    # Two processes record the two shards of each of `rounds` checkpoints at the same moment:
+    # this test's process (shard 0) and a child (shard 1). One child is enough for two
+    # writers and spares a second start of torch.
+    num_shards, rounds = 2, 40
+    go = tmp_path / "go"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(tmp_path), "1", str(num_shards), str(rounds),
+         str(go)],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not Path(f"{go}.ready").exists() and child.poll() is None:
+            assert time.monotonic() < deadline, "the child writer never got ready"
+            time.sleep(0.005)
+        go.touch()  # both start together, so their manifest updates overlap
+        for i in range(rounds):
+            cid = f"c{i:06d}"
+            state = ShardState(JOB, 0, num_shards, cid, i, {}, [
+                TableState("emb", {}, {"value": torch.full((4,), 0.0)})])
+            write_manifest(tmp_path, cid, JOB, i, {0: write_shard(tmp_path, state)}, num_shards)
+        _, err = child.communicate(timeout=60)
+        assert child.returncode == 0, err.decode()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)
+    manifests = list_checkpoints(tmp_path, JOB)
+    assert len(manifests) == rounds
+    for manifest in manifests:
+        assert manifest.complete and set(manifest.shards) == set(range(num_shards))
+        summary = json.loads((manifest.directory / "manifest.json").read_text())
+        assert sorted(summary["shards"]) == [str(k) for k in range(num_shards)]
+        for k, shard_file in manifest.shards.items():
+            tensors = read_shard(shard_file.path, shard_file.sha256).tables[0].tensors
+            assert torch.equal(tensors["value"], torch.full((4,), float(k)))

@@ -119,6 +119,8 @@ class ServerCoordinator:
                  time.monotonic() - started)
 
     def start(self) -> None:
+        if self.spec.mode == "sync" and self.spec.checkpoint_dir:
+            self.server.shard.snapshot_every(self.spec.checkpoint_every_clocks, self._write)
         self.heartbeat.start()
         log.info("shard %d registered in job %r as %s", self.server.config.shard, self.spec.job,
                  self.address)
@@ -133,17 +135,19 @@ def find_checkpoint(
 ) -> ShardState | None:
     """The newest complete checkpoint's state of this shard, or None.
 
-    Inside a running job Redis lists the checkpoints; with `from_disk` (resuming a job with a
-    fresh Redis) the checkpoint directory is searched instead.
+    Inside a running job Redis lists the checkpoints. If it lists none (it may have come
+    back empty after an outage) the checkpoint directory is searched for one written since
+    the job was created; with `from_disk` (resuming a job under a fresh Redis) for any.
     """
     if store is not None:
         latest = store.latest_checkpoint(num_shards)
         if latest is not None:
             entry = latest[1][shard]
             return read_shard(entry["path"], entry["sha256"])
-    if from_disk and directory:
+    if directory and (from_disk or spec is not None):
         manifest = latest_complete(directory, job)
-        if manifest is not None:
+        created_ns = 0 if from_disk or spec is None else int(spec.created_s * 1e9)
+        if manifest is not None and manifest.written_at_ns >= created_ns:
             file = manifest.shards[shard]
             return read_shard(file.path, file.sha256)
     return None

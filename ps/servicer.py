@@ -20,6 +20,7 @@ import torch
 from protos import codec
 from protos import pstrain_pb2 as pb
 from protos.codec import Frame, WireError
+from ps.checkpoint import read_shard
 from ps.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -113,6 +114,7 @@ def _meta(msg: pb.PushDenseHeader | pb.PushSparseHeader) -> PushMeta:
         clock=msg.clock,
         assign=msg.kind == pb.ASSIGN,
         wait_s=msg.wait_ms / 1000,
+        generation=msg.generation,
     )
 
 
@@ -219,16 +221,27 @@ class ParameterServerServicer:
     def Tick(self, request: Frame[pb.TickRequest], context: Any) -> bytes:
         msg = request.msg
         open_clock = _guard(
-            lambda: self.shard.tick(msg.worker, msg.incarnation, msg.clock), context
+            lambda: self.shard.tick(msg.worker, msg.incarnation, msg.clock, msg.generation),
+            context,
         )
         return pb.TickResponse(open_clock=open_clock).SerializeToString()
 
     def Join(self, request: Frame[pb.JoinRequest], context: Any) -> bytes:
         msg = request.msg
         clock, open_clock, live = _guard(
-            lambda: self.shard.join(msg.worker, msg.incarnation), context
+            lambda: self.shard.join(msg.worker, msg.incarnation, msg.generation), context
         )
         return pb.JoinResponse(clock=clock, open_clock=open_clock, live=live).SerializeToString()
+
+    def Restore(self, request: Frame[pb.RestoreRequest], context: Any) -> bytes:
+        msg = request.msg
+
+        def restore() -> int:
+            state = read_shard(msg.path, msg.sha256 or None) if msg.checkpoint_id else None
+            self.shard.restore(state, msg.generation)
+            return self.shard.clock_state().open_clock
+
+        return pb.RestoreResponse(clock=_guard(restore, context)).SerializeToString()
 
     def SetMembership(self, request: Frame[pb.MembershipRequest], context: Any) -> bytes:
         state = _guard(lambda: self.shard.set_live(request.msg.live_workers), context)
@@ -241,7 +254,8 @@ class ParameterServerServicer:
     def PullDense(self, request: Frame[pb.PullDenseRequest], context: Any) -> Iterator[bytes]:
         msg = request.msg
         block = _guard(
-            lambda: self.shard.pull_dense(msg.table, msg.worker, msg.clock, msg.wait_ms / 1000),
+            lambda: self.shard.pull_dense(msg.table, msg.worker, msg.clock, msg.wait_ms / 1000,
+                                          msg.generation),
             context,
         )
         data = codec.tensor_bytes(block)
@@ -310,7 +324,7 @@ class ParameterServerServicer:
             keys = codec.keys_from_bytes(request.payload("keys"))
             self.bytes.add(received=keys.nbytes)
             return self.shard.pull_sparse(
-                msg.table, msg.worker, msg.clock, keys, msg.wait_ms / 1000
+                msg.table, msg.worker, msg.clock, keys, msg.wait_ms / 1000, msg.generation
             )
 
         rows = _guard(pull, context)
@@ -397,6 +411,9 @@ class ParameterServerServicer:
             ),
             "Join": grpc.unary_unary_rpc_method_handler(
                 self.Join, request_deserializer=de(pb.JoinRequest)
+            ),
+            "Restore": grpc.unary_unary_rpc_method_handler(
+                self.Restore, request_deserializer=de(pb.RestoreRequest)
             ),
         }
         return grpc.method_handlers_generic_handler(SERVICE, methods)

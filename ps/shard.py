@@ -87,6 +87,7 @@ class PushMeta:
     clock: int = 0
     assign: bool = False
     wait_s: float = 0.0  # 0: the shard's limit
+    generation: int = 0  # the job's rollback count the worker joined under
 
 
 class PushOutcome(Enum):
@@ -129,6 +130,9 @@ class Shard:
         self._sums: dict[str, Aggregate] = {}
         self._pull_log: collections.deque[PullRecord] = collections.deque(maxlen=PULL_LOG_SIZE)
         self._pending_snapshot: tuple[int, str, Callable[[ShardState | None], None]] | None = None
+        self._periodic: tuple[int, Callable[[ShardState | None], None]] | None = None
+        # The job's rollback count as of this shard's last restore; older workers are refused.
+        self.generation = 0
 
     # ---- tables ----------------------------------------------------------------------------
 
@@ -196,22 +200,36 @@ class Shard:
 
     # ---- pulls -----------------------------------------------------------------------------
 
-    def pull_dense(self, name: str, worker: int, clock: int, wait_s: float = 0.0) -> torch.Tensor:
+    def check_generation(self, worker: int, generation: int) -> None:
+        """FailedPreconditionError for a worker from before the job's last rollback."""
+        if generation < self.generation:
+            raise FailedPreconditionError(
+                f"worker {worker} joined under generation {generation}, but the job has rolled "
+                f"back to a checkpoint since (generation {self.generation}); this process must "
+                "restart and rejoin"
+            )
+
+    def pull_dense(
+        self, name: str, worker: int, clock: int, wait_s: float = 0.0, generation: int = 0
+    ) -> torch.Tensor:
         """This shard's block of dense table `name` (the live tensor, not a copy).
 
         Blocks while the table's consistency mode makes the pull wait.
         """
+        self.check_generation(worker, generation)
         table, policy = self._dense(name)
         self._await_pull(name, policy, worker, clock, wait_s)
         return table.read()
 
     def pull_sparse(
-        self, name: str, worker: int, clock: int, keys: np.ndarray, wait_s: float = 0.0
+        self, name: str, worker: int, clock: int, keys: np.ndarray, wait_s: float = 0.0,
+        generation: int = 0,
     ) -> SparseRows:
         """Rows of `keys` from sparse table `name`, created on first touch, in key order.
 
         Blocks while the table's consistency mode makes the pull wait.
         """
+        self.check_generation(worker, generation)
         table, policy = self._sparse(name)
         table.check_keys(keys)
         self._await_pull(name, policy, worker, clock, wait_s)
@@ -323,6 +341,7 @@ class Shard:
         self, name: str, table: Table, policy: Policy, meta: PushMeta,
         apply: Callable[[], None], aggregate: Callable[[], None],
     ) -> PushOutcome:
+        self.check_generation(meta.worker, meta.generation)
         admission = self.ledger.admit(
             meta.worker, meta.incarnation, meta.seq, self.config.inflight_wait_s
         )
@@ -382,8 +401,9 @@ class Shard:
 
     # ---- clocks and membership -------------------------------------------------------------
 
-    def tick(self, worker: int, incarnation: int, clock: int) -> int:
+    def tick(self, worker: int, incarnation: int, clock: int, generation: int = 0) -> int:
         """`worker` finished iteration `clock` on this shard; returns the open sync clock."""
+        self.check_generation(worker, generation)
         self.ledger.check_incarnation(worker, incarnation)
         with self._clocks:
             self.board.tick(worker, clock)
@@ -391,8 +411,11 @@ class Shard:
             self._clocks.notify_all()
             return self.board.open_clock
 
-    def join(self, worker: int, incarnation: int) -> tuple[int, int, bool]:
+    def join(
+        self, worker: int, incarnation: int, generation: int = 0
+    ) -> tuple[int, int, bool]:
         """A worker process announces itself: (its clock here, the open clock, is it live)."""
+        self.check_generation(worker, generation)
         new = self.ledger.check_incarnation(worker, incarnation)
         with self._clocks:
             clock = self.board.restart(worker) if new else self.board.clocks.get(worker, 0)
@@ -425,12 +448,22 @@ class Shard:
             log.debug("shard %d: clock %d closed with %d workers", self.config.shard,
                       board.open_clock, divisor)
             board.close()
-            pending = self._pending_snapshot
-            if pending is not None and pending[0] == board.open_clock:
-                self._pending_snapshot = None
-                state = self._snapshot(pending[1])
-                # The write happens elsewhere: this thread holds the clocks.
-                threading.Thread(target=pending[2], args=(state,), daemon=True).start()
+            self._snapshot_if_due()
+
+    def _snapshot_if_due(self) -> None:
+        """After a clock closed: take the snapshots due at the new open clock."""
+        clock = self.board.open_clock
+        due: list[tuple[str, Callable[[ShardState | None], None]]] = []
+        pending = self._pending_snapshot
+        if pending is not None and pending[0] == clock:
+            self._pending_snapshot = None
+            due.append((pending[1], pending[2]))
+        if self._periodic is not None and clock % self._periodic[0] == 0:
+            due.append((f"clock-{clock:010d}", self._periodic[1]))
+        for checkpoint_id, done in due:
+            state = self._snapshot(checkpoint_id)
+            # The write happens elsewhere: this thread holds the clocks.
+            threading.Thread(target=done, args=(state,), daemon=True).start()
 
     def clock_state(self) -> ClockState:
         with self._clocks:
@@ -454,6 +487,15 @@ class Shard:
         pushes for as long as the copies take."""
         with self._clocks:
             return self._snapshot(checkpoint_id)
+
+    def snapshot_every(self, clocks: int, done: Callable[[ShardState | None], None]) -> None:
+        """Snapshots whenever the open sync clock reaches a multiple of `clocks`.
+
+        Every shard cuts at the same clocks without talking to the others, so together they
+        make consistent checkpoints (ids "clock-<C>"). `done` runs on another thread.
+        """
+        with self._clocks:
+            self._periodic = (clocks, done) if clocks > 0 else None
 
     def snapshot_at(self, clock: int, checkpoint_id: str,
                     done: Callable[[ShardState | None], None]) -> None:
@@ -488,10 +530,12 @@ class Shard:
             tables=[TableState(n, t.spec.to_dict(), t.snapshot()) for n, t in tables],
         )
 
-    def restore(self, state: ShardState | None) -> None:
+    def restore(self, state: ShardState | None, generation: int | None = None) -> None:
         """Replaces every table, clock and ledger entry with `state` (None: an empty shard).
 
-        FailedPreconditionError if the snapshot is of another shard or shard count.
+        With `generation` (a rollback), requests of workers that joined under an older one
+        are refused from now on. FailedPreconditionError if the snapshot is of another shard
+        or shard count.
         """
         if state is not None and (state.shard, state.num_shards) != (
             self.config.shard, self.config.num_shards
@@ -502,6 +546,8 @@ class Shard:
                 f"{self.config.num_shards}"
             )
         with self._clocks:
+            if generation is not None:
+                self.generation = max(self.generation, generation)
             with self._lock:
                 self._tables.clear()
                 self._policies.clear()

@@ -34,6 +34,22 @@ class ServerAdmin:
         )
         return response
 
+    def restore(
+        self, address: str, checkpoint_id: str, path: str, sha256: str, generation: int
+    ) -> int:
+        """Has the server at `address` load its file of a checkpoint; returns its clock."""
+        call = self._channel(address).unary_unary(
+            _SERVICE + "Restore",
+            request_serializer=pb.RestoreRequest.SerializeToString,
+            response_deserializer=pb.RestoreResponse.FromString,
+        )
+        response: pb.RestoreResponse = call(
+            pb.RestoreRequest(checkpoint_id=checkpoint_id, path=path, sha256=sha256,
+                              generation=generation),
+            timeout=max(self.timeout_s, 300.0),  # a large shard takes a while to read
+        )
+        return int(response.clock)
+
     def close(self) -> None:
         for channel in self._channels.values():
             channel.close()

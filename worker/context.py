@@ -24,7 +24,7 @@ import torch
 
 from protos.runtime import tune_malloc
 from scheduler.heartbeat import Heartbeat
-from scheduler.spec import JobSpec
+from scheduler.spec import RESTART_EXIT_CODE, JobSpec
 from scheduler.store import JobStore, ride_out
 from worker.client import PSClient, RetryPolicy
 from worker.errors import PSClientError
@@ -140,11 +140,23 @@ def init(*, timeout_s: float = 120.0, env: Mapping[str, str] | None = None) -> W
     client = PSClient(addresses, worker=rank, incarnation=incarnation, retry=RECOVERY_RETRY,
                       resolve=resolve, connect_timeout_s=max(1.0, deadline - time.monotonic()))
     ctx = WorkerContext(rank, spec.workers, job, client, spec, store)
+    generation = ride_out("generation", store.generation, 0)
+    client.generation = generation
+
+    def watch_rollback() -> None:
+        # A sync job rolled back to a checkpoint: this process's progress past it is void.
+        # Its supervisor (pstrain up, systemd) starts it again and it rejoins at the
+        # checkpoint's clock.
+        if ride_out("generation", store.generation, 0) > generation:
+            log.warning("worker %d: job %r rolled back; exiting to be restarted", rank, job)
+            os._exit(RESTART_EXIT_CODE)
+
     ctx.heartbeat = Heartbeat(
         store, "worker", rank, interval_s=spec.heartbeat_interval_s, ttl_s=spec.heartbeat_ttl_s,
         payload=ctx._payload,
         registration={"incarnation": incarnation, "pid": os.getpid(),
                       "host": socket.gethostname()},
+        on_beat=watch_rollback if spec.mode == "sync" else None,
     )
     ctx.heartbeat.start()
     client.join()

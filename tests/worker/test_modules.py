@@ -1,0 +1,344 @@
+"""PS modules against real server processes: gradients equal torch's, pushes land exactly once."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from itertools import count
+
+import numpy as np
+import pytest
+import torch
+from procs import Procs
+from torch import nn
+
+from worker.client import PSClient
+from worker.modules import (
+    InitializationTimeoutError,
+    PSDense,
+    PSEmbedding,
+    PSEmbeddingBag,
+    PSModuleError,
+    PSOptimizer,
+)
+from worker.training import lookahead
+
+_names = count()
+# The shared servers apply a push at most once per (worker, incarnation, seq), and every new
+# client numbers its pushes from 1: each client of a worker id needs a new incarnation.
+_incarnations = count(1)
+
+
+def fresh(prefix: str) -> str:
+    """A table name no other test on the shared servers uses."""
+    return f"{prefix}{next(_names)}"
+
+
+@pytest.fixture(scope="module")
+def servers(module_procs: Procs) -> str:
+    """Two async shards shared by this module's tests (each test uses its own tables)."""
+    return ",".join(s.address for s in module_procs.servers(2, ["--mode", "async"]))
+
+
+def connect(servers: str, worker: int = 0) -> PSClient:
+    return PSClient(servers.split(","), worker=worker, incarnation=next(_incarnations))
+
+
+@pytest.fixture
+def client(servers: str) -> Iterator[PSClient]:
+    with connect(servers) as c:
+        yield c
+
+
+# Ids with repeats, a negative id and ids far past any vocabulary.
+IDS = torch.tensor([7, 2**40 + 3, 7, -5, 123456789012, 7, -5, 0])
+
+
+def loss_weights(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def check_step_moves_rows_by_minus_grad(
+    client: PSClient, ps_module: PSEmbedding | PSEmbeddingBag, ids: torch.Tensor,
+    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    local: Callable[[torch.Tensor], nn.Embedding | nn.EmbeddingBag],
+) -> None:
+    """With server SGD at lr 1, one step must move each row by minus torch's gradient."""
+    table = ps_module.table
+    keys, inverse = torch.unique(ids, return_inverse=True)
+    before = client.pull_sparse(table, keys)
+    reference = local(before.clone())
+    out = forward(reference, inverse.view(ids.shape))
+    weights = loss_weights(tuple(out.shape))
+    (out * weights).sum().backward()
+    expected_grad = reference.weight.grad
+    assert expected_grad is not None
+
+    ps = PSOptimizer(ps_module, overlap=False)
+    ps_out = forward(ps_module, ids)
+    torch.testing.assert_close(ps_out, out.detach())
+    ps.zero_grad()
+    (ps_out * weights).sum().backward()
+    ps.step()
+    after = client.pull_sparse(table, keys)
+    torch.testing.assert_close(after, before - expected_grad, atol=1e-6, rtol=0)
+    ps.close()
+
+
+def test_embedding_gradient_equals_nn_embedding(client: PSClient) -> None:
+    emb = PSEmbedding(client, fresh("emb"), 6, optimizer="sgd", lr=1.0, seed=1)
+    ids = IDS.view(2, 4)  # any shape: the output is [*ids.shape, dim]
+    check_step_moves_rows_by_minus_grad(
+        client, emb, ids, lambda m, x: m(x),
+        lambda w: nn.Embedding.from_pretrained(w, freeze=False),
+    )
+
+
+BAGS = {
+    "sum, offsets, per-sample weights": ("sum", torch.tensor([0, 3, 3, 5]), True, IDS),
+    "mean, offsets, an empty bag": ("mean", torch.tensor([0, 2, 2, 6]), False, IDS),
+    "mean, 2-D fixed-length bags": ("mean", None, False, IDS.view(4, 2)),
+    "max, offsets": ("max", torch.tensor([0, 4]), False, IDS),
+}
+
+
+@pytest.mark.parametrize("case", list(BAGS))
+def test_embedding_bag_gradient_equals_nn_embedding_bag(client: PSClient, case: str) -> None:
+    mode, offsets, weighted, ids = BAGS[case]
+    psw = loss_weights((ids.numel(),), seed=5).view(ids.shape) if weighted else None
+    bag = PSEmbeddingBag(client, fresh("bag"), 5, mode=mode, optimizer="sgd", lr=1.0)
+
+    def forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = m(x, offsets, per_sample_weights=psw)
+        return out
+
+    check_step_moves_rows_by_minus_grad(
+        client, bag, ids, forward,
+        lambda w: nn.EmbeddingBag.from_pretrained(w, freeze=False, mode=mode),
+    )
+
+
+def test_lookups_of_one_table_in_one_step_are_summed(client: PSClient) -> None:
+    # Two modules on one table (e.g. a user id and a "viewed user" id sharing rows).
+    name = fresh("shared")
+    a = PSEmbedding(client, name, 3, optimizer="sgd", lr=1.0)
+    b = PSEmbedding(client, name, 3, optimizer="sgd", lr=1.0)
+    model = nn.ModuleList([a, b])
+    keys = torch.tensor([1, 2, 3])
+    before = client.pull_sparse(name, keys)
+    with PSOptimizer(model, overlap=False) as ps:
+        (a(torch.tensor([1, 2])).sum() + 2 * b(torch.tensor([2, 3])).sum()).backward()
+        ps.step()
+    change = client.pull_sparse(name, keys) - before
+    torch.testing.assert_close(change, -torch.tensor([[1.0], [3.0], [2.0]]).expand(3, 3))
+
+
+def test_dense_round_trip_and_only_the_initialiser_writes(client: PSClient, servers: str) -> None:
+    name = fresh("mlp")
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    initial = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    dense = PSDense(client, module, name, optimizer="sgd", lr=0.5)
+    assert dense.numel == initial.numel()
+    torch.testing.assert_close(client.pull_dense(name), initial)
+
+    # Another worker's own (different) initial values are replaced by the servers'.
+    with connect(servers, worker=1) as other:
+        theirs = PSDense(other, nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)),
+                         name, optimizer="sgd", lr=0.5)
+        theirs.load()
+        torch.testing.assert_close(
+            torch.cat([p.detach().reshape(-1) for p in theirs.module.parameters()]), initial
+        )
+
+    x = loss_weights((5, 4), seed=2)
+    with PSOptimizer(dense, overlap=False) as ps:
+        dense(x).sum().backward()
+        grad = torch.cat([p.grad.reshape(-1) for p in module.parameters()])  # type: ignore[union-attr]
+        ps.step()
+        assert all(p.grad is None for p in module.parameters())  # sent means consumed
+    trained = client.pull_dense(name)
+    torch.testing.assert_close(trained, initial - 0.5 * grad, atol=1e-6, rtol=0)
+
+    # A restarted initialiser finds the values written and keeps its hands off them.
+    PSDense(client, nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)), name,
+            optimizer="sgd", lr=0.5)
+    torch.testing.assert_close(client.pull_dense(name), trained)
+
+
+def test_a_worker_waiting_for_an_absent_initialiser_times_out(client: PSClient) -> None:
+    with pytest.raises(InitializationTimeoutError, match="not initialised within"):
+        PSDense(client, nn.Linear(2, 1), fresh("orphan"), initialize=False, init_timeout_s=0.2)
+
+
+def test_overlapped_steps_push_every_gradient_exactly_once(client: PSClient) -> None:
+    """Under overlap the pushes of step t run during step t+1 and rows are prefetched; with
+    gradients that do not depend on the parameters, the end state is known exactly."""
+    steps = 6
+    emb = PSEmbedding(client, fresh("pipe"), 4, optimizer="sgd", lr=1.0)
+    dense = PSDense(client, nn.Linear(8, 1), fresh("pipe_mlp"), optimizer="sgd", lr=1.0)
+    model = nn.ModuleList([emb, dense])
+    batches = [torch.tensor([[1, 2], [2, 3 + t]]) for t in range(steps)]
+    keys = torch.arange(1, 3 + steps)
+    rows_before = client.pull_sparse(emb.table, keys)
+    dense_before = client.pull_dense(dense.table)
+    pulls_before = table_stat(client, emb.table, "pulls")
+    with PSOptimizer(model) as ps:
+        assert ps.overlap  # async tables
+        for ids, upcoming in lookahead(batches):
+            if upcoming is not None:
+                emb.prefetch(upcoming)
+            out = dense(emb(ids).flatten(1)).sum()
+            ps.zero_grad()
+            out.backward()
+            ps.step()
+        ps.flush()
+        assert client.clock == steps
+    # Each step's forward used its prefetched rows: one pull per step, on each shard touched.
+    assert table_stat(client, emb.table, "pulls") - pulls_before <= steps * 2
+    # d out / d row = sum of the Linear weights over that slot, for every occurrence;
+    # the Linear weights change every step, so compare the dense result and count rows.
+    rows_after = client.pull_sparse(emb.table, keys)
+    touched = torch.unique(torch.cat([b.reshape(-1) for b in batches]))
+    changed = (rows_after != rows_before).any(dim=1)
+    assert changed.tolist() == [bool(k in touched) for k in keys.tolist()]
+    # d out / d bias = 2 per step (two samples), whatever the weights: exact after 6 steps.
+    bias_after = client.pull_dense(dense.table)[-1]
+    assert bias_after.item() == pytest.approx(dense_before[-1].item() - 2.0 * steps, abs=1e-5)
+
+
+def table_stat(client: PSClient, table: str, field: str) -> int:
+    return sum(int(getattr(t, field)) for s in client.stats() for t in s.tables if t.name == table)
+
+
+def test_two_sync_workers_change_exactly_the_rows_they_touch(procs: Procs) -> None:
+    """Two workers (threads with their own clients) train embeddings and a dense layer under
+    sync. The gradients do not depend on the parameters, so every value is known exactly."""
+    servers = [s.address for s in procs.servers(2, ["--mode", "sync", "--workers", "2"])]
+    steps, dim = 3, 4
+    batches = {0: torch.tensor([10, 11, 12, 10]), 1: torch.tensor([12, 13, 2**50])}
+    inputs = {r: loss_weights((5, 3), seed=10 + r) for r in (0, 1)}
+    probe = torch.tensor([10, 11, 12, 13, 2**50, 14, 15, -1])  # 14, 15, -1: never trained
+
+    def declare(c: PSClient) -> None:
+        c.declare_sparse("two", dim, optimizer="sgd", lr=1.0, init=("uniform", -1.0, 1.0))
+
+    with PSClient(servers, worker=0) as c:
+        declare(c)
+        before = c.pull_sparse("two", probe)
+
+    errors: list[BaseException] = []
+    initial: dict[int, torch.Tensor] = {}
+
+    def work(rank: int) -> None:
+        try:
+            with PSClient(servers, worker=rank) as c:
+                torch.manual_seed(rank)  # different local initial values: worker 0's win
+                linear = nn.Linear(3, 2)
+                initial[rank] = torch.cat([linear.weight.detach().reshape(-1),
+                                           linear.bias.detach()])
+                model = nn.ModuleDict({
+                    "emb": PSEmbedding(c, "two", dim, optimizer="sgd", lr=1.0,
+                                       init=("uniform", -1.0, 1.0)),
+                    "dense": PSDense(c, linear, "two.dense", optimizer="sgd", lr=1.0),
+                })
+                with PSOptimizer(model) as ps:
+                    assert not ps.overlap  # sync is exact: nothing overlaps
+                    for _ in range(steps):
+                        ps.zero_grad()
+                        # d/d row = its number of occurrences; d/d dense = sums of the inputs.
+                        loss = model["emb"](batches[rank]).sum() + model["dense"](
+                            inputs[rank]).sum()
+                        loss.backward()
+                        ps.step()
+        except BaseException as exc:  # handed to the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads)
+    with PSClient(servers, worker=0) as c:
+        declare(c)
+        c.declare_dense("two.dense", (8,), optimizer="sgd", lr=1.0)
+        after = c.pull_sparse("two", probe, clock=0)
+        dense_after = c.pull_dense("two.dense", clock=0)
+        rows = table_stat(c, "two", "rows")
+    # Sync applies the mean of the two workers' gradients once per clock.
+    occurrences = {0: {10: 2, 11: 1, 12: 1}, 1: {12: 1, 13: 1, 2**50: 1}}
+    for i, key in enumerate(probe.tolist()):
+        per_step = (occurrences[0].get(key, 0) + occurrences[1].get(key, 0)) / 2
+        torch.testing.assert_close(after[i], before[i] - steps * per_step, atol=1e-5, rtol=0)
+    assert rows == len(probe)  # nothing but the probed and trained rows was created
+    # Linear(3, 2) summed over a batch: d/dW[j] = column sums of x, d/db[j] = batch size.
+    grads = {r: torch.cat([inputs[r].sum(0).repeat(2), torch.full((2,), 5.0)]) for r in (0, 1)}
+    expected = initial[0] - steps * (grads[0] + grads[1]) / 2
+    torch.testing.assert_close(dense_after, expected, atol=1e-5, rtol=0)
+
+
+def test_sync_tables_refuse_overlap(client: PSClient) -> None:
+    emb = PSEmbedding(client, fresh("exact"), 2, consistency="sync")
+    with pytest.raises(PSModuleError, match="overlap needs every table"):
+        PSOptimizer(emb, overlap=True)
+    with PSOptimizer(emb) as ps:
+        assert not ps.overlap
+        emb.prefetch(torch.tensor([1]))  # a no-op under sync, not an error
+
+
+def test_bad_inputs_get_clear_errors(client: PSClient) -> None:
+    emb = PSEmbedding(client, fresh("bad"), 2)
+    bag = PSEmbeddingBag(client, fresh("badbag"), 2, mode="mean")
+    with pytest.raises(PSModuleError, match="int64"):
+        emb(torch.tensor([1.0, 2.0]))
+    with pytest.raises(PSModuleError, match="needs offsets"):
+        bag(torch.tensor([1, 2]))
+    with pytest.raises(PSModuleError, match="per_sample_weights need mode 'sum'"):
+        bag(torch.tensor([1, 2]), torch.tensor([0]), per_sample_weights=torch.ones(2))
+    with pytest.raises(PSModuleError, match="consistency="):
+        PSEmbedding(client, fresh("bad"), 2, mode="async")  # type: ignore[arg-type]
+    with pytest.raises(PSModuleError, match="nothing to push"):
+        PSOptimizer(nn.Linear(2, 2))
+    with PSOptimizer(emb, overlap=False), pytest.raises(PSModuleError, match="another"):
+        PSOptimizer(emb)
+
+
+def test_inference_without_an_optimizer_records_nothing(client: PSClient) -> None:
+    emb = PSEmbedding(client, fresh("infer"), 3)
+    out = emb(torch.tensor([[1, 2], [3, 1]]))
+    assert out.shape == (2, 2, 3) and not out.requires_grad
+    empty = emb(torch.empty(0, dtype=torch.int64))
+    assert empty.shape == (0, 3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_rows_and_gradients_travel_through_pinned_memory(client: PSClient) -> None:
+    emb = PSEmbedding(client, fresh("gpu"), 4, optimizer="sgd", lr=1.0, device="cuda")
+    linear = nn.Linear(8, 1).cuda()
+    dense = PSDense(client, linear, fresh("gpu_mlp"), optimizer="sgd", lr=1.0)
+    model = nn.ModuleList([emb, dense])
+    ids = torch.tensor([[1, 2], [2, 3]])
+    keys = torch.tensor([1, 2, 3])
+    before = client.pull_sparse(emb.table, keys)
+    with PSOptimizer(model) as ps:
+        emb.prefetch(ids)  # rows for step 1 (this step pulls on its own)
+        out = dense(emb(ids).flatten(1))
+        assert out.device.type == "cuda"
+        weight = linear.weight.detach().cpu().view(2, 4)
+        ps.zero_grad()
+        out.sum().backward()
+        ps.step()
+        ps.flush()
+    expected = before.clone()
+    expected[0] -= weight[0]  # key 1 sits in slot 0 of sample 0
+    expected[1] -= weight[1] + weight[0]  # key 2: slot 1 of sample 0, slot 0 of sample 1
+    expected[2] -= weight[1]
+    torch.testing.assert_close(client.pull_sparse(emb.table, keys), expected, atol=1e-5, rtol=0)
+
+
+def test_ids_may_be_numpy_backed_int32(client: PSClient) -> None:
+    emb = PSEmbedding(client, fresh("i32"), 2)
+    ids32 = torch.from_numpy(np.array([5, 6, 5], dtype=np.int32))
+    torch.testing.assert_close(emb(ids32), emb(ids32.long()))

@@ -1,0 +1,69 @@
+"""Training-loop helpers: AUC and log loss against brute force, sharding, look-ahead."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from worker.training import TrainingError, log_loss, lookahead, roc_auc, shard_indices
+
+
+def brute_force_auc(labels: np.ndarray, scores: np.ndarray) -> float:
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    wins = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    return float(wins / (len(pos) * len(neg)))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_auc_equals_the_pairwise_count_ties_included(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 2, 300)
+    scores = np.round(rng.normal(size=300) + labels, 1)  # rounding makes many ties
+    assert roc_auc(labels, scores) == pytest.approx(brute_force_auc(labels, scores), abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("labels", "scores", "auc"),
+    [
+        ([0, 0, 1, 1], [0.1, 0.2, 0.3, 0.4], 1.0),
+        ([1, 1, 0, 0], [0.1, 0.2, 0.3, 0.4], 0.0),
+        ([0, 1, 0, 1], [0.5, 0.5, 0.5, 0.5], 0.5),
+    ],
+)
+def test_auc_table(labels: list[int], scores: list[float], auc: float) -> None:
+    assert roc_auc(labels, scores) == auc
+
+
+def test_auc_needs_both_classes_and_matching_lengths() -> None:
+    with pytest.raises(TrainingError, match="both classes"):
+        roc_auc([1, 1], [0.2, 0.3])
+    with pytest.raises(TrainingError, match="same length"):
+        roc_auc([0, 1], [0.2])
+    with pytest.raises(TrainingError, match="0 or 1"):
+        roc_auc([0, 2], [0.2, 0.3])
+
+
+def test_log_loss_is_the_mean_cross_entropy_clipped() -> None:
+    expected = -(math.log(0.8) + math.log(1 - 0.3)) / 2
+    assert log_loss([1, 0], [0.8, 0.3]) == pytest.approx(expected)
+    assert math.isfinite(log_loss([1, 0], [0.0, 1.0]))
+
+
+@pytest.mark.parametrize(("n", "world"), [(10, 3), (7, 7), (2, 4), (0, 2), (100, 1)])
+def test_shards_cover_every_index_once_in_near_equal_blocks(n: int, world: int) -> None:
+    shards = [shard_indices(n, r, world) for r in range(world)]
+    assert np.concatenate(shards).tolist() == list(range(n))
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+
+
+def test_shard_indices_rejects_a_rank_outside_the_world() -> None:
+    with pytest.raises(TrainingError, match="rank"):
+        shard_indices(10, 3, 3)
+
+
+def test_lookahead_pairs_each_item_with_the_next() -> None:
+    assert list(lookahead([1, 2, 3])) == [(1, 2), (2, 3), (3, None)]
+    nothing: list[int] = []
+    assert list(lookahead(nothing)) == []

@@ -1,0 +1,814 @@
+"""PyTorch modules whose parameters live on the parameter servers.
+
+`PSEmbedding` and `PSEmbeddingBag` look up rows of server-side sparse tables (ids are any
+int64, rows are created on first touch); `PSDense` keeps an ordinary `nn.Module`'s
+parameters in one flat dense table on the servers. None of them owns an `nn.Parameter` that
+a local optimizer should step: the servers run the optimizer. `PSOptimizer` plays the local
+optimizer's part in the training loop: its `step()` pushes every gradient of the step and
+ends the iteration, so a loop reads like plain PyTorch::
+
+    client = PSClient(servers, worker=rank)
+    model = nn.ModuleDict({
+        "user": PSEmbedding(client, "user", 16, optimizer="adagrad", lr=0.05),
+        "mlp": PSDense(client, nn.Linear(16, 1), "mlp", optimizer="adam", lr=1e-3),
+    })
+    ps = PSOptimizer(model)
+    for (ids, y), upcoming in lookahead(batches):
+        if upcoming is not None:
+            model["user"].prefetch(upcoming[0])   # the next batch's rows, in the background
+        loss = F.binary_cross_entropy_with_logits(model["mlp"](model["user"](ids)), y)
+        ps.zero_grad()
+        loss.backward()
+        ps.step()              # pushes; returns at once where the mode allows overlap
+    ps.flush()
+
+How a step travels. A forward de-duplicates the ids (`torch.unique`), pulls each unique row
+once and gathers or pools from that small leaf tensor; autograd then leaves each unique row's
+summed gradient in the leaf's `.grad`, which `step()` pushes with `assume_unique=True`. A
+`PSDense` pulls its flat vector at the first forward of a step and `step()` pushes the flat
+gradient: one request per shard and step, however many tensors the module has.
+
+Overlap. Where every table's consistency mode allows staleness (async, or ssp with a bound
+of at least 1), `step()` hands the pushes and the end of the iteration to a background
+thread and returns at once, `prefetch()` pulls the next batch's rows while the current one
+computes, and dense values for the next step are pulled while this step's gradients travel.
+Under `sync` (and ssp with bound 0) nothing overlaps and `prefetch()` does nothing, so the
+same loop keeps sync's exact semantics.
+
+GPU workers. Give the sparse modules `device="cuda"` (or move the model with `.to()`), and
+put the module wrapped by `PSDense` on the GPU. Pulled rows are staged in pinned host
+memory and copied with `non_blocking=True`; gradients come back the same way and the
+background pusher waits for that copy before sending.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.client import PSClient
+from worker.errors import PSClientError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "InitializationTimeoutError",
+    "PSDense",
+    "PSEmbedding",
+    "PSEmbeddingBag",
+    "PSModuleError",
+    "PSOptimizer",
+]
+
+Init = tuple[str, float, float]
+
+# How often a worker that does not initialise a PSDense table looks for the initial values.
+_INIT_POLL_S = 0.05
+_BAG_MODES = ("sum", "mean", "max")
+
+
+class PSModuleError(PSClientError):
+    """A PS module or PSOptimizer was built or used in a way it cannot work (message says why)."""
+
+
+class InitializationTimeoutError(PSModuleError):
+    """A worker waited too long for the worker that initialises a PSDense table."""
+
+
+def _delay(seconds: float) -> None:
+    """The one place this module sleeps, so tests can replace it."""
+    time.sleep(seconds)
+
+
+def _overlap_staleness(mode: str, default_mode: str, default_staleness: int) -> int | None:
+    """How many clocks stale a read may be under `mode`: None for unbounded (async).
+
+    Sync reads are exact, so sync counts as 0. `mode` "" means the server's default mode.
+    """
+    name, _, arg = (mode or default_mode).partition(":")
+    if name == "async":
+        return None
+    if name == "ssp":
+        return int(arg) if arg.isdigit() else default_staleness
+    return 0
+
+
+def _check_hyper(hyper: dict[str, float]) -> None:
+    if "mode" in hyper:
+        raise PSModuleError(
+            "PS modules take the consistency mode as consistency='sync'|'ssp:S'|'async' "
+            "(PSEmbeddingBag's mode is its pooling, as in nn.EmbeddingBag)"
+        )
+
+
+def _kwargs(hyper: dict[str, float]) -> dict[str, Any]:
+    # Optimizer hyperparameters travel as **kwargs next to the client's typed keywords;
+    # _check_hyper has kept those names out, which mypy cannot see.
+    return hyper
+
+
+def _as_ids(ids: torch.Tensor, what: str) -> torch.Tensor:
+    """`ids` as a flat int64 CPU tensor (a copy when it lives on a GPU)."""
+    if not isinstance(ids, torch.Tensor):
+        raise PSModuleError(f"{what} must be a torch.Tensor of int64 ids, got {type(ids).__name__}")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise PSModuleError(f"{what} must hold int64 (or int32) ids, got {ids.dtype}")
+    return ids.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
+
+
+def _staged(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` ready for a copy to `device`: in pinned memory when `device` is a GPU."""
+    if device.type != "cuda" or host.is_pinned():
+        return host
+    pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    pinned.copy_(host)
+    return pinned
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return host
+    # The caching host allocator keeps a pinned buffer alive until this copy has run.
+    return _staged(host, device).to(device, non_blocking=True)
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of `tensor`; from a GPU it is pinned and asynchronous (see _Gradient)."""
+    tensor = tensor.detach()
+    if tensor.device.type == "cpu":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+@dataclass
+class _Pulled:
+    """Rows pulled for a batch of ids: unique keys, where each id sits in them, host rows."""
+
+    keys: torch.Tensor
+    inverse: torch.Tensor
+    rows: torch.Tensor
+
+
+@dataclass
+class _Prefetch:
+    """A pull started ahead of the forward that will use it, for step `clock`."""
+
+    clock: int
+    ids: torch.Tensor
+    future: Future[_Pulled]
+
+
+@dataclass
+class _Lookup:
+    """One forward's pulled rows (a leaf tensor) waiting for their gradient."""
+
+    table: str
+    keys: torch.Tensor
+    rows: torch.Tensor
+
+
+@dataclass
+class _Gradient:
+    """A gradient to push. A GPU gradient's host copy is complete once the step's event is."""
+
+    table: str
+    kind: str  # "sparse" or "dense"
+    grad: torch.Tensor
+    keys: torch.Tensor | None = None
+
+
+class _Pipeline:
+    """What a PSOptimizer shares with its modules: the step clock, the overlap switch and
+    the I/O threads.
+
+    Thread-safe: `completed` and `wait_completed` may be called from any thread; `clock` is
+    set only by the training thread.
+    """
+
+    def __init__(self, client: PSClient, overlap: bool, io_threads: int) -> None:
+        self.client = client
+        self.overlap = overlap
+        # The clock of the step being computed, in overlap mode (the client's clock lags
+        # behind it while the previous step's pushes are in flight).
+        self.step_clock = client.clock
+        # Pulls and pushes use separate threads: a prefetch that waits on the servers must
+        # never hold up the pushes the servers are waiting for.
+        self.pulls = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="ps-pull")
+        self.pushes = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="ps-push")
+        # Guards _completed: this worker's clock as the servers know it (its last tick).
+        self._cond = threading.Condition()
+        self._completed = client.clock
+
+    @property
+    def clock(self) -> int:
+        """The clock of the step being computed."""
+        return self.step_clock if self.overlap else self.client.clock
+
+    def completed(self, clock: int) -> None:
+        """Records that the servers have seen this worker end every iteration before `clock`."""
+        with self._cond:
+            self._completed = max(self._completed, clock)
+            self._cond.notify_all()
+
+    def wait_completed(self, clock: int, timeout_s: float) -> None:
+        """Blocks until this worker's own clock on the servers has reached `clock`.
+
+        A prefetch under ssp waits here for this worker's own pushes before its pull may
+        wait on the servers for other workers only, so no worker ever waits on itself.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._completed < clock:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PSModuleError(
+                        f"worker {self.client.worker}: waited {timeout_s:g} s for its own "
+                        f"clock {clock} (at {self._completed}); the step pushes are stuck"
+                    )
+                self._cond.wait(left)
+
+    def shutdown(self) -> None:
+        self.pulls.shutdown(wait=True, cancel_futures=True)
+        self.pushes.shutdown(wait=True, cancel_futures=True)
+
+
+class _PSModule(nn.Module):
+    """What PSOptimizer needs from a module whose parameters live on the servers."""
+
+    def __init__(self, client: PSClient, name: str, mode: str) -> None:
+        super().__init__()
+        if not name:
+            raise PSModuleError("a PS module needs a non-empty table name")
+        self.client = client
+        self.table = name
+        self.consistency = mode
+        self._pipeline: _Pipeline | None = None
+        self._staleness: int | None = 0
+
+    def _check_free(self) -> None:
+        if self._pipeline is not None:
+            raise PSModuleError(
+                f"table {self.table!r} already belongs to another PSOptimizer; use one "
+                "PSOptimizer per model (close the old one first)"
+            )
+
+    def _attach(self, pipeline: _Pipeline, staleness: int | None) -> None:
+        self._pipeline = pipeline
+        self._staleness = staleness
+
+    def _detach(self) -> None:
+        self._pipeline = None
+
+    def _clock(self) -> int | None:
+        return None if self._pipeline is None else self._pipeline.clock
+
+    def _wait_own_clock(self, clock: int) -> None:
+        """Before a pull for `clock` runs ahead: wait for this worker's own pushes it needs."""
+        if self._pipeline is not None and self._staleness is not None:
+            self._pipeline.wait_completed(clock - self._staleness, self.client.timeout_s)
+
+    def _take_gradients(self) -> list[_Gradient]:
+        raise NotImplementedError
+
+    def _zero_grad(self) -> None:
+        raise NotImplementedError
+
+
+class _SparseLookup(_PSModule):
+    """Shared by PSEmbedding and PSEmbeddingBag: pulls, prefetches, pending gradients."""
+
+    _anchor: torch.Tensor
+
+    def __init__(
+        self, client: PSClient, name: str, embedding_dim: int, *, optimizer: str, lr: float,
+        init: Init, seed: int, mode: str, dtype: torch.dtype,
+        device: torch.device | str | None, hyper: dict[str, float],
+    ) -> None:
+        super().__init__(client, name, mode)
+        _check_hyper(hyper)
+        if embedding_dim < 1:
+            raise PSModuleError(f"embedding_dim must be >= 1, got {embedding_dim}")
+        self.embedding_dim = embedding_dim
+        self.dtype = dtype
+        client.declare_sparse(
+            name, embedding_dim, dtype=dtype, optimizer=optimizer, init=init, seed=seed,
+            mode=mode, lr=lr, **_kwargs(hyper),
+        )
+        # No parameters to carry the device, so an empty buffer does: model.to(device)
+        # moves it, and outputs follow it.
+        self.register_buffer("_anchor", torch.empty(0, device=device), persistent=False)
+        self._pending: list[_Lookup] = []
+        self._prefetched: deque[_Prefetch] = deque()
+
+    @property
+    def device(self) -> torch.device:
+        """Where outputs are placed; `model.to(device)` changes it."""
+        return self._anchor.device
+
+    def prefetch(self, ids: torch.Tensor) -> None:
+        """Starts pulling, in the background, the rows the next step's forward on `ids` needs.
+
+        Returns at once. The next step's forward uses the prefetched rows if it is called
+        with equal ids, and pulls afresh otherwise. Does nothing unless a PSOptimizer with
+        overlap owns this module (under sync a prefetch could not be exact). Call it from
+        the training thread.
+        """
+        pipeline = self._pipeline
+        if pipeline is None or not pipeline.overlap:
+            return
+        clock = pipeline.clock + 1
+        flat = _as_ids(ids, "ids").clone()
+        while self._prefetched and self._prefetched[0].clock < pipeline.clock:
+            self._prefetched.popleft()
+        future = pipeline.pulls.submit(self._pull_ahead, flat, clock)
+        self._prefetched.append(_Prefetch(clock, flat, future))
+
+    def _pull_ahead(self, flat: torch.Tensor, clock: int) -> _Pulled:
+        self._wait_own_clock(clock)
+        return self._pull(flat, clock)
+
+    def _pull(self, flat: torch.Tensor, clock: int | None) -> _Pulled:
+        if flat.numel() == 0:
+            empty = torch.empty((0, self.embedding_dim), dtype=self.dtype)
+            return _Pulled(flat, flat, empty)
+        keys, inverse = torch.unique(flat, return_inverse=True)
+        rows = self.client.pull_sparse(self.table, keys, clock=clock, assume_unique=True)
+        # Staging in pinned memory here keeps that copy off the training thread.
+        return _Pulled(keys, inverse, _staged(rows, self.device))
+
+    def _take_prefetched(self, flat: torch.Tensor, clock: int | None) -> _Pulled | None:
+        while self._prefetched:
+            head = self._prefetched[0]
+            if clock is None or head.clock > clock:
+                return None
+            self._prefetched.popleft()
+            if head.clock == clock and torch.equal(head.ids, flat):
+                return head.future.result()
+            log.debug(
+                "worker %d: table %r: prefetch for clock %d unused at clock %s (other ids)",
+                self.client.worker, self.table, head.clock, clock,
+            )
+        return None
+
+    def _lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index of each id into the unique rows, on the output device; those rows)."""
+        flat = _as_ids(ids, "ids")
+        clock = self._clock()
+        pulled = self._take_prefetched(flat, clock) or self._pull(flat, clock)
+        device = self.device
+        rows = _to_device(pulled.rows, device)
+        inverse = _to_device(pulled.inverse, device).view(ids.shape)
+        # Only a module with a PSOptimizer records gradients: nothing else would push them.
+        if self._pipeline is not None and torch.is_grad_enabled() and pulled.keys.numel():
+            rows.requires_grad_(True)
+            self._pending.append(_Lookup(self.table, pulled.keys, rows))
+        return inverse, rows
+
+    def _take_gradients(self) -> list[_Gradient]:
+        pending, self._pending = self._pending, []
+        return [
+            _Gradient(self.table, "sparse", _to_host(p.rows.grad), p.keys)
+            for p in pending
+            if p.rows.grad is not None
+        ]
+
+    def _zero_grad(self) -> None:
+        for p in self._pending:
+            p.rows.grad = None
+
+    def _detach(self) -> None:
+        super()._detach()
+        self._pending.clear()
+        self._prefetched.clear()
+
+
+class PSEmbedding(_SparseLookup):
+    """Like `nn.Embedding`, over a server-side sparse table of rows created on first touch.
+
+    `forward(ids)` takes int64 ids of any value and shape and returns
+    `[*ids.shape, embedding_dim]`. Rows start from `init` ("uniform", a, b),
+    ("normal", mean, std), ("zeros", 0, 0) or ("constant", v, 0), a pure function of
+    (seed, id), and are updated by the servers' `optimizer` ("sgd", "adagrad", "adam") with
+    `lr` and `hyper` (eps, weight_decay, beta1, ...). `consistency` ("sync", "ssp:S",
+    "async") overrides the servers' default mode for this table ("" keeps it); it is not
+    called `mode` because PSEmbeddingBag's `mode` is its pooling, as in nn.EmbeddingBag.
+
+    Construction declares the table (blocks on every shard; declaring the same table again,
+    from any worker, is harmless). A forward blocks on its pull unless the rows were
+    prefetched. Gradients are recorded only when a PSOptimizer owns the module and grad
+    mode is on; its `step()` pushes them. Not thread-safe: use a module from one thread.
+    """
+
+    def __init__(
+        self, client: PSClient, name: str, embedding_dim: int, *, optimizer: str = "adagrad",
+        lr: float = 0.01, init: Init = ("uniform", -0.05, 0.05), seed: int = 0,
+        consistency: str = "", dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None, **hyper: float,
+    ) -> None:
+        super().__init__(
+            client, name, embedding_dim, optimizer=optimizer, lr=lr, init=init, seed=seed,
+            mode=consistency, dtype=dtype, device=device, hyper=hyper,
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        inverse, rows = self._lookup(ids)
+        return F.embedding(inverse, rows)
+
+    def extra_repr(self) -> str:
+        return f"table={self.table!r}, embedding_dim={self.embedding_dim}"
+
+
+class PSEmbeddingBag(_SparseLookup):
+    """Like `nn.EmbeddingBag` (include_last_offset=False), over a server-side sparse table.
+
+    `forward(input, offsets=None, per_sample_weights=None)`: a 2-D `input` is a batch of
+    fixed-length bags; a 1-D `input` is the concatenated bags starting at `offsets`. Bags
+    are pooled by `mode` ("sum", "mean" or "max"); `per_sample_weights` (sum only) weight
+    each id. Returns `[bags, embedding_dim]`; an empty bag gives zeros. Tables, blocking
+    and thread-safety are as for PSEmbedding.
+    """
+
+    def __init__(
+        self, client: PSClient, name: str, embedding_dim: int, mode: str = "mean", *,
+        optimizer: str = "adagrad", lr: float = 0.01, init: Init = ("uniform", -0.05, 0.05),
+        seed: int = 0, consistency: str = "", dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None, **hyper: float,
+    ) -> None:
+        if mode not in _BAG_MODES:
+            raise PSModuleError(f"PSEmbeddingBag mode must be one of {_BAG_MODES}, got {mode!r}")
+        super().__init__(
+            client, name, embedding_dim, optimizer=optimizer, lr=lr, init=init, seed=seed,
+            mode=consistency, dtype=dtype, device=device, hyper=hyper,
+        )
+        self.pooling = mode
+
+    def prefetch(self, ids: torch.Tensor, offsets: torch.Tensor | None = None) -> None:
+        """As PSEmbedding.prefetch; `offsets` do not change which rows are needed."""
+        super().prefetch(ids)
+
+    def forward(
+        self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if input.dim() == 1 and offsets is None:
+            raise PSModuleError("a 1-D input needs offsets (the start of each bag)")
+        if input.dim() == 2 and offsets is not None:
+            raise PSModuleError("a 2-D input is a batch of fixed-length bags; pass no offsets")
+        if input.dim() not in (1, 2):
+            raise PSModuleError(f"input must be 1-D or 2-D, got {input.dim()}-D")
+        if per_sample_weights is not None and self.pooling != "sum":
+            raise PSModuleError(
+                f"per_sample_weights need mode 'sum', this bag pools by {self.pooling!r}"
+            )
+        inverse, rows = self._lookup(input)
+        if offsets is not None:
+            offsets = offsets.to(device=inverse.device, dtype=torch.int64)
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.to(device=rows.device, dtype=rows.dtype)
+        return F.embedding_bag(
+            inverse, rows, offsets, mode=self.pooling, per_sample_weights=per_sample_weights
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"table={self.table!r}, embedding_dim={self.embedding_dim}, mode={self.pooling!r}"
+        )
+
+
+class PSDense(_PSModule):
+    """Wraps an `nn.Module` whose trainable parameters live on the servers, in ONE flat
+    dense table `name` (one request per shard and step, however many tensors).
+
+    The worker that initialises (`initialize`, by default the one with worker id 0) writes
+    the module's own initial values to the servers, unless they were written before (a
+    restarted worker must not overwrite trained values); every other worker waits, up to
+    `init_timeout_s`, until they are there. So construction blocks.
+
+    `forward(*args, **kwargs)` first loads the servers' values into the module's parameters
+    (once per step: a pull that blocks, unless PSOptimizer prefetched it), then calls the
+    module. The parameters stay ordinary `nn.Parameter`s so autograd fills their `.grad`;
+    do not give them to a local optimizer: PSOptimizer.step() pushes their gradient and the
+    servers run `optimizer`. Buffers (e.g. BatchNorm statistics) and parameters with
+    requires_grad=False stay local. Not thread-safe: use it from one thread.
+    """
+
+    def __init__(
+        self, client: PSClient, module: nn.Module, name: str, *, optimizer: str = "adam",
+        lr: float = 1e-3, consistency: str = "", initialize: bool | None = None,
+        init_timeout_s: float = 300.0, **hyper: float,
+    ) -> None:
+        super().__init__(client, name, consistency)
+        _check_hyper(hyper)
+        self.module = module
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise PSModuleError(f"PSDense {name!r}: the module has no trainable parameters")
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise PSModuleError(
+                f"PSDense {name!r}: parameters must share one dtype to live in one flat "
+                f"table, got {sorted(str(d) for d in dtypes)}; wrap each dtype separately"
+            )
+        self._params = params
+        self.numel = sum(p.numel() for p in params)
+        self._loaded_clock: int | None = None
+        self._prefetched: _Prefetch | None = None
+        dtype = params[0].dtype
+        self._ready_table = f"{name}.initialized"
+        client.declare_dense(name, (self.numel,), dtype=dtype, optimizer=optimizer,
+                             mode=consistency, lr=lr, **_kwargs(hyper))
+        # A one-element flag, set once the values are written: workers that do not
+        # initialise wait for it, and a restarted initialiser sees it and keeps its hands off.
+        client.declare_dense(self._ready_table, (1,), optimizer="sgd", mode="async", lr=1.0)
+        if initialize is None:
+            initialize = client.worker == 0
+        if initialize:
+            self._initialize()
+        else:
+            self._wait_initialized(init_timeout_s)
+
+    def _initialized(self) -> bool:
+        return bool(self.client.pull_dense(self._ready_table, clock=0).item() != 0)
+
+    def _initialize(self) -> None:
+        if self._initialized():
+            log.info("worker %d: %r was initialised before; not overwriting it",
+                     self.client.worker, self.table)
+            return
+        self.client.assign_dense(self.table, self._flat_values())
+        self.client.assign_dense(self._ready_table, torch.ones(1))
+        log.info("worker %d: initialised %r (%d values)", self.client.worker, self.table,
+                 self.numel)
+
+    def _wait_initialized(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self._initialized():
+            if time.monotonic() >= deadline:
+                raise InitializationTimeoutError(
+                    f"worker {self.client.worker}: {self.table!r} was not initialised within "
+                    f"{timeout_s:g} s; start the initialising worker (worker 0, or the one "
+                    "built with initialize=True)"
+                )
+            _delay(_INIT_POLL_S)
+
+    def _flat_values(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).cpu() for p in self._params])
+
+    @property
+    def device(self) -> torch.device:
+        return self._params[0].device
+
+    def load(self) -> None:
+        """Loads the servers' values into the parameters, unless done already this step.
+
+        Blocks on the pull (or the prefetched one). Called by forward.
+        """
+        clock = self._clock()
+        if clock is not None and self._loaded_clock == clock:
+            return
+        flat: torch.Tensor | None = None
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None and prefetched.clock == clock:
+            flat = prefetched.future.result().rows
+        if flat is None:
+            flat = _staged(self.client.pull_dense(self.table, clock=clock), self.device)
+        values = _to_device(flat, self.device)
+        with torch.no_grad():
+            offset = 0
+            for p in self._params:
+                n = p.numel()
+                p.copy_(values[offset : offset + n].view_as(p))
+                offset += n
+        self._loaded_clock = clock
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.load()
+        return self.module(*args, **kwargs)
+
+    def _prefetch(self, clock: int) -> None:
+        """Starts pulling the values for step `clock` (PSOptimizer calls it under overlap)."""
+        if self._pipeline is None:
+            return
+        future = self._pipeline.pulls.submit(self._pull_ahead, clock)
+        self._prefetched = _Prefetch(clock, torch.empty(0, dtype=torch.int64), future)
+
+    def _pull_ahead(self, clock: int) -> _Pulled:
+        self._wait_own_clock(clock)
+        flat = _staged(self.client.pull_dense(self.table, clock=clock), self.device)
+        empty = torch.empty(0, dtype=torch.int64)
+        return _Pulled(empty, empty, flat)
+
+    def _take_gradients(self) -> list[_Gradient]:
+        grads = [p.grad for p in self._params]
+        if all(g is None for g in grads):
+            return []
+        flat = torch.cat([
+            (torch.zeros_like(p) if g is None else g).detach().reshape(-1)
+            for p, g in zip(self._params, grads, strict=True)
+        ])
+        # Sent means consumed: the next step starts from no gradient, as after zero_grad().
+        for p in self._params:
+            p.grad = None
+        return [_Gradient(self.table, "dense", _to_host(flat))]
+
+    def _zero_grad(self) -> None:
+        for p in self._params:
+            p.grad = None
+
+    def _detach(self) -> None:
+        super()._detach()
+        self._prefetched = None
+
+    def extra_repr(self) -> str:
+        return f"table={self.table!r}, numel={self.numel}"
+
+
+class PSOptimizer:
+    """The training loop's handle on the servers' optimizers for every PS module of `model`.
+
+    `step()` pushes the step's gradients (each table's in parallel; the gradients of lookups
+    of one table in a step are summed) and ends the iteration on every shard.
+    `overlap` (default: allowed by every table's mode, i.e. async or ssp with bound >= 1)
+    makes `step()` return at once while the pushes run in the background, at most one step
+    in flight, enables the modules' `prefetch()`, and pulls the next step's dense values
+    while the pushes travel. `overlap=True` with a sync (or ssp:0) table raises
+    PSModuleError: those modes promise exact reads.
+
+    Construction may ask the servers for their default mode (blocks briefly). Methods are
+    meant for the training thread and are not thread-safe; the I/O threads they start are
+    joined by `close()`.
+    """
+
+    def __init__(
+        self, model: nn.Module, *, overlap: bool | None = None, io_threads: int = 4
+    ) -> None:
+        modules = [m for m in model.modules() if isinstance(m, _PSModule)]
+        if not modules:
+            raise PSModuleError(
+                "the model has no PSEmbedding, PSEmbeddingBag or PSDense: nothing to push"
+            )
+        clients = {id(m.client) for m in modules}
+        if len(clients) != 1:
+            raise PSModuleError("every PS module of one model must share one PSClient")
+        if io_threads < 1:
+            raise PSModuleError(f"io_threads must be >= 1, got {io_threads}")
+        for m in modules:
+            m._check_free()
+        self.client = modules[0].client
+        self._modules = modules
+        staleness = self._staleness(modules)
+        exact = [m.table for m in modules if staleness[m.table] == 0]
+        if overlap and exact:
+            raise PSModuleError(
+                f"overlap needs every table to allow stale reads, but {exact} are sync or "
+                "ssp with bound 0; declare them with consistency='async' or 'ssp:S' (S >= 1), or "
+                "leave overlap off"
+            )
+        self.overlap = not exact if overlap is None else overlap
+        self._pipeline = _Pipeline(self.client, self.overlap, io_threads)
+        self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-step")
+        self._inflight: Future[int] | None = None
+        for m in modules:
+            m._attach(self._pipeline, staleness[m.table])
+        log.info("worker %d: PSOptimizer over %d tables, overlap %s", self.client.worker,
+                 len({m.table for m in modules}), self.overlap)
+
+    def _staleness(self, modules: Sequence[_PSModule]) -> dict[str, int | None]:
+        default_mode, default_staleness = "async", 0
+        if any(not m.consistency for m in modules):
+            info = self.client.stats()[0].info
+            default_mode, default_staleness = info.mode, int(info.staleness)
+        return {
+            m.table: _overlap_staleness(m.consistency, default_mode, default_staleness)
+            for m in modules
+        }
+
+    @property
+    def clock(self) -> int:
+        """The clock of the step being computed (the servers' clock may lag under overlap)."""
+        return self._pipeline.clock
+
+    def zero_grad(self) -> None:
+        """Clears the gradients of the lookups and parameters of this step, as
+        torch.optim.Optimizer.zero_grad(set_to_none=True) does. Does not block.
+        """
+        for m in self._modules:
+            m._zero_grad()
+
+    def step(self) -> None:
+        """Pushes this step's gradients and ends the iteration on every shard.
+
+        Without overlap it blocks until both are done. With overlap it first waits for the
+        previous step's pushes (raising their error, if any), then returns while this
+        step's pushes run in the background.
+        """
+        grads = [g for m in self._modules for g in m._take_gradients()]
+        event = None
+        if torch.cuda.is_available() and any(g.grad.is_pinned() for g in grads):
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+        pipeline = self._pipeline
+        if not self.overlap:
+            self._push_and_tick(grads, event, self.client.clock)
+            return
+        self._wait_inflight()
+        clock = pipeline.step_clock
+        self._inflight = self._stepper.submit(self._push_and_tick, grads, event, clock)
+        pipeline.step_clock = clock + 1
+        for m in self._modules:
+            if isinstance(m, PSDense):
+                m._prefetch(clock + 1)
+
+    def _push_and_tick(
+        self, grads: list[_Gradient], event: torch.cuda.Event | None, clock: int
+    ) -> int:
+        if event is not None:
+            event.synchronize()
+        tables = list(_by_table(grads))
+        if len(tables) == 1:
+            self._push_table(*tables[0], clock)
+            tables = []
+        futures = [
+            self._pipeline.pushes.submit(self._push_table, table, items, clock)
+            for table, items in tables
+        ]
+        errors = [f.exception() for f in futures]
+        for error in errors:
+            if error is not None:
+                raise error
+        new_clock = self.client.end_iteration()
+        self._pipeline.completed(new_clock)
+        return new_clock
+
+    def _push_table(self, table: str, items: list[_Gradient], clock: int) -> None:
+        if items[0].kind == "dense":
+            total = items[0].grad
+            for item in items[1:]:
+                total = total + item.grad
+            self.client.push_dense(table, total, clock=clock)
+            return
+        keys = [i.keys for i in items if i.keys is not None]
+        if len(items) == 1:
+            self.client.push_sparse(table, keys[0], items[0].grad, clock=clock,
+                                    assume_unique=True)
+            return
+        # Lookups of one table in one step may share ids; the client sums their gradients.
+        self.client.push_sparse(table, torch.cat(keys), torch.cat([i.grad for i in items]),
+                                clock=clock)
+
+    def _wait_inflight(self) -> None:
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return
+        new_clock = inflight.result()
+        if new_clock > self._pipeline.step_clock:
+            # The servers moved this worker on (it fell behind closed clocks); follow them.
+            log.info("worker %d: clock jumped from %d to %d", self.client.worker,
+                     self._pipeline.step_clock, new_clock)
+            self._pipeline.step_clock = new_clock
+
+    def flush(self) -> None:
+        """Blocks until every pushed gradient has been applied and its iteration ended.
+
+        Call it before evaluating or saving. Raises the error of a failed background push.
+        """
+        self._wait_inflight()
+        for m in self._modules:
+            if isinstance(m, PSDense):
+                # Pulled while the last pushes travelled: the next forward pulls afresh.
+                m._prefetched = None
+
+    def close(self) -> None:
+        """Flushes, stops the I/O threads and releases the modules. Idempotent."""
+        try:
+            self.flush()
+        finally:
+            self._stepper.shutdown(wait=True, cancel_futures=True)
+            self._pipeline.shutdown()
+            for m in self._modules:
+                m._detach()
+
+    def __enter__(self) -> PSOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _by_table(grads: list[_Gradient]) -> Iterator[tuple[str, list[_Gradient]]]:
+    tables: dict[str, list[_Gradient]] = {}
+    for g in grads:
+        tables.setdefault(g.table, []).append(g)
+    yield from tables.items()

@@ -1,0 +1,119 @@
+"""Small helpers for training loops: sharding data by rank, look-ahead iteration, metrics.
+
+Everything here is pure (no network, no global state), so each helper is thread-safe and
+never blocks beyond its own computation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from worker.errors import PSClientError
+
+__all__ = ["TrainingError", "log_loss", "lookahead", "roc_auc", "shard_indices"]
+
+T = TypeVar("T")
+
+
+class TrainingError(PSClientError):
+    """A training helper was called with inputs it cannot use (the message says why)."""
+
+
+def shard_indices(n: int, rank: int, world_size: int) -> npt.NDArray[np.int64]:
+    """The indices of `n` samples that worker `rank` of `world_size` trains on.
+
+    Contiguous, near-equal blocks (sizes differ by at most one) that together cover 0..n-1
+    exactly once, so shuffle the data once (with a seed shared by every worker) before
+    sharding it. Pure; thread-safe.
+    """
+    if world_size < 1:
+        raise TrainingError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise TrainingError(f"rank must lie in [0, {world_size}), got {rank}")
+    if n < 0:
+        raise TrainingError(f"n must be >= 0, got {n}")
+    start, end = rank * n // world_size, (rank + 1) * n // world_size
+    return np.arange(start, end, dtype=np.int64)
+
+
+def lookahead(items: Iterable[T]) -> Iterator[tuple[T, T | None]]:
+    """Yields (item, the item after it), with None after the last one.
+
+    A training loop uses it to prefetch the next batch's parameters while the current batch
+    computes::
+
+        for batch, upcoming in lookahead(batches):
+            if upcoming is not None:
+                model.prefetch(upcoming)
+
+    Consumes `items` one element ahead; blocks only as `items` does.
+    """
+    it = iter(items)
+    try:
+        current = next(it)
+    except StopIteration:
+        return
+    for upcoming in it:
+        yield current, upcoming
+        current = upcoming
+    yield current, None
+
+
+def _as_binary_labels(labels: npt.ArrayLike, scores: npt.ArrayLike) -> tuple[
+    npt.NDArray[np.bool_], npt.NDArray[np.float64]
+]:
+    y = np.asarray(labels).reshape(-1)
+    s = np.asarray(scores, dtype=np.float64).reshape(-1)
+    if y.shape != s.shape:
+        raise TrainingError(
+            f"labels and scores must have the same length, got {y.shape[0]} and {s.shape[0]}"
+        )
+    if not np.all((y == 0) | (y == 1)):
+        raise TrainingError("labels must be 0 or 1 (or False/True)")
+    return y.astype(bool), s
+
+
+def roc_auc(labels: npt.ArrayLike, scores: npt.ArrayLike) -> float:
+    """Area under the ROC curve of `scores` for binary `labels` (0/1).
+
+    The Mann-Whitney statistic: the probability that a random positive scores above a random
+    negative, ties counting one half (tied scores get their average rank), so it equals
+    sklearn's roc_auc_score. O(n log n). Raises TrainingError when one class is missing or
+    the inputs disagree in length. Pure; thread-safe.
+    """
+    y, s = _as_binary_labels(labels, scores)
+    positives = int(y.sum())
+    negatives = len(y) - positives
+    if positives == 0 or negatives == 0:
+        raise TrainingError(
+            f"AUC needs both classes; got {positives} positives and {negatives} negatives"
+        )
+    if not np.all(np.isfinite(s)):
+        raise TrainingError("scores must be finite to rank them")
+    order = np.argsort(s, kind="mergesort")
+    sorted_scores = s[order]
+    # Average ranks over runs of equal scores: each run [start, end) gets (start + end + 1) / 2
+    # in 1-based ranks, which is what makes a tie count one half.
+    run_starts = np.flatnonzero(np.r_[True, sorted_scores[1:] != sorted_scores[:-1]])
+    run_ends = np.r_[run_starts[1:], len(s)]
+    run_ranks = (run_starts + run_ends + 1) / 2.0
+    ranks = np.empty(len(s), dtype=np.float64)
+    ranks[order] = np.repeat(run_ranks, run_ends - run_starts)
+    rank_sum = float(ranks[y].sum())
+    return (rank_sum - positives * (positives + 1) / 2.0) / (positives * negatives)
+
+
+def log_loss(labels: npt.ArrayLike, probabilities: npt.ArrayLike, eps: float = 1e-7) -> float:
+    """Mean binary cross-entropy of `probabilities` (clipped to [eps, 1 - eps]) for 0/1 labels.
+
+    Pure; thread-safe.
+    """
+    y, p = _as_binary_labels(labels, probabilities)
+    if len(y) == 0:
+        raise TrainingError("log loss of an empty set is undefined")
+    p = np.clip(p, eps, 1.0 - eps)
+    return float(-np.mean(np.where(y, np.log(p), np.log1p(-p))))

@@ -127,16 +127,18 @@ class PushId(_message.Message):
     def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class PullDenseRequest(_message.Message):
-    __slots__ = ("table", "worker", "clock", "wait_ms")
+    __slots__ = ("table", "worker", "clock", "wait_ms", "generation")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     table: str
     worker: int
     clock: int
     wait_ms: int
-    def __init__(self, table: _Optional[str] = ..., worker: _Optional[int] = ..., clock: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, table: _Optional[str] = ..., worker: _Optional[int] = ..., clock: _Optional[int] = ..., wait_ms: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class DenseChunk(_message.Message):
     __slots__ = ("dtype", "shape", "offset", "data")
@@ -151,7 +153,7 @@ class DenseChunk(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushDenseHeader(_message.Message):
-    __slots__ = ("table", "id", "clock", "kind", "dtype", "shape", "wait_ms")
+    __slots__ = ("table", "id", "clock", "kind", "dtype", "shape", "wait_ms", "generation")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +161,7 @@ class PushDenseHeader(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     table: str
     id: PushId
     clock: int
@@ -166,7 +169,8 @@ class PushDenseHeader(_message.Message):
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     wait_ms: int
-    def __init__(self, table: _Optional[str] = ..., id: _Optional[_Union[PushId, _Mapping]] = ..., clock: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, table: _Optional[str] = ..., id: _Optional[_Union[PushId, _Mapping]] = ..., clock: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., wait_ms: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class PushDenseChunk(_message.Message):
     __slots__ = ("header", "offset", "data")
@@ -179,18 +183,20 @@ class PushDenseChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PushDenseHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PullSparseRequest(_message.Message):
-    __slots__ = ("table", "worker", "clock", "wait_ms", "keys")
+    __slots__ = ("table", "worker", "clock", "wait_ms", "generation", "keys")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     table: str
     worker: int
     clock: int
     wait_ms: int
+    generation: int
     keys: bytes
-    def __init__(self, table: _Optional[str] = ..., worker: _Optional[int] = ..., clock: _Optional[int] = ..., wait_ms: _Optional[int] = ..., keys: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, table: _Optional[str] = ..., worker: _Optional[int] = ..., clock: _Optional[int] = ..., wait_ms: _Optional[int] = ..., generation: _Optional[int] = ..., keys: _Optional[bytes] = ...) -> None: ...
 
 class SparseChunk(_message.Message):
     __slots__ = ("dtype", "dim", "row_offset", "rows", "values")
@@ -207,7 +213,7 @@ class SparseChunk(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., dim: _Optional[int] = ..., row_offset: _Optional[int] = ..., rows: _Optional[int] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class PushSparseHeader(_message.Message):
-    __slots__ = ("table", "id", "clock", "kind", "dtype", "dim", "wait_ms")
+    __slots__ = ("table", "id", "clock", "kind", "dtype", "dim", "wait_ms", "generation")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +221,7 @@ class PushSparseHeader(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     table: str
     id: PushId
     clock: int
@@ -222,7 +229,8 @@ class PushSparseHeader(_message.Message):
     dtype: DType
     dim: int
     wait_ms: int
-    def __init__(self, table: _Optional[str] = ..., id: _Optional[_Union[PushId, _Mapping]] = ..., clock: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., dim: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, table: _Optional[str] = ..., id: _Optional[_Union[PushId, _Mapping]] = ..., clock: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., dim: _Optional[int] = ..., wait_ms: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class PushSparseChunk(_message.Message):
     __slots__ = ("header", "keys", "values")
@@ -245,14 +253,16 @@ class PushResponse(_message.Message):
     def __init__(self, duplicate: _Optional[bool] = ..., elements: _Optional[int] = ..., dropped: _Optional[bool] = ...) -> None: ...
 
 class TickRequest(_message.Message):
-    __slots__ = ("worker", "incarnation", "clock")
+    __slots__ = ("worker", "incarnation", "clock", "generation")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     worker: int
     incarnation: int
     clock: int
-    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class TickResponse(_message.Message):
     __slots__ = ("open_clock",)
@@ -271,12 +281,14 @@ class WorkerClock(_message.Message):
     def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., live: _Optional[bool] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("worker", "incarnation")
+    __slots__ = ("worker", "incarnation", "generation")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     worker: int
     incarnation: int
-    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("clock", "open_clock", "live")
@@ -287,6 +299,24 @@ class JoinResponse(_message.Message):
     open_clock: int
     live: bool
     def __init__(self, clock: _Optional[int] = ..., open_clock: _Optional[int] = ..., live: _Optional[bool] = ...) -> None: ...
+
+class RestoreRequest(_message.Message):
+    __slots__ = ("checkpoint_id", "path", "sha256", "generation")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    path: str
+    sha256: str
+    generation: int
+    def __init__(self, checkpoint_id: _Optional[str] = ..., path: _Optional[str] = ..., sha256: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class RestoreResponse(_message.Message):
+    __slots__ = ("clock",)
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    clock: int
+    def __init__(self, clock: _Optional[int] = ...) -> None: ...
 
 class MembershipRequest(_message.Message):
     __slots__ = ("live_workers",)

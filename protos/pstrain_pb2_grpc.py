@@ -85,6 +85,11 @@ class ParameterServerStub:
                 request_serializer=protos_dot_pstrain__pb2.JoinRequest.SerializeToString,
                 response_deserializer=protos_dot_pstrain__pb2.JoinResponse.FromString,
                 _registered_method=True)
+        self.Restore = channel.unary_unary(
+                '/pstrain.v1.ParameterServer/Restore',
+                request_serializer=protos_dot_pstrain__pb2.RestoreRequest.SerializeToString,
+                response_deserializer=protos_dot_pstrain__pb2.RestoreResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -151,6 +156,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Restore(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +214,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Join,
                     request_deserializer=protos_dot_pstrain__pb2.JoinRequest.FromString,
                     response_serializer=protos_dot_pstrain__pb2.JoinResponse.SerializeToString,
+            ),
+            'Restore': grpc.unary_unary_rpc_method_handler(
+                    servicer.Restore,
+                    request_deserializer=protos_dot_pstrain__pb2.RestoreRequest.FromString,
+                    response_serializer=protos_dot_pstrain__pb2.RestoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -476,6 +492,33 @@ class ParameterServer:
             '/pstrain.v1.ParameterServer/Join',
             protos_dot_pstrain__pb2.JoinRequest.SerializeToString,
             protos_dot_pstrain__pb2.JoinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Restore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.ParameterServer/Restore',
+            protos_dot_pstrain__pb2.RestoreRequest.SerializeToString,
+            protos_dot_pstrain__pb2.RestoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

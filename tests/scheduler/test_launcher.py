@@ -169,3 +169,32 @@ def test_sync_server_kill_rolls_back_and_matches_an_uninterrupted_run(procs: Pro
     for r in range(2):
         result = json.loads((out / f"worker{r}.json").read_text())
         torch.testing.assert_close(torch.tensor(result["w"]), expected, atol=1e-6, rtol=0)
+
+
+def test_checkpoint_on_demand_then_resume_from_it(procs: Procs) -> None:
+    redis = procs.redis().address
+    ckpt = procs.workdir / "ckpt"
+    out = procs.workdir / "out"
+    up = procs.pstrain(["up", "--redis", redis, "--job", "again", "--workers", "1", "--mode",
+                        "sync", "--checkpoint-dir", str(ckpt), "--no-view", JOB_WORKER, "--",
+                        "--steps", "1000000", "--sleep-ms", "5", "--out", str(out)], "up")
+    store = JobStore.connect(redis, "again")
+    wait_until(lambda: worker_clock(store, 0) >= 20, 90, "training to run")
+    done = subprocess.run([sys.executable, "-m", "scheduler.cli", "checkpoint", "--redis",
+                           redis, "--job", "again"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    made = json.loads(done.stdout)
+    clock = int(made["shards"]["0"]["clock"])
+    assert clock >= 20
+    os.kill(up.pid, signal.SIGINT)
+    assert up.popen.wait(timeout=60) == 130
+    # A new cluster (its own private Redis) resumes from the newest checkpoint on disk.
+    again = procs.pstrain(["up", "--job", "again", "--workers", "1", "--mode", "sync",
+                           "--checkpoint-dir", str(ckpt), "--resume", "--no-view", JOB_WORKER,
+                           "--", "--steps", str(clock + 10), "--out", str(out)], "up-again")
+    assert again.popen.wait(timeout=120) == 0, again.log()
+    result = json.loads((out / "worker0.json").read_text())
+    assert result["clock"] == clock + 10
+    torch.testing.assert_close(torch.tensor(result["w"]), local_sync_run(1, clock + 10),
+                               atol=1e-6, rtol=0)

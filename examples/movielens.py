@@ -23,7 +23,6 @@ import argparse
 import importlib.util
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -42,7 +41,7 @@ import worker
 from ps.initializers import InitSpec, init_rows
 from worker.client import PSClient
 from worker.modules import PSDense, PSEmbedding, PSEmbeddingBag, PSOptimizer
-from worker.training import log_loss, lookahead, roc_auc, shard_indices
+from worker.training import add_cluster_args, connect, log_loss, lookahead, roc_auc, shard_indices
 
 log = logging.getLogger("movielens")
 
@@ -308,20 +307,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         model, optimizers = local_model(data, hyper, args.seed)
         train_rows = parts.train
     else:
-        if os.environ.get("PSTRAIN_REDIS"):
-            # Run by pstrain up or pstrain worker: the job says where the servers are.
-            ctx = worker.init()
-            client, args.rank, args.world_size = ctx.client, ctx.rank, ctx.world_size
-        else:
-            servers = [s for s in args.servers.split(",") if s]
-            if not servers:
-                raise ExampleError(
-                    "give --servers HOST:PORT[,...] (or PSTRAIN_SERVERS), or --local, or run "
-                    "it with pstrain up"
-                )
-            client = PSClient(servers, worker=args.rank, incarnation=args.incarnation,
-                              timeout_s=120.0)
-            client.join()  # a rerun or restart carries on at the servers' clock for this rank
+        client, ctx = connect(args)
         model = ps_model(client, data, hyper, args.seed)
         ps = PSOptimizer(model, overlap=None if args.overlap == "auto" else args.overlap == "on")
         optimizers = [ps]
@@ -375,23 +361,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    env = os.environ
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--local", action="store_true", help="train in plain single-process PyTorch")
-    p.add_argument("--servers", default=env.get("PSTRAIN_SERVERS", ""),
-                   help="server addresses in shard order, comma-separated (env PSTRAIN_SERVERS)")
-    p.add_argument("--rank", type=int, default=int(env.get("PSTRAIN_RANK", "0")),
-                   help="this worker's rank (env PSTRAIN_RANK)")
-    p.add_argument("--world-size", type=int, default=int(env.get("PSTRAIN_WORLD_SIZE", "1")),
-                   help="number of workers (env PSTRAIN_WORLD_SIZE)")
-    # Servers apply a push once per (worker, incarnation, seq) and every run numbers its
-    # pushes from 1, so a rerun against the same servers needs a larger incarnation or its
-    # pushes would be taken for duplicates. The start time in microseconds grows on every
-    # start, and is what worker.init() uses too.
-    p.add_argument("--incarnation", type=int,
-                   default=int(env.get("PSTRAIN_INCARNATION", str(time.time_ns() // 1000))),
-                   help="this worker's incarnation, larger on every restart (env "
-                        "PSTRAIN_INCARNATION; default: the start time in microseconds)")
+    add_cluster_args(p)
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)

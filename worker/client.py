@@ -115,7 +115,7 @@ class PSClient:
         addresses: Sequence[str],
         *,
         worker: int = 0,
-        incarnation: int = 1,
+        incarnation: int | None = None,
         timeout_s: float = 60.0,
         connect_timeout_s: float = 30.0,
         retry: RetryPolicy | None = None,
@@ -125,7 +125,9 @@ class PSClient:
         if not addresses:
             raise PSClientError("PSClient needs at least one server address")
         self.worker = worker
-        self.incarnation = incarnation
+        # A new process is a new incarnation: the start time in microseconds grows with every
+        # start, so a rerun's pushes are never taken for duplicates of an earlier run's.
+        self.incarnation = time.time_ns() // 1000 if incarnation is None else incarnation
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
         tune_malloc()

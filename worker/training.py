@@ -6,12 +6,16 @@ never blocks beyond its own computation.
 
 from __future__ import annotations
 
+import argparse
+import os
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
+from worker.client import PSClient
+from worker.context import WorkerContext, init
 from worker.errors import PSClientError
 
 __all__ = ["TrainingError", "log_loss", "lookahead", "roc_auc", "shard_indices"]
@@ -117,3 +121,42 @@ def log_loss(labels: npt.ArrayLike, probabilities: npt.ArrayLike, eps: float = 1
         raise TrainingError("log loss of an empty set is undefined")
     p = np.clip(p, eps, 1.0 - eps)
     return float(-np.mean(np.where(y, np.log(p), np.log1p(-p))))
+
+
+def add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    """Flags for a script that runs as a worker: where the servers are, and who it is.
+
+    Under `pstrain up` or `pstrain worker` the job's environment supplies all of it.
+    """
+    env = os.environ
+    parser.add_argument("--servers", default=env.get("PSTRAIN_SERVERS", ""),
+                        help="server addresses in shard order, comma-separated, for servers "
+                             "run by hand (env PSTRAIN_SERVERS)")
+    parser.add_argument("--rank", type=int, default=int(env.get("PSTRAIN_RANK", "0")),
+                        help="this worker's rank (env PSTRAIN_RANK)")
+    parser.add_argument("--world-size", type=int,
+                        default=int(env.get("PSTRAIN_WORLD_SIZE", "1")),
+                        help="number of workers (env PSTRAIN_WORLD_SIZE)")
+
+
+def connect(args: argparse.Namespace) -> tuple[PSClient, WorkerContext | None]:
+    """The client of a worker script, and its job context when it runs inside a job.
+
+    Inside a job (PSTRAIN_REDIS set, as `pstrain up` and `pstrain worker` do) this is
+    `worker.init()`, and `args.rank` and `args.world_size` are set from the job. Otherwise a
+    client for `args.servers`, joined at the servers' clock for its rank. Blocks until
+    connected; TrainingError when no servers are given.
+    """
+    if os.environ.get("PSTRAIN_REDIS"):
+        ctx = init()
+        args.rank, args.world_size = ctx.rank, ctx.world_size
+        return ctx.client, ctx
+    servers = [s for s in args.servers.split(",") if s]
+    if not servers:
+        raise TrainingError(
+            "give --servers HOST:PORT[,...] (or PSTRAIN_SERVERS), or run the script with "
+            "pstrain up / pstrain worker"
+        )
+    client = PSClient(servers, worker=args.rank, timeout_s=120.0)
+    client.join()  # a rerun or restart carries on at the servers' clock for this rank
+    return client, None

@@ -81,6 +81,10 @@ def parser() -> argparse.ArgumentParser:
                    help="largest single gRPC message accepted, MiB (default 64)")
     p.add_argument("--max-request-mib", type=float, default=4096.0,
                    help="largest whole push accepted, MiB (default 4096)")
+    p.add_argument("--metrics-port", type=int,
+                   default=int(env.get("PSTRAIN_METRICS_PORT", "0")),
+                   help="serve Prometheus metrics on this port (env PSTRAIN_METRICS_PORT; "
+                        "0: off)")
     p.add_argument("--ready-file", default="",
                    help="write {address, pid} as JSON here once serving")
     p.add_argument("--log-level", default=env.get("PSTRAIN_LOG_LEVEL", "INFO"),
@@ -148,6 +152,7 @@ def build(argv: list[str]) -> Built:
         torch_threads=a.torch_threads, grpc_threads=a.grpc_threads,
         chunk_bytes=int(a.chunk_mib * MiB), max_message_bytes=int(a.max_message_mib * MiB),
         max_request_bytes=int(a.max_request_mib * MiB), ready_file=a.ready_file,
+        metrics_port=a.metrics_port,
     )
     prepare = None
     if restored is not None:

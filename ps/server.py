@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from protos.runtime import tune_malloc
 from ps.clocks import Quorum
 from ps.errors import InvalidArgumentError
+from ps.metrics import ServerMetrics
 from ps.servicer import SERVICE, ParameterServerServicer, WireLimits
 from ps.shard import Shard, ShardConfig
 
@@ -49,6 +50,7 @@ class ServerConfig:
     max_request_bytes: int = 4096 * MiB
     ready_file: str = ""
     grace_s: float = 2.0
+    metrics_port: int = 0  # 0: no metrics
 
     def __post_init__(self) -> None:
         host, sep, port = self.bind.rpartition(":")
@@ -105,6 +107,14 @@ class ParameterServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
+        if config.metrics_port:
+            self.metrics = ServerMetrics(
+                self.shard, lambda: (self.servicer.bytes.received, self.servicer.bytes.sent)
+            )
+            self.servicer.latency = self.metrics.latency
+            self.shard.observe_staleness = (
+                lambda table, clocks: self.metrics.staleness.labels(table).observe(clocks)
+            )
         self._grpc.add_generic_rpc_handlers((self.servicer.handler(),))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
@@ -127,6 +137,10 @@ class ParameterServer:
                 f"cannot bind {self.config.bind}: the address is in use or not local"
             )
         self._grpc.start()
+        if self.config.metrics_port:
+            self.metrics.serve(self.config.metrics_port)
+            log.info("shard %d: metrics on :%d/metrics", self.config.shard,
+                     self.config.metrics_port)
         for service in ("", SERVICE):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(

@@ -6,16 +6,19 @@ domain errors into status codes. Status codes appear nowhere else in the server.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 import grpc
 import torch
+from prometheus_client import Histogram
 
 from protos import codec
 from protos import pstrain_pb2 as pb
@@ -165,6 +168,8 @@ class ParameterServerServicer:
         self.limits = limits
         self.version = version
         self.bytes = _ByteCounter()
+        # Request latency by method, when the server exports metrics.
+        self.latency: Histogram | None = None
 
     # ---- control ---------------------------------------------------------------------------
 
@@ -366,6 +371,31 @@ class ParameterServerServicer:
 
         return _guard(push, context)
 
+    def _timed(self, method: str, handler: Callable[..., Any]) -> Callable[..., Any]:
+        """`handler`, observing its duration (a whole stream's, for streamed answers)."""
+        if self.latency is None:
+            return handler
+        observe = self.latency.labels(method).observe
+
+        if inspect.isgeneratorfunction(handler):
+            def streamed(request: Any, context: Any) -> Iterator[bytes]:
+                start = time.perf_counter()
+                try:
+                    yield from handler(request, context)
+                finally:
+                    observe(time.perf_counter() - start)
+
+            return streamed
+
+        def unary(request: Any, context: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return handler(request, context)
+            finally:
+                observe(time.perf_counter() - start)
+
+        return unary
+
     def _check_request_size(self, nbytes: int) -> None:
         if nbytes > self.limits.max_request_bytes:
             raise ResourceExhaustedError(
@@ -381,40 +411,25 @@ class ParameterServerServicer:
         def de(cls: type[Any]) -> Callable[[bytes], Frame[Any]]:
             return lambda data: codec.decode(cls, data)
 
+        unary = grpc.unary_unary_rpc_method_handler
+        streamed_out = grpc.unary_stream_rpc_method_handler
+        streamed_in = grpc.stream_unary_rpc_method_handler
+        table: list[tuple[str, Callable[..., grpc.RpcMethodHandler], type[Any]]] = [
+            ("GetServerInfo", unary, pb.ServerInfoRequest),
+            ("DeclareTables", unary, pb.DeclareTablesRequest),
+            ("GetStats", unary, pb.StatsRequest),
+            ("PullDense", streamed_out, pb.PullDenseRequest),
+            ("PushDense", streamed_in, pb.PushDenseChunk),
+            ("PullSparse", streamed_out, pb.PullSparseRequest),
+            ("PushSparse", streamed_in, pb.PushSparseChunk),
+            ("Tick", unary, pb.TickRequest),
+            ("SetMembership", unary, pb.MembershipRequest),
+            ("Join", unary, pb.JoinRequest),
+            ("Restore", unary, pb.RestoreRequest),
+        ]
         methods = {
-            "GetServerInfo": grpc.unary_unary_rpc_method_handler(
-                self.GetServerInfo, request_deserializer=de(pb.ServerInfoRequest)
-            ),
-            "DeclareTables": grpc.unary_unary_rpc_method_handler(
-                self.DeclareTables, request_deserializer=de(pb.DeclareTablesRequest)
-            ),
-            "GetStats": grpc.unary_unary_rpc_method_handler(
-                self.GetStats, request_deserializer=de(pb.StatsRequest)
-            ),
-            "PullDense": grpc.unary_stream_rpc_method_handler(
-                self.PullDense, request_deserializer=de(pb.PullDenseRequest)
-            ),
-            "PushDense": grpc.stream_unary_rpc_method_handler(
-                self.PushDense, request_deserializer=de(pb.PushDenseChunk)
-            ),
-            "PullSparse": grpc.unary_stream_rpc_method_handler(
-                self.PullSparse, request_deserializer=de(pb.PullSparseRequest)
-            ),
-            "PushSparse": grpc.stream_unary_rpc_method_handler(
-                self.PushSparse, request_deserializer=de(pb.PushSparseChunk)
-            ),
-            "Tick": grpc.unary_unary_rpc_method_handler(
-                self.Tick, request_deserializer=de(pb.TickRequest)
-            ),
-            "SetMembership": grpc.unary_unary_rpc_method_handler(
-                self.SetMembership, request_deserializer=de(pb.MembershipRequest)
-            ),
-            "Join": grpc.unary_unary_rpc_method_handler(
-                self.Join, request_deserializer=de(pb.JoinRequest)
-            ),
-            "Restore": grpc.unary_unary_rpc_method_handler(
-                self.Restore, request_deserializer=de(pb.RestoreRequest)
-            ),
+            name: factory(self._timed(name, getattr(self, name)), request_deserializer=de(cls))
+            for name, factory, cls in table
         }
         return grpc.method_handlers_generic_handler(SERVICE, methods)
 

@@ -133,6 +133,9 @@ class Shard:
         self._periodic: tuple[int, Callable[[ShardState | None], None]] | None = None
         # The job's rollback count as of this shard's last restore; older workers are refused.
         self.generation = 0
+        # Called with (table, clocks behind the slowest live worker) for each served ssp or
+        # sync pull: the metrics' staleness histogram.
+        self.observe_staleness: Callable[[str, int], None] | None = None
 
     # ---- tables ----------------------------------------------------------------------------
 
@@ -246,6 +249,8 @@ class Shard:
                 )
                 if isinstance(policy, SSPPolicy):
                     self._pull_log.append(PullRecord(name, worker, clock, view.min_live_clock))
+                if self.observe_staleness is not None:
+                    self.observe_staleness(name, max(0, clock - view.min_live_clock))
 
     def _wait_for(
         self, view_fn: Callable[[], ClockView], decide: Callable[[ClockView], Decision],

@@ -82,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     w = sub.add_parser("worker", help="run a training script as a worker of a job")
     _redis_flags(w)
     w.add_argument("--rank", type=int, help="this worker's rank (default: the first free one)")
+    w.add_argument("--metrics-port", type=int, default=0,
+                   help="serve the worker's Prometheus metrics on this port (0: off)")
     w.add_argument("script", help="the training script (it calls worker.init())")
     w.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -102,6 +104,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="start the servers from the job's newest complete checkpoint")
     u.add_argument("--no-view", action="store_true", help="no live view")
     u.add_argument("--log-dir", default="", help="keep each process's log here")
+    u.add_argument("--metrics-base-port", type=int, default=0,
+                   help="serve Prometheus metrics: server K on this port + K, worker R on "
+                        "this port + servers + R (0: off)")
     u.add_argument("script", help="the training script, run by every worker")
     u.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script (after --)")
 
@@ -147,6 +152,8 @@ def _run(a: argparse.Namespace) -> int:
         env = {**os.environ, ENV_REDIS: a.redis, ENV_JOB: a.job}
         if a.rank is not None:
             env["PSTRAIN_RANK"] = str(a.rank)
+        if a.metrics_port:
+            env["PSTRAIN_METRICS_PORT"] = str(a.metrics_port)
         script_args = a.args[1:] if a.args[:1] == ["--"] else a.args
         os.execve(sys.executable, [sys.executable, a.script, *script_args], env)
     if a.command == "scheduler":
@@ -156,7 +163,7 @@ def _run(a: argparse.Namespace) -> int:
         return up(UpConfig(
             script=a.script, script_args=tuple(script_args), spec=_spec(a.job, a),
             redis=a.redis, restart=a.restart, resume=a.resume, view=not a.no_view,
-            log_dir=a.log_dir,
+            log_dir=a.log_dir, metrics_base_port=a.metrics_base_port,
         ))
     if a.command == "status":
         _need_redis(a)

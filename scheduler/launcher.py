@@ -50,6 +50,7 @@ class UpConfig:
     log_dir: str = ""
     host: str = "127.0.0.1"
     start_timeout_s: float = 120.0
+    metrics_base_port: int = 0
 
 
 class State(enum.Enum):
@@ -149,14 +150,19 @@ class Cluster:
                     str(k), "--bind", f"{self.config.host}:0"]
             if self.config.resume:
                 args += ["--restore", "latest"]
+            if self.config.metrics_base_port:
+                args += ["--metrics-port", str(self.config.metrics_base_port + k)]
             self._child(f"server{k}", "server", k, args)
         self._await(self._servers_up, f"all {spec.servers} servers to register", "server0")
         env = {"PSTRAIN_REDIS": self.redis_url, "PSTRAIN_JOB": spec.job,
                "PSTRAIN_WORLD_SIZE": str(spec.workers)}
         for r in range(spec.workers):
+            metrics = ({"PSTRAIN_METRICS_PORT": str(self.config.metrics_base_port
+                                                     + spec.servers + r)}
+                       if self.config.metrics_base_port else {})
             self._child(f"worker{r}", "worker", r,
                         [py, self.config.script, *self.config.script_args],
-                        {**env, "PSTRAIN_RANK": str(r)})
+                        {**env, "PSTRAIN_RANK": str(r), **metrics})
 
     def _spec_flags(self) -> list[str]:
         s = self.spec

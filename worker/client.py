@@ -121,6 +121,7 @@ class PSClient:
         retry: RetryPolicy | None = None,
         max_message_bytes: int = 64 * MiB,
         resolve: Callable[[int], str | None] | None = None,
+        observe: Callable[[str, float], None] | None = None,
     ) -> None:
         if not addresses:
             raise PSClientError("PSClient needs at least one server address")
@@ -140,6 +141,8 @@ class PSClient:
         self.dropped_pushes = 0
         # Finds a shard's current address (a restarted server may have moved), e.g. in Redis.
         self._resolve = resolve
+        # Told (what, seconds) of every call: the worker's latency metrics.
+        self.observe = observe
         # Guards reconnecting a shard and _specs.
         self._reconnect_lock = threading.Lock()
         self._specs: dict[str, pb.TableSpec] = {}
@@ -316,11 +319,16 @@ class PSClient:
 
     def _each(self, jobs: Sequence[tuple[_Shard, Callable[[], T]]], what: str) -> list[T]:
         """Runs one call per shard, in parallel when there are several."""
+        start = time.perf_counter()
         if len(jobs) == 1:
             shard, call = jobs[0]
-            return [self._call(shard, what, call)]
-        futures = [self._pool.submit(self._call, shard, what, call) for shard, call in jobs]
-        return [f.result() for f in futures]
+            results = [self._call(shard, what, call)]
+        else:
+            futures = [self._pool.submit(self._call, shard, what, call) for shard, call in jobs]
+            results = [f.result() for f in futures]
+        if self.observe is not None:
+            self.observe(what, time.perf_counter() - start)
+        return results
 
     def _push_id(self) -> pb.PushId:
         return pb.PushId(worker=self.worker, incarnation=self.incarnation, seq=next(self._seq))

@@ -28,6 +28,7 @@ from scheduler.spec import RESTART_EXIT_CODE, JobSpec
 from scheduler.store import JobStore, ride_out
 from worker.client import PSClient, RetryPolicy
 from worker.errors import PSClientError
+from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +43,14 @@ class _Metrics:
     lock: threading.Lock = field(default_factory=threading.Lock)
     values: dict[str, float] = field(default_factory=dict)
     samples: float = 0.0
+    total: float = 0.0
     rate: float = 0.0
     since: float = field(default_factory=time.monotonic)
 
     def add(self, samples: float, metrics: Mapping[str, float]) -> None:
         with self.lock:
             self.samples += samples
+            self.total += samples
             self.values.update({k: float(v) for k, v in metrics.items()})
 
     def snapshot(self) -> dict[str, float]:
@@ -73,11 +76,19 @@ class WorkerContext:
     store: JobStore | None = None
     heartbeat: Heartbeat | None = None
     metrics: _Metrics = field(default_factory=_Metrics)
+    exporter: WorkerMetrics | None = None
 
     @property
     def clock(self) -> int:
         """This worker's iteration count (advanced by `client.end_iteration()`)."""
         return self.client.clock
+
+    def _metric_values(self) -> dict[str, float]:
+        snapshot = self.metrics.snapshot()
+        with self.metrics.lock:
+            total = self.metrics.total
+        return {**snapshot, "clock": float(self.client.clock), "samples": total,
+                "pushes_dropped": float(self.client.dropped_pushes)}
 
     def report(self, samples: int = 0, **metrics: float) -> None:
         """Reports progress (samples done since the last call, loss, ...) to the live view.
@@ -94,12 +105,25 @@ class WorkerContext:
         if self.heartbeat is not None:
             self.heartbeat.stop(forget=True)
             self.heartbeat = None
+        if self.exporter is not None:
+            self.exporter.close()
+            self.exporter = None
         self.client.close()
 
     def _payload(self) -> dict[str, Any]:
         return {"rank": self.rank, "incarnation": self.client.incarnation,
                 "pid": os.getpid(), "host": socket.gethostname(), "clock": self.client.clock,
                 **self.metrics.snapshot()}
+
+
+def _serve_metrics(ctx: WorkerContext, env: Mapping[str, str]) -> None:
+    port = int(env.get("PSTRAIN_METRICS_PORT", "0"))
+    if port:
+        metrics = WorkerMetrics(ctx.rank, ctx._metric_values)
+        ctx.client.observe = metrics.observe
+        metrics.serve(port)
+        ctx.exporter = metrics
+        log.info("worker %d: metrics on :%d/metrics", ctx.rank, port)
 
 
 def init(*, timeout_s: float = 120.0, env: Mapping[str, str] | None = None) -> WorkerContext:
@@ -122,7 +146,9 @@ def init(*, timeout_s: float = 120.0, env: Mapping[str, str] | None = None) -> W
         rank = int(env.get("PSTRAIN_RANK", "0"))
         client = PSClient(servers, worker=rank, incarnation=incarnation)
         client.join()
-        return WorkerContext(rank, int(env.get("PSTRAIN_WORLD_SIZE", "1")), "", client)
+        standalone = WorkerContext(rank, int(env.get("PSTRAIN_WORLD_SIZE", "1")), "", client)
+        _serve_metrics(standalone, env)
+        return standalone
 
     job = env.get("PSTRAIN_JOB", "")
     if not job:
@@ -163,6 +189,7 @@ def init(*, timeout_s: float = 120.0, env: Mapping[str, str] | None = None) -> W
     if spec.mode == "sync":
         _wait(lambda: client.live_everywhere() or None, deadline,
               f"the scheduler of job {job!r} to list worker {rank} live")
+    _serve_metrics(ctx, env)
     log.info("worker %d of job %r joined at clock %d (incarnation %d)", rank, job,
              client.clock, incarnation)
     return ctx

@@ -1,0 +1,57 @@
+"""Prometheus metrics of a real server process and of a worker, scraped over HTTP."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+import numpy as np
+import torch
+from procs import Procs, free_port
+
+import worker
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        return str(reply.read().decode())
+
+
+def value(text: str, metric: str, **labels: str) -> float:
+    for line in text.splitlines():
+        if not line.startswith(metric + "{") and not line.startswith(metric + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {metric} {labels} in:\n{text}")
+
+
+def test_server_and_worker_metrics(procs: Procs) -> None:
+    server_port, worker_port = free_port(), free_port()
+    server = procs.server(extra=["--metrics-port", str(server_port), "--mode", "ssp"])
+    ctx = worker.init(env={"PSTRAIN_SERVERS": server.address,
+                           "PSTRAIN_METRICS_PORT": str(worker_port)})
+    try:
+        client = ctx.client
+        client.declare_sparse("emb", 8, optimizer="sgd", lr=0.1)
+        keys = np.arange(100, dtype=np.int64)
+        for _ in range(3):
+            client.pull_sparse("emb", keys)
+            client.push_sparse("emb", keys, torch.ones(100, 8))
+            client.end_iteration()
+            ctx.report(samples=32, loss=0.25)
+        text = scrape(server_port)
+        assert value(text, "pstrain_table_rows", table="emb") == 100
+        assert value(text, "pstrain_table_pushes_applied_total", table="emb") == 3
+        assert value(text, "pstrain_request_seconds_count", method="PushSparse") == 3
+        assert value(text, "pstrain_pull_staleness_clocks_count", table="emb") == 3
+        assert value(text, "pstrain_server_bytes_total", direction="received") > 3 * 100 * 8 * 4
+        assert value(text, "pstrain_open_clock") == 3
+        mine = scrape(worker_port)
+        assert value(mine, "pstrain_worker_samples_total") == 96
+        assert value(mine, "pstrain_worker_clock") == 3
+        assert value(mine, "pstrain_worker_metric", name="loss") == 0.25
+        assert value(mine, "pstrain_client_request_seconds_count", op="pull") == 3
+        assert re.search(r'pstrain_worker_pushes_dropped_total\{rank="0"\} 0', mine)
+    finally:
+        ctx.close()

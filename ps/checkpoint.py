@@ -907,11 +907,12 @@ def _remove_stale_temps(directory: Path) -> None:
 
 
 @contextlib.contextmanager
-def _atomic_file(final: Path) -> Iterator[int]:
+def _atomic_file(final: Path, *, sync_dir: bool = True) -> Iterator[int]:
     """Yields the fd of a temporary file that becomes `final` only if the block succeeds.
 
-    On success: fsync, rename over `final`, fsync the directory. On any failure the temporary
-    file is removed and `final` is untouched; OSError becomes CheckpointError.
+    On success: fsync, rename over `final`, and (with `sync_dir`) fsync the directory. On any
+    failure the temporary file is removed and `final` is untouched; OSError becomes
+    CheckpointError.
     """
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
@@ -928,7 +929,8 @@ def _atomic_file(final: Path) -> Iterator[int]:
             os.close(fd)
         os.replace(tmp, final)
         renamed = True
-        _fsync_dir(final.parent)
+        if sync_dir:
+            _fsync_dir(final.parent)
     except OSError as exc:
         raise CheckpointError(
             f"writing {final} failed: {exc}; check free space and permissions, then retry"
@@ -940,28 +942,8 @@ def _atomic_file(final: Path) -> Iterator[int]:
 
 
 def _atomic_write_bytes(final: Path, data: bytes, *, sync_dir: bool = True) -> None:
-    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-    renamed = False
-    try:
-        fd = os.open(tmp, flags, 0o644)
-        try:
-            _write_all(fd, memoryview(data))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
-        renamed = True
-        if sync_dir:
-            _fsync_dir(final.parent)
-    except OSError as exc:
-        raise CheckpointError(
-            f"writing {final} failed: {exc}; check free space and permissions, then retry"
-        ) from exc
-    finally:
-        if not renamed:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+    with _atomic_file(final, sync_dir=sync_dir) as fd:
+        _write_all(fd, memoryview(data))
 
 
 def _hash_file(path: Path) -> str:

@@ -1,0 +1,199 @@
+"""Training benchmark: does distributed training learn as well, and how fast, and at scale?
+
+    python benchmarks/training.py [--quick] [--json PATH]
+
+Runs the examples as a user does (`--local`, and under `pstrain up`), in one run:
+- AUC: MovieLens-100k test AUC over 3 seeds for single-process PyTorch (`local`) and for
+  2 workers on 1 server in sync, ssp (s=2) and async. Goals: sync >= local - 0.005; ssp
+  and async >= local - 0.01.
+- speed: samples/s of 1 server + 1 worker (async, overlapped) against single-process
+  PyTorch on the same model, at batch 128 and 1024. Goals: >= 0.6x and >= 0.8x.
+- growth: examples/synthetic_ctr.py on 2 servers until the tables hold --growth-rows rows:
+  samples/s at the end against the start (goal >= 0.8x), and server memory per row against
+  the raw bytes of its value and Adagrad state.
+Prints a table; writes JSON and a PNG (test AUC against wall time per mode) under
+benchmarks/results/ (and --json PATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from procs import Procs  # noqa: E402
+
+PY = sys.executable
+MOVIELENS = str(REPO / "examples" / "movielens.py")
+SYNTHETIC = str(REPO / "examples" / "synthetic_ctr.py")
+MODES = {"sync": ["--mode", "sync"], "ssp": ["--mode", "ssp", "--staleness", "2"],
+         "async": ["--mode", "async"]}
+
+
+def run_local(args: list[str]) -> dict[str, float]:
+    done = subprocess.run([PY, MOVIELENS, "--local", *args], cwd=REPO, capture_output=True,
+                          text=True, check=True, timeout=1800)
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def run_up(servers: int, workers: int, mode: list[str], args: list[str]) -> dict[str, float]:
+    """`pstrain up ... movielens.py`; the result of worker 0."""
+    done = subprocess.run([PY, "-m", "scheduler.cli", "up", "--servers", str(servers),
+                           "--workers", str(workers), *mode, "--no-view", MOVIELENS, "--",
+                           *args], cwd=REPO, capture_output=True, text=True, check=True,
+                          timeout=1800)
+    for line in done.stdout.splitlines():
+        if line.startswith("worker 0: "):
+            return dict(json.loads(line.removeprefix("worker 0: ")))
+    raise RuntimeError(f"no result from worker 0:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+
+
+def bench_auc(seeds: list[int], extra: list[str]) -> dict[str, list[dict[str, float]]]:
+    runs: dict[str, list[dict[str, float]]] = {m: [] for m in ("local", *MODES)}
+    for seed in seeds:
+        args = ["--seed", str(seed), *extra]
+        runs["local"].append(run_local(args))
+        print(f"  seed {seed} local AUC {runs['local'][-1]['test_auc']:.4f}", flush=True)
+        for mode, flags in MODES.items():
+            runs[mode].append(run_up(1, 2, flags, args))
+            print(f"  seed {seed} {mode} AUC {runs[mode][-1]['test_auc']:.4f}", flush=True)
+    return runs
+
+
+def bench_speed(batch: int, extra: list[str]) -> dict[str, float]:
+    args = ["--batch-size", str(batch), "--epochs", "1", *extra]
+    local = run_local(args)["samples_per_s"]
+    distributed = run_up(1, 1, MODES["async"], args)["samples_per_s"]
+    return {"local": local, "distributed": distributed, "ratio": distributed / local}
+
+
+_PROGRESS = re.compile(r"step (\d+): loss [\d.]+, (\d+) samples/s, (\d+) rows")
+
+
+def rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def bench_growth(target_rows: int, batch: int, dim: int) -> dict[str, float]:
+    """synthetic_ctr on 2 servers until the tables hold target_rows rows."""
+    work = Path(tempfile.mkdtemp(prefix="pstrain-growth-"))
+    procs = Procs(work)
+    try:
+        servers = procs.servers(2, ["--log-level", "WARNING"])
+        start_rss = sum(rss(s.pid) for s in servers)
+        env = {**os.environ, "PSTRAIN_SERVERS": ",".join(s.address for s in servers)}
+        steps = 1_000_000  # stopped when the tables are big enough
+        proc = subprocess.Popen([PY, SYNTHETIC, "--steps", str(steps), "--batch", str(batch),
+                                 "--dim", str(dim), "--log-every", "25"], cwd=REPO, env=env,
+                                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        points: list[tuple[int, float, int]] = []  # (samples, seconds, rows)
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            match = _PROGRESS.search(line)
+            if not match:
+                continue
+            step, cum_rate, rows = (int(g) for g in match.groups())
+            samples = step * batch
+            points.append((samples, samples / max(cum_rate, 1), rows))
+            if rows >= target_rows:
+                break
+        end_rss = sum(rss(s.pid) for s in servers)
+        proc.kill()
+        proc.wait()
+    finally:
+        procs.close()
+
+    def rate(a: int, b: int) -> float:
+        return (points[b][0] - points[a][0]) / (points[b][1] - points[a][1])
+
+    # Skip the first interval (start-up), then compare the first and last tenths.
+    tenth = max(1, len(points) // 10)
+    start = rate(1, 1 + tenth)
+    end = rate(len(points) - 1 - tenth, len(points) - 1)
+    rows = points[-1][2]
+    raw_row = dim * 4 * 2  # float32 value + Adagrad sum
+    return {"rows": rows, "start_samples_per_s": start, "end_samples_per_s": end,
+            "growth_ratio": end / start, "bytes_per_row": (end_rss - start_rss) / rows,
+            "row_memory_ratio": (end_rss - start_rss) / rows / raw_row}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="1 seed, 2 epochs, 2 M rows")
+    p.add_argument("--growth-rows", type=int, default=0, help="default 20 M (quick: 2 M)")
+    p.add_argument("--json", help="also write the figures to this path")
+    a = p.parse_args()
+    seeds = [0] if a.quick else [0, 1, 2]
+    extra = ["--epochs", "2"] if a.quick else []
+    growth_rows = a.growth_rows or (2_000_000 if a.quick else 20_000_000)
+
+    print("AUC on MovieLens-100k ...", flush=True)
+    runs = bench_auc(seeds, extra)
+    auc = {m: statistics.mean(r["test_auc"] for r in rs) for m, rs in runs.items()}
+    print("speed, 1 server + 1 worker against single-process ...", flush=True)
+    speed = {b: bench_speed(b, []) for b in (128, 1024)}
+    for b, s in speed.items():
+        print(f"  batch {b}: local {s['local']:.0f}, distributed {s['distributed']:.0f} "
+              f"samples/s: {s['ratio']:.2f}x", flush=True)
+    print(f"growth: synthetic_ctr on 2 servers to {growth_rows:,} rows ...", flush=True)
+    growth = bench_growth(growth_rows, 4096, 16)
+
+    results = {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
+        "quick": a.quick, "seeds": seeds,
+        "auc": auc,
+        "auc_runs": {m: [r["test_auc"] for r in rs] for m, rs in runs.items()},
+        "wall_s": {m: [r["wall_s"] for r in rs] for m, rs in runs.items()},
+        "speed_ratio_b128": speed[128]["ratio"], "speed_ratio_b1024": speed[1024]["ratio"],
+        "speed": {str(b): s for b, s in speed.items()},
+        "growth_ratio": growth["growth_ratio"], "growth": growth,
+    }
+    print(f"\ntraining, {results['date']}, {results['machine']}")
+    for m, v in auc.items():
+        delta = "" if m == "local" else f"  ({v - auc['local']:+.4f} vs local)"
+        print(f"  AUC {m:<6} {v:.4f}{delta}")
+    print(f"  speed 1+1 vs local: batch 128 {speed[128]['ratio']:.2f}x (goal 0.6), batch 1024 "
+          f"{speed[1024]['ratio']:.2f}x (goal 0.8)")
+    print(f"  growth to {growth['rows']:,} rows: end/start {growth['growth_ratio']:.2f}x "
+          f"(goal 0.8); {growth['bytes_per_row']:.0f} B/row = "
+          f"{growth['row_memory_ratio']:.2f}x raw")
+    out = REPO / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"training-{results['date']}{'-quick' if a.quick else ''}"
+    for path in [out / f"{stem}.json"] + ([Path(a.json)] if a.json else []):
+        path.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {path}")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m, rs in runs.items():
+        ax.scatter([r["wall_s"] for r in rs], [r["test_auc"] for r in rs], label=m)
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("test AUC")
+    ax.set_title(f"MovieLens-100k, {len(seeds)} seed(s) ({results['date']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / f"{stem}.png", dpi=100)
+    print(f"wrote {out / f'{stem}.png'}")
+
+
+if __name__ == "__main__":
+    main()

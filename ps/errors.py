@@ -29,3 +29,8 @@ class ResourceExhaustedError(PSError):
 
 class DeadlineExceededError(PSError):
     """A wait inside the server outlasted its deadline."""
+
+
+class ClockWaitTimeoutError(DeadlineExceededError):
+    """A pull or push waited out its limit for other workers' clocks. Asking again would only
+    wait again, so clients do not retry it (the servicer marks it for them)."""

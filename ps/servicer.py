@@ -25,6 +25,7 @@ from protos import pstrain_pb2 as pb
 from protos.codec import Frame, WireError
 from ps.checkpoint import read_shard
 from ps.errors import (
+    ClockWaitTimeoutError,
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -58,7 +59,13 @@ class WireLimits:
     max_request_bytes: int
 
 
+# Trailing metadata on a clock-wait timeout: the client must not retry it.
+CLOCK_WAIT_KEY = "pstrain-clock-wait"
+
+
 def _abort(context: grpc.ServicerContext, exc: Exception) -> NoReturn:
+    if isinstance(exc, ClockWaitTimeoutError):
+        context.set_trailing_metadata(((CLOCK_WAIT_KEY, "1"),))
     if isinstance(exc, WireError):
         code = grpc.StatusCode.INVALID_ARGUMENT
     else:

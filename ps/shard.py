@@ -27,7 +27,7 @@ from ps.checkpoint import ShardState, TableState
 from ps.clocks import ClockBoard, Quorum
 from ps.consistency import ClockView, Decision, Policy, SSPPolicy, SyncPolicy, make_policy
 from ps.errors import (
-    DeadlineExceededError,
+    ClockWaitTimeoutError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
@@ -272,19 +272,19 @@ class Shard:
         self, name: str, policy: Policy, worker: int, clock: int, waited: float
     ) -> PSError:
         if isinstance(policy, SyncPolicy):
-            return DeadlineExceededError(
+            return ClockWaitTimeoutError(
                 f"waited {waited:.1f} s: pull of sync table {name!r} by worker {worker} at "
                 f"clock {clock} needs clock {clock - 1} closed, but clock "
                 f"{self.board.open_clock} is open ({len(self.board.contributors)} of quorum "
                 f"{self.board.quorum} counted); waiting for workers "
                 f"{_workers(self.board.unfinished())}"
             )
-        assert isinstance(policy, SSPPolicy)
-        bound = clock - policy.staleness
-        return DeadlineExceededError(
+        staleness = policy.staleness if isinstance(policy, SSPPolicy) else 0
+        bound = clock - staleness
+        return ClockWaitTimeoutError(
             f"waited {waited:.1f} s: pull of ssp table {name!r} by worker {worker} at clock "
             f"{clock} needs every live worker at clock >= {bound} (staleness "
-            f"{policy.staleness}); waiting for workers {_workers(self.board.behind(bound))}"
+            f"{staleness}); waiting for workers {_workers(self.board.behind(bound))}"
         )
 
     # ---- pushes ----------------------------------------------------------------------------
@@ -382,7 +382,7 @@ class Shard:
                 )
             view = self._wait_for(
                 lambda: self.board.view(meta.worker, meta.clock), policy.on_push, meta.wait_s,
-                lambda waited: DeadlineExceededError(
+                lambda waited: ClockWaitTimeoutError(
                     f"waited {waited:.1f} s: push to sync table {name!r} by worker "
                     f"{meta.worker} for clock {meta.clock} needs clock {self.board.open_clock} "
                     f"closed first; waiting for workers {_workers(self.board.unfinished())}"
@@ -401,7 +401,8 @@ class Shard:
         """The sync sum of table `name`. Caller holds self._clocks."""
         with self._lock:
             total = self._sums[name]
-        assert isinstance(total, kind)  # declare() pairs each table with its kind of sum
+        if not isinstance(total, kind):  # declare() pairs each table with its kind of sum
+            raise TypeError(f"table {name!r} has a {type(total).__name__}, not a {kind.__name__}")
         return total
 
     # ---- clocks and membership -------------------------------------------------------------

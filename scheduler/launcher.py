@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -73,7 +73,6 @@ class Child:
     restarts: int = 0
     state: State = State.STOPPED
     exit_code: int | None = None
-    history: list[int] = field(default_factory=list)
 
 
 def _die_with_parent() -> None:
@@ -199,7 +198,8 @@ class Cluster:
         raise CoordinationError(f"could not start redis-server; see {self.log_dir}")
 
     def _servers_up(self) -> bool:
-        assert self.store is not None
+        if self.store is None:
+            return False
         beats = self.store.heartbeats("server", list(range(self.spec.servers)))
         return all(b is not None for b in beats.values())
 
@@ -239,7 +239,6 @@ class Cluster:
             if code is None:
                 continue
             child.state, child.exit_code = State.EXITED, code
-            child.history.append(code)
             if child.role == "worker" and code == 0:
                 log.info("%s finished", child.name)
                 continue

@@ -174,7 +174,8 @@ class Scheduler:
         later polls until all have; shards then refuse the old workers. Then publishes the
         new generation: workers see it, exit, are restarted, and rejoin at the checkpoint.
         """
-        assert self._rollback is not None
+        if self._rollback is None:
+            return
         checkpoint_id, done = self._rollback
         entries = self.store.checkpoint(checkpoint_id) if checkpoint_id else {}
         for shard, beat in sorted(beats.items()):

@@ -46,6 +46,8 @@ _SERVICE = "/pstrain.v1.ParameterServer/"
 MiB = 1024 * 1024
 # Status codes after which a call is tried again: the request may not have been applied.
 _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# Trailing metadata key a server sets on a clock-wait timeout (the wire contract).
+_CLOCK_WAIT_KEY = "pstrain-clock-wait"
 KeysLike = np.ndarray | torch.Tensor | Sequence[int]
 
 
@@ -260,9 +262,9 @@ class PSClient:
                         continue
                 if code in _RETRYABLE and attempt > 0:
                     self._follow(shard)
-                # A server that waited out its clock limit has said why; asking again would
-                # only wait again.
-                waited = (exc.details() or "").startswith("waited ")
+                # A server that waited out its clock limit marks the answer; asking again
+                # would only wait again.
+                waited = any(k == _CLOCK_WAIT_KEY for k, _ in (exc.trailing_metadata() or ()))
                 if code in _RETRYABLE and not waited and attempt + 1 < self.retry.attempts:
                     delay = self.retry.delay_s(attempt)
                     log.warning(
@@ -366,11 +368,7 @@ class PSClient:
         its rank, and shards behind that are ticked up to it. Pushes from older incarnations
         are refused from then on.
         """
-        data = pb.JoinRequest(worker=self.worker, incarnation=self.incarnation,
-                              generation=self.generation).SerializeToString()
-        frames = self._each(
-            [(s, partial(self._unary, s, "Join", data)) for s in self._shards], "join"
-        )
+        frames = self._join_all()
         clock = int(max(f.msg.clock for f in frames))
         for shard, frame in zip(self._shards, frames, strict=True):
             for behind in range(frame.msg.clock, clock):
@@ -383,12 +381,15 @@ class PSClient:
 
     def live_everywhere(self) -> bool:
         """Whether every shard lists this worker as live (sync pushes need it)."""
+        return all(f.msg.live for f in self._join_all())
+
+    def _join_all(self) -> list[Frame[pb.JoinResponse]]:
+        """Join on every shard; repeating it for the same incarnation changes nothing."""
         data = pb.JoinRequest(worker=self.worker, incarnation=self.incarnation,
                               generation=self.generation).SerializeToString()
-        frames = self._each(
+        return self._each(
             [(s, partial(self._unary, s, "Join", data)) for s in self._shards], "join"
         )
-        return all(f.msg.live for f in frames)
 
     def set_membership(self, live_workers: Sequence[int]) -> dict[int, int]:
         """Admin: tells every shard which workers are live; returns worker -> clock.

@@ -127,33 +127,37 @@ class PushId(_message.Message):
     def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class PullDenseRequest(_message.Message):
-    __slots__ = ("table", "worker", "clock", "wait_ms", "generation")
+    __slots__ = ("table", "worker", "clock", "wait_ms", "generation", "bulk")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    BULK_FIELD_NUMBER: _ClassVar[int]
     table: str
     worker: int
     clock: int
     wait_ms: int
     generation: int
-    def __init__(self, table: _Optional[str] = ..., worker: _Optional[int] = ..., clock: _Optional[int] = ..., wait_ms: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    bulk: BulkRef
+    def __init__(self, table: _Optional[str] = ..., worker: _Optional[int] = ..., clock: _Optional[int] = ..., wait_ms: _Optional[int] = ..., generation: _Optional[int] = ..., bulk: _Optional[_Union[BulkRef, _Mapping]] = ...) -> None: ...
 
 class DenseChunk(_message.Message):
-    __slots__ = ("dtype", "shape", "offset", "data")
+    __slots__ = ("dtype", "shape", "offset", "data", "in_bulk")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    IN_BULK_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     offset: int
     data: bytes
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    in_bulk: bool
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., in_bulk: _Optional[bool] = ...) -> None: ...
 
 class PushDenseHeader(_message.Message):
-    __slots__ = ("table", "id", "clock", "kind", "dtype", "shape", "wait_ms", "generation")
+    __slots__ = ("table", "id", "clock", "kind", "dtype", "shape", "wait_ms", "generation", "bulk")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +166,7 @@ class PushDenseHeader(_message.Message):
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    BULK_FIELD_NUMBER: _ClassVar[int]
     table: str
     id: PushId
     clock: int
@@ -170,7 +175,8 @@ class PushDenseHeader(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     wait_ms: int
     generation: int
-    def __init__(self, table: _Optional[str] = ..., id: _Optional[_Union[PushId, _Mapping]] = ..., clock: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., wait_ms: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    bulk: BulkRef
+    def __init__(self, table: _Optional[str] = ..., id: _Optional[_Union[PushId, _Mapping]] = ..., clock: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., wait_ms: _Optional[int] = ..., generation: _Optional[int] = ..., bulk: _Optional[_Union[BulkRef, _Mapping]] = ...) -> None: ...
 
 class PushDenseChunk(_message.Message):
     __slots__ = ("header", "offset", "data")
@@ -183,37 +189,43 @@ class PushDenseChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PushDenseHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PullSparseRequest(_message.Message):
-    __slots__ = ("table", "worker", "clock", "wait_ms", "generation", "keys")
+    __slots__ = ("table", "worker", "clock", "wait_ms", "generation", "keys", "bulk", "bulk_keys")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    BULK_FIELD_NUMBER: _ClassVar[int]
+    BULK_KEYS_FIELD_NUMBER: _ClassVar[int]
     table: str
     worker: int
     clock: int
     wait_ms: int
     generation: int
     keys: bytes
-    def __init__(self, table: _Optional[str] = ..., worker: _Optional[int] = ..., clock: _Optional[int] = ..., wait_ms: _Optional[int] = ..., generation: _Optional[int] = ..., keys: _Optional[bytes] = ...) -> None: ...
+    bulk: BulkRef
+    bulk_keys: BulkRef
+    def __init__(self, table: _Optional[str] = ..., worker: _Optional[int] = ..., clock: _Optional[int] = ..., wait_ms: _Optional[int] = ..., generation: _Optional[int] = ..., keys: _Optional[bytes] = ..., bulk: _Optional[_Union[BulkRef, _Mapping]] = ..., bulk_keys: _Optional[_Union[BulkRef, _Mapping]] = ...) -> None: ...
 
 class SparseChunk(_message.Message):
-    __slots__ = ("dtype", "dim", "row_offset", "rows", "values")
+    __slots__ = ("dtype", "dim", "row_offset", "rows", "values", "in_bulk")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     ROW_OFFSET_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    IN_BULK_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     dim: int
     row_offset: int
     rows: int
     values: bytes
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., dim: _Optional[int] = ..., row_offset: _Optional[int] = ..., rows: _Optional[int] = ..., values: _Optional[bytes] = ...) -> None: ...
+    in_bulk: bool
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., dim: _Optional[int] = ..., row_offset: _Optional[int] = ..., rows: _Optional[int] = ..., values: _Optional[bytes] = ..., in_bulk: _Optional[bool] = ...) -> None: ...
 
 class PushSparseHeader(_message.Message):
-    __slots__ = ("table", "id", "clock", "kind", "dtype", "dim", "wait_ms", "generation")
+    __slots__ = ("table", "id", "clock", "kind", "dtype", "dim", "wait_ms", "generation", "bulk_keys", "bulk")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +234,8 @@ class PushSparseHeader(_message.Message):
     DIM_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    BULK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    BULK_FIELD_NUMBER: _ClassVar[int]
     table: str
     id: PushId
     clock: int
@@ -230,7 +244,9 @@ class PushSparseHeader(_message.Message):
     dim: int
     wait_ms: int
     generation: int
-    def __init__(self, table: _Optional[str] = ..., id: _Optional[_Union[PushId, _Mapping]] = ..., clock: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., dim: _Optional[int] = ..., wait_ms: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    bulk_keys: BulkRef
+    bulk: BulkRef
+    def __init__(self, table: _Optional[str] = ..., id: _Optional[_Union[PushId, _Mapping]] = ..., clock: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., dim: _Optional[int] = ..., wait_ms: _Optional[int] = ..., generation: _Optional[int] = ..., bulk_keys: _Optional[_Union[BulkRef, _Mapping]] = ..., bulk: _Optional[_Union[BulkRef, _Mapping]] = ...) -> None: ...
 
 class PushSparseChunk(_message.Message):
     __slots__ = ("header", "keys", "values")
@@ -455,3 +471,67 @@ class StatsResponse(_message.Message):
     pull_log: _containers.RepeatedCompositeFieldContainer[PullRecord]
     history: _containers.RepeatedCompositeFieldContainer[ClockRecord]
     def __init__(self, info: _Optional[_Union[ServerInfo, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., open_clock: _Optional[int] = ..., clocks_closed: _Optional[int] = ..., clocks: _Optional[_Iterable[_Union[WorkerClock, _Mapping]]] = ..., pull_log: _Optional[_Iterable[_Union[PullRecord, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[ClockRecord, _Mapping]]] = ...) -> None: ...
+
+class TransportOffer(_message.Message):
+    __slots__ = ("name", "available", "reason", "host", "pid", "address", "detail")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    available: bool
+    reason: str
+    host: str
+    pid: int
+    address: bytes
+    detail: str
+    def __init__(self, name: _Optional[str] = ..., available: _Optional[bool] = ..., reason: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., address: _Optional[bytes] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("worker", "incarnation", "offers", "forced", "token", "end_session")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    OFFERS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    END_SESSION_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    incarnation: int
+    offers: _containers.RepeatedCompositeFieldContainer[TransportOffer]
+    forced: str
+    token: str
+    end_session: int
+    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., offers: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ..., forced: _Optional[str] = ..., token: _Optional[str] = ..., end_session: _Optional[int] = ...) -> None: ...
+
+class HandshakeResponse(_message.Message):
+    __slots__ = ("transport", "session", "offers", "note")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    OFFERS_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    session: int
+    offers: _containers.RepeatedCompositeFieldContainer[TransportOffer]
+    note: str
+    def __init__(self, transport: _Optional[str] = ..., session: _Optional[int] = ..., offers: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ..., note: _Optional[str] = ...) -> None: ...
+
+class BulkRef(_message.Message):
+    __slots__ = ("session", "segment", "fd", "segment_bytes", "offset", "length", "tag")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    session: int
+    segment: int
+    fd: int
+    segment_bytes: int
+    offset: int
+    length: int
+    tag: int
+    def __init__(self, session: _Optional[int] = ..., segment: _Optional[int] = ..., fd: _Optional[int] = ..., segment_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., tag: _Optional[int] = ...) -> None: ...

@@ -85,6 +85,10 @@ def parser() -> argparse.ArgumentParser:
                    default=int(env.get("PSTRAIN_METRICS_PORT", "0")),
                    help="serve Prometheus metrics on this port (env PSTRAIN_METRICS_PORT; "
                         "0: off)")
+    p.add_argument("--transport", default=env.get("PSTRAIN_TRANSPORT", "auto"),
+                   help="bulk transport offered to workers: auto (every one that works here; "
+                        "each worker gets the fastest both share), grpc, shm or ucx "
+                        "(env PSTRAIN_TRANSPORT, default auto)")
     p.add_argument("--ready-file", default="",
                    help="write {address, pid} as JSON here once serving")
     p.add_argument("--log-level", default=env.get("PSTRAIN_LOG_LEVEL", "INFO"),
@@ -152,7 +156,7 @@ def build(argv: list[str]) -> Built:
         torch_threads=a.torch_threads, grpc_threads=a.grpc_threads,
         chunk_bytes=int(a.chunk_mib * MiB), max_message_bytes=int(a.max_message_mib * MiB),
         max_request_bytes=int(a.max_request_mib * MiB), ready_file=a.ready_file,
-        metrics_port=a.metrics_port,
+        metrics_port=a.metrics_port, transport=a.transport,
     )
     prepare = None
     if restored is not None:

@@ -45,9 +45,10 @@ class SparseSum:
         self.count = 0
 
     def add(self, keys: np.ndarray, values: torch.Tensor) -> None:
-        # The arrays may view received message buffers; they are only read, at close.
-        self._keys.append(keys)
-        self._values.append(values)
+        # Copied: the arrays may view a client's shared-memory region, which the client
+        # reuses as soon as the push is answered.
+        self._keys.append(np.array(keys, copy=True))
+        self._values.append(values.clone())
         self.count += 1
 
     def apply(self, divisor: int) -> int:

@@ -17,6 +17,8 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.runtime import tune_malloc
+from protos.transport import TransportError, parse_choice
+from ps.bulk import BulkEndpoint
 from ps.clocks import Quorum
 from ps.errors import InvalidArgumentError
 from ps.metrics import ServerMetrics
@@ -51,6 +53,7 @@ class ServerConfig:
     ready_file: str = ""
     grace_s: float = 2.0
     metrics_port: int = 0  # 0: no metrics
+    transport: str = "auto"  # bulk transport: auto, grpc, shm or ucx
 
     def __post_init__(self) -> None:
         host, sep, port = self.bind.rpartition(":")
@@ -62,6 +65,10 @@ class ServerConfig:
         for name in ("torch_threads", "grpc_threads", "chunk_bytes", "max_message_bytes"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
+        try:
+            parse_choice(self.transport)
+        except TransportError as exc:
+            raise InvalidArgumentError(f"--transport: {exc}") from exc
         if self.chunk_bytes + MiB > self.max_message_bytes:
             raise InvalidArgumentError(
                 f"chunk_bytes ({self.chunk_bytes}) must leave 1 MiB of headroom under "
@@ -92,10 +99,12 @@ class ParameterServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.shard = Shard(config.shard_config())
+        self.bulk = BulkEndpoint(parse_choice(config.transport), config.shard)
         self.servicer = ParameterServerServicer(
             self.shard,
             WireLimits(config.chunk_bytes, config.max_message_bytes, config.max_request_bytes),
             VERSION,
+            self.bulk,
         )
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(
@@ -157,6 +166,7 @@ class ParameterServer:
         """Stops serving; in-flight calls get `grace_s` to finish. Thread-safe, idempotent."""
         self.health.enter_graceful_shutdown()
         self._grpc.stop(self.config.grace_s if grace_s is None else grace_s).wait()
+        self.bulk.close()
         self._stopped.set()
 
     def wait(self, timeout_s: float | None = None) -> bool:

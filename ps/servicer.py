@@ -23,6 +23,8 @@ from prometheus_client import Histogram
 from protos import codec
 from protos import pstrain_pb2 as pb
 from protos.codec import Frame, WireError
+from protos.transport import TransportError
+from ps.bulk import BulkEndpoint
 from ps.checkpoint import read_shard
 from ps.errors import (
     ClockWaitTimeoutError,
@@ -61,12 +63,19 @@ class WireLimits:
 
 # Trailing metadata on a clock-wait timeout: the client must not retry it.
 CLOCK_WAIT_KEY = "pstrain-clock-wait"
+# Trailing metadata when a bulk transport failed: the client retries the request over gRPC.
+BULK_FAILED_KEY = "pstrain-bulk-failed"
+# Longest a bulk transfer of one request may take once the server starts it.
+BULK_TIMEOUT_S = 30.0
 
 
 def _abort(context: grpc.ServicerContext, exc: Exception) -> NoReturn:
     if isinstance(exc, ClockWaitTimeoutError):
         context.set_trailing_metadata(((CLOCK_WAIT_KEY, "1"),))
-    if isinstance(exc, WireError):
+    if isinstance(exc, TransportError):
+        context.set_trailing_metadata(((BULK_FAILED_KEY, "1"),))
+        code = grpc.StatusCode.FAILED_PRECONDITION
+    elif isinstance(exc, WireError):
         code = grpc.StatusCode.INVALID_ARGUMENT
     else:
         code = next(
@@ -79,7 +88,7 @@ def _abort(context: grpc.ServicerContext, exc: Exception) -> NoReturn:
 def _guard(call: Callable[[], R], context: grpc.ServicerContext) -> R:
     try:
         return call()
-    except (PSError, WireError) as exc:
+    except (PSError, WireError, TransportError) as exc:
         _abort(context, exc)
 
 
@@ -170,8 +179,11 @@ class _ByteCounter:
 class ParameterServerServicer:
     """Serves one Shard over gRPC. Thread-safe: gRPC calls it from its thread pool."""
 
-    def __init__(self, shard: Shard, limits: WireLimits, version: str) -> None:
+    def __init__(self, shard: Shard, limits: WireLimits, version: str,
+                 bulk: BulkEndpoint | None = None) -> None:
         self.shard = shard
+        # Bulk transports other than inline gRPC; None serves everything inline.
+        self.bulk = bulk
         self.limits = limits
         self.version = version
         self.bytes = _ByteCounter()
@@ -261,6 +273,17 @@ class ParameterServerServicer:
             open_clock=state.open_clock, clocks=_clocks_to_proto(state)
         ).SerializeToString()
 
+    def Handshake(self, request: Frame[pb.HandshakeRequest], context: Any) -> bytes:
+        bulk = self.bulk
+        if bulk is None:
+            return pb.HandshakeResponse(transport="grpc").SerializeToString()
+        return _guard(lambda: bulk.handshake(request.msg), context).SerializeToString()
+
+    def _bulk(self) -> BulkEndpoint:
+        if self.bulk is None:
+            raise InvalidArgumentError("this server serves no bulk transport; send data inline")
+        return self.bulk
+
     # ---- dense -----------------------------------------------------------------------------
 
     def PullDense(self, request: Frame[pb.PullDenseRequest], context: Any) -> Iterator[bytes]:
@@ -270,6 +293,9 @@ class ParameterServerServicer:
                                           msg.generation),
             context,
         )
+        if msg.HasField("bulk"):
+            yield _guard(lambda: self._pull_dense_bulk(msg.bulk, block), context)
+            return
         data = codec.tensor_bytes(block)
         dtype = codec.dtype_to_wire(block.dtype)
         itemsize = block.element_size()
@@ -294,6 +320,8 @@ class ParameterServerServicer:
             itemsize = torch.empty((), dtype=dtype).element_size()
             expected = math.prod(shape) * itemsize
             self._check_request_size(expected)
+            if head.HasField("bulk"):
+                return self._push_dense_bulk(head, chunks, dtype, shape, expected)
 
             def parts() -> Iterator[tuple[int, torch.Tensor]]:
                 # Decoded lazily, so the shard checks each chunk while later ones arrive.
@@ -331,6 +359,9 @@ class ParameterServerServicer:
 
     def PullSparse(self, request: Frame[pb.PullSparseRequest], context: Any) -> Iterator[bytes]:
         msg = request.msg
+        if msg.HasField("bulk"):
+            yield _guard(lambda: self._pull_sparse_bulk(msg), context)
+            return
 
         def pull() -> SparseRows:
             keys = codec.keys_from_bytes(request.payload("keys"))
@@ -360,6 +391,8 @@ class ParameterServerServicer:
                 )
             head = first.msg.header
             dtype = codec.dtype_from_wire(head.dtype)
+            if head.HasField("bulk"):
+                return self._push_sparse_bulk(head, chunks, dtype)
             key_parts = [first.payload("keys")]
             value_parts = [first.payload("values")]
             received = key_parts[0].nbytes + value_parts[0].nbytes
@@ -377,6 +410,89 @@ class ParameterServerServicer:
             return _push_response(outcome, len(keys) * head.dim)
 
         return _guard(push, context)
+
+    # ---- bulk transports (shared memory, UCX) -----------------------------------------------
+
+    def _pull_dense_bulk(self, ref: pb.BulkRef, block: torch.Tensor) -> bytes:
+        data = codec.tensor_bytes(block)
+        if ref.length != data.nbytes:
+            raise InvalidArgumentError(
+                f"the pull's bulk region holds {ref.length} bytes; the block needs {data.nbytes}"
+            )
+
+        def fill(view: memoryview) -> None:
+            view[:] = data
+
+        self._bulk().write(ref, data.nbytes, fill, BULK_TIMEOUT_S)
+        self.bytes.add(sent=data.nbytes)
+        head = pb.DenseChunk(dtype=codec.dtype_to_wire(block.dtype), shape=block.shape,
+                             in_bulk=True)
+        return head.SerializeToString()
+
+    def _push_dense_bulk(
+        self, head: pb.PushDenseHeader, more: Iterator[Frame[pb.PushDenseChunk]],
+        dtype: torch.dtype, shape: tuple[int, ...], expected: int,
+    ) -> bytes:
+        if next(more, None) is not None:
+            raise InvalidArgumentError("a dense push with a bulk reference has one chunk only")
+        if head.bulk.length != expected:
+            raise InvalidArgumentError(
+                f"dense push names {head.bulk.length} bulk bytes but shape {list(shape)} of "
+                f"{codec.dtype_name(head.dtype)} needs {expected}"
+            )
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        with self._bulk().read(head.bulk, BULK_TIMEOUT_S) as view:
+            self.bytes.add(received=view.nbytes)
+            n = view.nbytes // itemsize
+            parts = [(0, codec.tensor_from_bytes(view, dtype, (n,)))] if n else []
+            outcome = self.shard.push_dense(head.table, _meta(head), dtype, shape, parts)
+        return _push_response(outcome, n)
+
+    def _pull_sparse_bulk(self, msg: pb.PullSparseRequest) -> bytes:
+        bulk = self._bulk()
+        with bulk.read(msg.bulk_keys, BULK_TIMEOUT_S) as view:
+            keys = codec.keys_from_bytes(view)
+            self.bytes.add(received=keys.nbytes)
+            rows = self.shard.pull_sparse(
+                msg.table, msg.worker, msg.clock, keys, msg.wait_ms / 1000, msg.generation
+            )
+        n, dim = len(rows), rows.dim
+        row_bytes = dim * torch.empty((), dtype=rows.dtype).element_size()
+        if msg.bulk.length != n * row_bytes:
+            raise InvalidArgumentError(
+                f"the pull's bulk region holds {msg.bulk.length} bytes; {n} rows of dim {dim} "
+                f"need {n * row_bytes}"
+            )
+        per_chunk = max(1, self.limits.chunk_bytes // max(1, row_bytes))
+
+        def fill(out: memoryview) -> None:
+            # Gathered a slice at a time straight into the client's region.
+            for start in range(0, n, per_chunk):
+                end = min(n, start + per_chunk)
+                target = codec.tensor_from_bytes(out[start * row_bytes : end * row_bytes],
+                                                 rows.dtype, (end - start, dim))
+                rows.gather(start, end, out=target)
+
+        bulk.write(msg.bulk, n * row_bytes, fill, BULK_TIMEOUT_S)
+        self.bytes.add(sent=n * row_bytes)
+        return pb.SparseChunk(dtype=codec.dtype_to_wire(rows.dtype), dim=dim, row_offset=0,
+                              rows=n, in_bulk=True).SerializeToString()
+
+    def _push_sparse_bulk(
+        self, head: pb.PushSparseHeader, more: Iterator[Frame[pb.PushSparseChunk]],
+        dtype: torch.dtype,
+    ) -> bytes:
+        if next(more, None) is not None:
+            raise InvalidArgumentError("a sparse push with a bulk reference has one chunk only")
+        self._check_request_size(head.bulk.length + head.bulk_keys.length)
+        bulk = self._bulk()
+        with bulk.read(head.bulk_keys, BULK_TIMEOUT_S) as key_view, \
+                bulk.read(head.bulk, BULK_TIMEOUT_S) as values:
+            self.bytes.add(received=key_view.nbytes + values.nbytes)
+            keys = codec.keys_from_bytes(key_view)
+            outcome = self.shard.push_sparse(head.table, _meta(head), dtype, head.dim, keys,
+                                             values)
+        return _push_response(outcome, len(keys) * head.dim)
 
     def _timed(self, method: str, handler: Callable[..., Any]) -> Callable[..., Any]:
         """`handler`, observing its duration (a whole stream's, for streamed answers)."""
@@ -433,6 +549,7 @@ class ParameterServerServicer:
             ("SetMembership", unary, pb.MembershipRequest),
             ("Join", unary, pb.JoinRequest),
             ("Restore", unary, pb.RestoreRequest),
+            ("Handshake", unary, pb.HandshakeRequest),
         ]
         methods = {
             name: factory(self._timed(name, getattr(self, name)), request_deserializer=de(cls))

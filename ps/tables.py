@@ -386,10 +386,13 @@ class SparseTable(_Counted):
         self.count(pulls=1, rows_pulled=len(keys))
         return SparseRows(self, rows)
 
-    def gather(self, rows: torch.Tensor) -> torch.Tensor:
-        """Copies rows `rows` (row ids from the index) into a new tensor. Thread-safe."""
+    def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Copies rows `rows` (row ids from the index) into `out` (default: a new tensor).
+        Thread-safe."""
         with self._storage.shared():
-            return self.value.index_select(0, rows)
+            if out is None:
+                return self.value.index_select(0, rows)
+            return torch.index_select(self.value, 0, rows, out=out)
 
     def apply(
         self, keys: np.ndarray, values: torch.Tensor, assign: bool,
@@ -525,9 +528,9 @@ class SparseRows:
     def dtype(self) -> torch.dtype:
         return self.table.spec.dtype
 
-    def gather(self, start: int, end: int) -> torch.Tensor:
-        """Values of answer rows [start, end), in key order."""
-        return self.table.gather(self.rows[start:end])
+    def gather(self, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Values of answer rows [start, end), in key order (into `out` when given)."""
+        return self.table.gather(self.rows[start:end], out)
 
 
 Table = DenseTable | SparseTable

@@ -18,12 +18,13 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
@@ -36,6 +37,9 @@ from protos import pstrain_pb2 as pb
 from protos.codec import Frame
 from protos.partition import RowRange, dense_placement, shard_of_keys
 from protos.runtime import tune_malloc
+from protos.transport import ENV_VAR, ChannelBrokenError, TransportError, parse_choice
+from worker import bulk as bulk_io
+from worker.bulk import BulkClient, Peer
 from worker.errors import ClusterMismatchError, PSClientError, RemoteError, UnknownTableError
 
 log = logging.getLogger(__name__)
@@ -86,6 +90,7 @@ class _Shard:
     methods: dict[str, Any]
     chunk_bytes: int
     incarnation: int = 0
+    bulk: Peer = field(default_factory=Peer)  # the transport agreed with this server
 
 
 def _as_keys(keys: KeysLike) -> np.ndarray:
@@ -124,6 +129,7 @@ class PSClient:
         max_message_bytes: int = 64 * MiB,
         resolve: Callable[[int], str | None] | None = None,
         observe: Callable[[str, float], None] | None = None,
+        transport: str | None = None,
     ) -> None:
         if not addresses:
             raise PSClientError("PSClient needs at least one server address")
@@ -158,6 +164,12 @@ class PSClient:
             ("grpc.max_send_message_length", max_message_bytes),
         ]
         self._options = options
+        # Bulk transports: `transport` (default: $PSTRAIN_TRANSPORT, else auto) picks them.
+        try:
+            choice = parse_choice(os.environ.get(ENV_VAR) if transport is None else transport)
+        except TransportError as exc:
+            raise PSClientError(f"transport: {exc}") from exc
+        self._bulk = BulkClient(choice, worker, self.incarnation)
         self._shards = [
             self._connect(i, address, len(addresses), options, connect_timeout_s)
             for i, address in enumerate(addresses)
@@ -193,6 +205,7 @@ class PSClient:
             "Tick": method("Tick", "unary_unary", pb.TickResponse),
             "Join": method("Join", "unary_unary", pb.JoinResponse),
             "SetMembership": method("SetMembership", "unary_unary", pb.MembershipResponse),
+            "Handshake": method("Handshake", "unary_unary", pb.HandshakeResponse),
         }
         deadline = time.monotonic() + timeout_s
         while True:
@@ -222,8 +235,13 @@ class PSClient:
                 f"server {address} is shard {info.msg.shard} of {info.msg.num_shards}, but the "
                 f"client lists it as shard {index} of {expected}; list every server, in shard order"
             )
+        try:
+            peer = self._bulk.meet(index, address, methods["Handshake"], timeout_s)
+        except BaseException:
+            channel.close()
+            raise
         return _Shard(index, address, channel, methods, int(info.msg.chunk_bytes) or 2 * MiB,
-                      int(info.msg.incarnation))
+                      int(info.msg.incarnation), peer)
 
     @property
     def num_shards(self) -> int:
@@ -233,7 +251,9 @@ class PSClient:
         """Closes every channel. Idempotent."""
         self._pool.shutdown(wait=True)
         for shard in self._shards:
+            self._bulk.end(shard.bulk, shard.methods["Handshake"])
             shard.channel.close()
+        self._bulk.close()
 
     def __enter__(self) -> PSClient:
         return self
@@ -299,6 +319,7 @@ class PSClient:
                          shard.index, address, exc)
                 return
             old = shard.channel
+            shard.bulk = fresh.bulk
             shard.address, shard.channel = fresh.address, fresh.channel
             shard.methods, shard.chunk_bytes = fresh.methods, fresh.chunk_bytes
             shard.incarnation = fresh.incarnation
@@ -339,6 +360,29 @@ class PSClient:
         # The server gives up a little before the call's own deadline, so the caller gets the
         # server's account of what it waited for rather than a bare timeout.
         return max(1, int(self.timeout_s * 900))
+
+    def _bulk_or_inline(
+        self, shard: _Shard, bulk: Callable[[Peer], T | None], inline: Callable[[], T]
+    ) -> T:
+        """`bulk` through the shard's transport; inline when it declines or has failed.
+
+        A failed transport is marked for the shard and the same request (for a push, the same
+        push id, so it is applied at most once) is sent inline over gRPC.
+        """
+        peer = shard.bulk
+        if peer.channel is not None:
+            try:
+                result = bulk(peer)
+            except ChannelBrokenError as exc:
+                self._bulk.broken(peer, shard.index, str(exc))
+            else:
+                if result is not None:
+                    return result
+        return inline()
+
+    def transports(self) -> list[str]:
+        """The bulk transport each shard uses now, in shard order. Thread-safe."""
+        return [s.bulk.transport for s in self._shards]
 
     # ---- clocks ----------------------------------------------------------------------------
 
@@ -503,14 +547,37 @@ class PSClient:
             generation=self.generation,
         )
         data = request.SerializeToString()
+        itemsize = out.element_size()
+        used = [r for r in table.placement if r.rows or not table.shape]
+        if len(used) == 1 and self._shards[used[0].shard].bulk.channel is not None:
+            # One server: the answer is written where the returned tensor lives (no copy).
+            whole = self._pull_dense_whole(table, request, self._shards[used[0].shard], name)
+            if whole is not None:
+                return whole
 
-        def pull(shard: _Shard, rows: RowRange) -> None:
-            base = rows.start * width
+        def inline(shard: _Shard, base: int) -> None:
             for frame in shard.methods["PullDense"](data, timeout=self.timeout_s):
                 chunk = frame.payload("data")
                 n = chunk.nbytes // out.element_size()
                 start = base + frame.msg.offset
                 flat[start : start + n].copy_(codec.tensor_from_bytes(chunk, table.dtype, (n,)))
+
+        def bulk(shard: _Shard, base: int, n: int, peer: Peer) -> bool | None:
+            region = bulk_io.pull_dense(peer, shard.methods["PullDense"], request, n * itemsize,
+                                        self.timeout_s)
+            if region is None:
+                return None
+            try:
+                flat[base : base + n].copy_(
+                    codec.tensor_from_bytes(region.view[: n * itemsize], table.dtype, (n,)))
+            finally:
+                region.release()
+            return True
+
+        def pull(shard: _Shard, rows: RowRange) -> None:
+            base, n = rows.start * width, (rows.rows * width if table.shape else 1)
+            self._bulk_or_inline(shard, partial(bulk, shard, base, n),
+                                 partial(inline, shard, base))
 
         jobs = [
             (self._shards[r.shard], lambda r=r: pull(self._shards[r.shard], r))
@@ -519,6 +586,30 @@ class PSClient:
         ]
         self._each(jobs, f"pull {name!r}")
         return out
+
+    def _pull_dense_whole(
+        self, table: _Table, request: pb.PullDenseRequest, shard: _Shard, name: str
+    ) -> torch.Tensor | None:
+        nbytes = math.prod(table.shape) * torch.empty((), dtype=table.dtype).element_size()
+
+        def bulk(peer: Peer) -> torch.Tensor | None:
+            region = bulk_io.pull_dense(peer, shard.methods["PullDense"], request, nbytes,
+                                        self.timeout_s)
+            if region is None:
+                return None
+            return bulk_io.region_tensor(region, 0, nbytes, table.dtype, table.shape)
+
+        def whole() -> torch.Tensor | None:
+            peer = shard.bulk
+            if peer.channel is None:
+                return None
+            try:
+                return bulk(peer)
+            except ChannelBrokenError as exc:
+                self._bulk.broken(peer, shard.index, str(exc))
+                return None
+
+        return self._each([(shard, whole)], f"pull {name!r}")[0]
 
     def push_dense(self, name: str, grad: torch.Tensor, *, clock: int | None = None) -> None:
         """Sends the gradient of dense tensor `name`; the servers apply their optimizer once.
@@ -555,10 +646,22 @@ class PSClient:
                 shape=[r.rows, *table.shape[1:]] if table.shape else [],
                 wait_ms=self._wait_ms(), generation=self.generation,
             )
-            frames = partial(self._dense_frames, header, codec.tensor_bytes(block), itemsize,
-                             shard.chunk_bytes)
-            jobs.append((shard, partial(self._send, shard, "PushDense", frames)))
+            payload = codec.tensor_bytes(block)
+            frames = partial(self._dense_frames, header, payload, itemsize, shard.chunk_bytes)
+            bulk = partial(self._push_dense_bulk, shard, header, payload)
+            inline = partial(self._send, shard, "PushDense", frames)
+            jobs.append((shard, partial(self._bulk_or_inline, shard, bulk, inline)))
         self._each(jobs, f"push {name!r}")
+
+    def _push_dense_bulk(
+        self, shard: _Shard, header: pb.PushDenseHeader, data: memoryview, peer: Peer
+    ) -> bool | None:
+        frame = bulk_io.push_dense(peer, shard.methods["PushDense"], header, data,
+                                   self.timeout_s)
+        if frame is None:
+            return None
+        self._count_push(frame)
+        return True
 
     @staticmethod
     def _dense_frames(
@@ -591,6 +694,10 @@ class PSClient:
         clock = self.clock if clock is None else clock
         all_keys = _as_keys(keys)
         unique, inverse = self._unique(all_keys, assume_unique)
+        if self.num_shards == 1 and self._shards[0].bulk.channel is not None and len(unique):
+            whole = self._pull_sparse_whole(table, name, clock, unique)
+            if whole is not None:
+                return whole if inverse is None else whole[torch.from_numpy(inverse)]
         rows = torch.empty((len(unique), table.dim), dtype=table.dtype)
         jobs = []
         for shard, positions in self._route(unique):
@@ -601,11 +708,64 @@ class PSClient:
                 ),
                 {"keys": codec.keys_bytes(unique if positions is None else unique[positions])},
             )
-            jobs.append(
-                (shard, lambda s=shard, r=request, p=positions: self._pull_rows(s, r, p, rows))
-            )
+            shard_keys = unique if positions is None else unique[positions]
+            bulk = partial(self._pull_rows_bulk, shard, table, name, clock, shard_keys, positions,
+                           rows)
+            inline = partial(self._pull_rows, shard, request, positions, rows)
+            jobs.append((shard, partial(self._bulk_or_inline, shard, bulk, inline)))
         self._each(jobs, f"pull {name!r}")
         return rows if inverse is None else rows[torch.from_numpy(inverse)]
+
+    def _pull_sparse_request(self, name: str, clock: int) -> pb.PullSparseRequest:
+        return pb.PullSparseRequest(table=name, worker=self.worker, clock=clock,
+                                    wait_ms=self._wait_ms(), generation=self.generation)
+
+    def _pull_sparse_whole(
+        self, table: _Table, name: str, clock: int, keys: np.ndarray
+    ) -> torch.Tensor | None:
+        """One server: its rows are written where the returned tensor lives (no copy)."""
+        shard = self._shards[0]
+        row_bytes = table.dim * torch.empty((), dtype=table.dtype).element_size()
+
+        def whole() -> torch.Tensor | None:
+            peer = shard.bulk
+            if peer.channel is None:
+                return None
+            try:
+                region = bulk_io.pull_sparse(peer, shard.methods["PullSparse"],
+                                             self._pull_sparse_request(name, clock), keys,
+                                             row_bytes, self.timeout_s)
+            except ChannelBrokenError as exc:
+                self._bulk.broken(peer, shard.index, str(exc))
+                return None
+            if region is None:
+                return None
+            return bulk_io.region_tensor(region, keys.nbytes, len(keys) * row_bytes,
+                                         table.dtype, (len(keys), table.dim))
+
+        return self._each([(shard, whole)], f"pull {name!r}")[0]
+
+    def _pull_rows_bulk(
+        self, shard: _Shard, table: _Table, name: str, clock: int, keys: np.ndarray,
+        positions: np.ndarray | None, out: torch.Tensor, peer: Peer,
+    ) -> bool | None:
+        row_bytes = table.dim * out.element_size()
+        region = bulk_io.pull_sparse(peer, shard.methods["PullSparse"],
+                                     self._pull_sparse_request(name, clock), keys, row_bytes,
+                                     self.timeout_s)
+        if region is None:
+            return None
+        try:
+            got = codec.tensor_from_bytes(
+                region.view[keys.nbytes : keys.nbytes + len(keys) * row_bytes], out.dtype,
+                (len(keys), table.dim))
+            if positions is None:
+                out.copy_(got)
+            else:
+                out.index_copy_(0, torch.from_numpy(positions), got)
+        finally:
+            region.release()
+        return True
 
     def _pull_rows(
         self, shard: _Shard, request: bytes, positions: np.ndarray | None, out: torch.Tensor
@@ -666,8 +826,21 @@ class PSClient:
             )
             frames = partial(self._sparse_frames, header, shard_keys, shard_grads,
                              shard.chunk_bytes)
-            jobs.append((shard, partial(self._send, shard, "PushSparse", frames)))
+            bulk = partial(self._push_sparse_bulk, shard, header, shard_keys, shard_grads)
+            inline = partial(self._send, shard, "PushSparse", frames)
+            jobs.append((shard, partial(self._bulk_or_inline, shard, bulk, inline)))
         self._each(jobs, f"push {name!r}")
+
+    def _push_sparse_bulk(
+        self, shard: _Shard, header: pb.PushSparseHeader, keys: np.ndarray,
+        grads: torch.Tensor, peer: Peer,
+    ) -> bool | None:
+        frame = bulk_io.push_sparse(peer, shard.methods["PushSparse"], header, keys,
+                                    codec.tensor_bytes(grads), self.timeout_s)
+        if frame is None:
+            return None
+        self._count_push(frame)
+        return True
 
     @staticmethod
     def _sparse_frames(

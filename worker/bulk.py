@@ -1,0 +1,307 @@
+"""The worker's side of bulk transports: meeting each server, and moving payloads.
+
+`BulkClient.meet` runs the handshake with one server and records which transport that
+server and this worker share (`Peer`). The functions below carry one request's payload
+through that transport; each returns None when the payload should travel inline instead,
+and raises ChannelBrokenError when the transport failed, after which the caller marks the
+peer and sends the same request (the same push id) inline over gRPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+from protos import codec
+from protos import pstrain_pb2 as pb
+from protos.codec import Frame
+from protos.transport import (
+    PREFERENCE,
+    ChannelBrokenError,
+    Choice,
+    ClientChannel,
+    Region,
+    TransportError,
+    available,
+    client_channel,
+)
+from protos.transport.registry import unavailable_offer
+from worker.errors import PSClientError
+
+log = logging.getLogger(__name__)
+
+# Trailing metadata a server sets when a bulk transfer failed (the wire contract).
+BULK_FAILED_KEY = "pstrain-bulk-failed"
+
+
+class TransportChoiceError(PSClientError):
+    """A forced transport cannot be used (here, or with a server); the message says why."""
+
+
+@dataclass
+class Peer:
+    """How this worker moves bulk payloads to and from one server."""
+
+    transport: str = "grpc"
+    session: int = 0
+    channel: ClientChannel | None = None
+    note: str = ""
+
+
+class BulkClient:
+    """Every bulk transport of one worker process. Thread-safe."""
+
+    def __init__(self, choice: Choice, worker: int, incarnation: int) -> None:
+        self.choice = choice
+        self.worker = worker
+        self.incarnation = incarnation
+        self._channels: dict[str, ClientChannel] = {}
+        self._offers: list[pb.TransportOffer] = []
+        for name in PREFERENCE:
+            if choice.forced and name != choice.forced:
+                self._offers.append(unavailable_offer(name, f"the worker forces {choice.forced}"))
+                continue
+            ok, reason = available(name)
+            if ok:
+                try:
+                    self._channels[name] = client_channel(name)
+                    self._offers.append(self._channels[name].offer())
+                    continue
+                except TransportError as exc:
+                    reason = str(exc)
+            if choice.forced:
+                self.close()
+                raise TransportChoiceError(
+                    f"transport {name!r} is forced (--transport / PSTRAIN_TRANSPORT) but not "
+                    f"available in this worker: {reason}"
+                )
+            self._offers.append(unavailable_offer(name, reason))
+        # Guards the Peer objects' fields when a transport breaks.
+        self._lock = threading.Lock()
+
+    def meet(self, index: int, address: str, handshake: Callable[..., Any],
+             timeout_s: float) -> Peer:
+        """Agrees on a transport with one server. Blocks up to `timeout_s`.
+
+        TransportChoiceError when a transport forced on either side cannot be used.
+        """
+        shm = self._channels.get("shm")
+        request = pb.HandshakeRequest(
+            worker=self.worker, incarnation=self.incarnation, offers=self._offers,
+            forced=self.choice.forced, token=shm.token() if shm is not None else "",
+        )
+        try:
+            frame: Frame[pb.HandshakeResponse] = handshake(request.SerializeToString(),
+                                                           timeout=timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED and self.choice.forced in ("", "grpc"):
+                return Peer(note="the server predates bulk transports")
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise TransportChoiceError(
+                    f"shard {index} ({address}): {exc.details()}"
+                ) from exc
+            raise
+        answer = frame.msg
+        name = answer.transport or "grpc"
+        if self.choice.forced and name != self.choice.forced:
+            raise TransportChoiceError(
+                f"shard {index} ({address}) chose transport {name!r}, but {self.choice.forced!r} "
+                "is forced here; the server may be older than this worker"
+            )
+        channel = self._channels.get(name)
+        if name == "grpc" or channel is None:
+            if answer.note:
+                log.info("worker %d: shard %d (%s) uses transport grpc (%s)", self.worker, index,
+                         address, answer.note)
+            return Peer(note=answer.note)
+        server_offer = next((o for o in answer.offers if o.name == name), pb.TransportOffer())
+        try:
+            channel.connect(answer.session, server_offer, timeout_s)
+        except TransportError as exc:
+            if self.choice.forced:
+                raise TransportChoiceError(
+                    f"shard {index} ({address}): transport {name!r} is forced but connecting "
+                    f"failed: {exc}"
+                ) from exc
+            log.warning("worker %d: shard %d (%s): %s connection failed (%s); using grpc",
+                        self.worker, index, address, name, exc)
+            self.end(Peer(name, answer.session, channel), handshake)
+            return Peer(note=f"{name}: {exc}")
+        detail = f", {server_offer.detail}" if server_offer.detail else ""
+        log.info("worker %d: shard %d (%s) uses transport %s%s%s", self.worker, index, address,
+                 name, detail, f" ({answer.note})" if answer.note else "")
+        return Peer(name, answer.session, channel, answer.note)
+
+    def broken(self, peer: Peer, index: int, reason: str) -> None:
+        """Marks a peer's transport as failed: its requests go inline from now on."""
+        with self._lock:
+            if peer.channel is None:
+                return
+            was = peer.transport
+            peer.transport, peer.channel = "grpc", None
+            peer.note = f"{was} failed: {reason}"
+        log.warning("worker %d: transport %s to shard %d failed (%s); retrying the request and "
+                    "sending everything after it over grpc", self.worker, was, index, reason)
+
+    def end(self, peer: Peer, handshake: Callable[..., Any]) -> None:
+        """Tells the server the session is over (best effort, short timeout)."""
+        if not peer.session:
+            return
+        request = pb.HandshakeRequest(worker=self.worker, end_session=peer.session)
+        try:
+            handshake(request.SerializeToString(), timeout=2.0)
+        except grpc.RpcError as exc:
+            log.debug("worker %d: ending bulk session failed: %s", self.worker, exc)
+
+    def channel(self, name: str) -> ClientChannel | None:
+        return self._channels.get(name)
+
+    def close(self) -> None:
+        """Closes every channel. Idempotent."""
+        for channel in self._channels.values():
+            channel.close()
+
+
+def _lease(peer: Peer, nbytes: int) -> Region | None:
+    with_channel = peer.channel
+    if with_channel is None:
+        return None
+    return with_channel.lease(nbytes, peer.session)
+
+
+def _failed(exc: grpc.RpcError) -> bool:
+    return any(k == BULK_FAILED_KEY for k, _ in (exc.trailing_metadata() or ()))
+
+
+def _run(region: Region, call: Callable[[], Any], timeout_s: float) -> Any:
+    """Runs one request over a region; ChannelBrokenError when the transport failed."""
+    try:
+        result = call()
+        region.complete(timeout_s)
+        return result
+    except grpc.RpcError as exc:
+        region.abort()
+        region.release()
+        if _failed(exc):
+            raise ChannelBrokenError(exc.details() or "the server's bulk transfer failed") from exc
+        raise
+    except TransportError as exc:
+        region.abort()
+        region.release()
+        raise ChannelBrokenError(str(exc)) from exc
+    except BaseException:
+        region.abort()
+        region.release()
+        raise
+
+
+def region_tensor(region: Region, offset: int, nbytes: int, dtype: torch.dtype,
+                  shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor viewing the region without a copy; the region goes back to its pool when
+    the tensor (and every view of it) is gone."""
+    array = np.frombuffer(region.view, dtype=np.uint8, count=nbytes, offset=offset)
+    weakref.finalize(array, region.release)
+    return torch.from_numpy(array).view(dtype).view(shape)
+
+
+def pull_dense(peer: Peer, method: Callable[..., Any], msg: pb.PullDenseRequest, nbytes: int,
+               timeout_s: float) -> Region | None:
+    """Pulls a dense block into a region (the caller releases it), or None: go inline."""
+    region = _lease(peer, nbytes)
+    if region is None:
+        return None
+    request = pb.PullDenseRequest()
+    request.CopyFrom(msg)
+    request.bulk.CopyFrom(region.recv_ref(0, nbytes))
+
+    def call() -> None:
+        frames = list(method(request.SerializeToString(), timeout=timeout_s))
+        if len(frames) != 1 or not frames[0].msg.in_bulk:
+            raise ChannelBrokenError("the server answered a bulk pull inline")
+
+    _run(region, call, timeout_s)
+    return region
+
+
+def push_dense(peer: Peer, method: Callable[..., Any], header: pb.PushDenseHeader,
+               data: memoryview, timeout_s: float) -> Frame[pb.PushResponse] | None:
+    """Pushes a dense block through a region, or None: go inline."""
+    region = _lease(peer, data.nbytes)
+    if region is None:
+        return None
+    try:
+        region.view[: data.nbytes] = data.cast("B")
+        msg = pb.PushDenseChunk(offset=0)
+        msg.header.CopyFrom(header)
+        msg.header.bulk.CopyFrom(region.send_ref(0, data.nbytes))
+    except BaseException:
+        region.release()
+        raise
+    frame: Frame[pb.PushResponse] = _run(
+        region, lambda: method(iter([msg.SerializeToString()]), timeout=timeout_s), timeout_s
+    )
+    region.release()
+    return frame
+
+
+def pull_sparse(peer: Peer, method: Callable[..., Any], msg: pb.PullSparseRequest,
+                keys: np.ndarray, row_bytes: int, timeout_s: float) -> Region | None:
+    """Pulls rows of `keys` into a region, rows from byte `keys.nbytes` on (the caller
+    releases it), or None: go inline."""
+    key_bytes = codec.keys_bytes(keys).cast("B")
+    nbytes = len(keys) * row_bytes
+    region = _lease(peer, key_bytes.nbytes + nbytes)
+    if region is None:
+        return None
+    try:
+        region.view[: key_bytes.nbytes] = key_bytes
+        request = pb.PullSparseRequest()
+        request.CopyFrom(msg)
+        request.bulk_keys.CopyFrom(region.send_ref(0, key_bytes.nbytes))
+        request.bulk.CopyFrom(region.recv_ref(key_bytes.nbytes, nbytes))
+    except BaseException:
+        region.release()
+        raise
+
+    def call() -> None:
+        frames = list(method(request.SerializeToString(), timeout=timeout_s))
+        if len(frames) != 1 or not frames[0].msg.in_bulk:
+            raise ChannelBrokenError("the server answered a bulk pull inline")
+
+    _run(region, call, timeout_s)
+    return region
+
+
+def push_sparse(peer: Peer, method: Callable[..., Any], header: pb.PushSparseHeader,
+                keys: np.ndarray, values: memoryview, timeout_s: float
+                ) -> Frame[pb.PushResponse] | None:
+    """Pushes keys and gradient rows through a region, or None: go inline."""
+    key_bytes = codec.keys_bytes(keys).cast("B")
+    values = values.cast("B")
+    region = _lease(peer, key_bytes.nbytes + values.nbytes)
+    if region is None:
+        return None
+    try:
+        view = region.view
+        view[: key_bytes.nbytes] = key_bytes
+        view[key_bytes.nbytes : key_bytes.nbytes + values.nbytes] = values
+        msg = pb.PushSparseChunk()
+        msg.header.CopyFrom(header)
+        msg.header.bulk_keys.CopyFrom(region.send_ref(0, key_bytes.nbytes))
+        msg.header.bulk.CopyFrom(region.send_ref(key_bytes.nbytes, values.nbytes))
+    except BaseException:
+        region.release()
+        raise
+    frame: Frame[pb.PushResponse] = _run(
+        region, lambda: method(iter([msg.SerializeToString()]), timeout=timeout_s), timeout_s
+    )
+    region.release()
+    return frame

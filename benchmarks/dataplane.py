@@ -10,7 +10,12 @@ that the machine's noise falls on all of them alike:
 - sparse pull and push of 64k unique keys x dim 64 float32 against a shard holding 10 M
   rows, beside index_select / index_add_ on a table of the same size in this process;
 - the key index's lookup-or-insert rate on a 10 M-key table;
-- server memory per sparse row against the raw bytes of its value and optimizer state.
+- server memory per sparse row against the raw bytes of its value and optimizer state;
+- each bulk transport (grpc, shm, ucx where installed, and auto) beside a PyTorch RPC
+  (torch.distributed.rpc over TensorPipe) parameter server in its own process doing the same
+  work: dense pull and push of 1, 16 and 64 MiB, and sparse pull (index_select) and push (SGD
+  through index_add_) of 64k rows x dim 64 on a table of the same size. `torchrpc_ratio`
+  holds pstrain's rate with transport auto over PyTorch RPC's for the four headline figures.
 Prints a table and writes JSON to benchmarks/results/dataplane-<date>.json (and --json PATH).
 """
 
@@ -22,6 +27,7 @@ import json
 import os
 import platform
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -29,21 +35,68 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from functools import partial
 from pathlib import Path
 
 import grpc
 import numpy as np
 import torch
+from torch.distributed import rpc
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from protos.runtime import tune_malloc  # noqa: E402
+from protos.transport import available  # noqa: E402
 from ps.index import KeyIndex  # noqa: E402
 from worker.client import PSClient  # noqa: E402
 
 MiB = 1024 * 1024
 RAW_SERVICE = "/bench.Raw/"
+TRPC_LR = 1e-9
+
+
+# ---- the PyTorch RPC baseline server (runs in a subprocess) ---------------------------------
+
+_trpc_tables: dict[str, torch.Tensor] = {}
+
+
+def _trpc_make(name: str, rows: int, cols: int) -> None:
+    _trpc_tables[name] = torch.randn(rows, cols)
+
+
+def _trpc_pull_dense(name: str) -> torch.Tensor:
+    return _trpc_tables[name]
+
+
+def _trpc_push_dense(name: str, grad: torch.Tensor) -> None:
+    _trpc_tables[name].add_(grad, alpha=-TRPC_LR)
+
+
+def _trpc_pull_sparse(name: str, rows: torch.Tensor) -> torch.Tensor:
+    return _trpc_tables[name].index_select(0, rows)
+
+
+def _trpc_push_sparse(name: str, rows: torch.Tensor, grads: torch.Tensor) -> None:
+    _trpc_tables[name].index_add_(0, rows, grads, alpha=-TRPC_LR)
+
+
+def trpc_options(port: int, tcp_only: bool) -> object:
+    kw: dict[str, object] = {"init_method": f"tcp://127.0.0.1:{port}", "num_worker_threads": 8,
+                             "rpc_timeout": 120}
+    if tcp_only:
+        kw["_transports"] = ["uv"]
+        kw["_channels"] = ["basic"]
+    return rpc.TensorPipeRpcBackendOptions(**kw)  # type: ignore[arg-type]
+
+
+def serve_torchrpc(port: int, tcp_only: bool) -> None:
+    """The peer baseline: a parameter server written with torch.distributed.rpc."""
+    torch.set_num_threads(1)
+    tune_malloc()
+    rpc.init_rpc("ps", rank=0, world_size=2,
+                 rpc_backend_options=trpc_options(port, tcp_only))  # type: ignore[arg-type]
+    rpc.shutdown()  # blocks until the client has shut down too
 
 
 # ---- the raw gRPC baseline server (runs in a subprocess) ------------------------------------
@@ -110,6 +163,12 @@ def spawn(args: list[str], ready: Path) -> tuple[subprocess.Popen[bytes], str]:
     return proc, json.loads(ready.read_text())["address"]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -171,6 +230,7 @@ def fill_sparse(client: PSClient, table: str, rows: int, batch: int) -> np.ndarr
     keys = np.random.default_rng(0).permutation(rows * 3)[:rows].astype(np.int64) - rows
     for start in range(0, rows, batch):
         client.pull_sparse(table, keys[start : start + batch], assume_unique=True)
+    fill_sparse.last_keys = keys  # type: ignore[attr-defined]
     return keys
 
 
@@ -229,6 +289,82 @@ def bench_sparse(client: PSClient, server_pid: int, rows: int, batch: int, dim: 
     }
 
 
+def bench_transports(
+    address: str, transports: list[str], sizes_mib: list[int], reps: dict[int, int],
+    sparse_keys: np.ndarray | None, sparse_reps: int, batch: int, dim: int,
+) -> dict[str, dict[str, float]]:
+    """Dense GB/s and sparse rows/s of each transport and of PyTorch RPC, interleaved."""
+    clients = {t: PSClient([address], worker=i + 1, transport=t) for i, t in enumerate(transports)}
+    for t, c in clients.items():
+        if c.transports() != [t if t != "auto" else c.transports()[0]]:
+            raise RuntimeError(f"client for {t} uses {c.transports()}")
+    out: dict[str, dict[str, float]] = {}
+    try:
+        for mib in sizes_mib:
+            n = mib * MiB
+            table = f"tdense{mib}"
+            shape = (n // 4 // 1024, 1024)
+            grad = torch.full(shape, 1e-3)
+            methods: dict[str, Callable[[], object]] = {}
+            for t, c in clients.items():
+                c.declare_dense(table, shape, optimizer="sgd", lr=1e-9)
+                methods[f"{t}_pull"] = partial(c.pull_dense, table)
+                methods[f"{t}_push"] = partial(c.push_dense, table, grad)
+            rpc.rpc_sync("ps", _trpc_make, args=(table, *shape))
+            methods["torchrpc_pull"] = partial(rpc.rpc_sync, "ps", _trpc_pull_dense,
+                                               args=(table,))
+            methods["torchrpc_push"] = partial(rpc.rpc_sync, "ps", _trpc_push_dense,
+                                               args=(table, grad))
+            t_s = interleaved(methods, reps[mib])
+            out[f"dense_{mib}MiB_GBps"] = {k: n / v / 1e9 for k, v in t_s.items()}
+        if sparse_keys is not None:
+            rows = len(sparse_keys)
+            rng = np.random.default_rng(3)
+            rpc.rpc_sync("ps", _trpc_make, args=("emb", rows, dim))
+            batches = [np.unique(sparse_keys[rng.integers(0, rows, batch + batch // 8)])[:batch]
+                       for _ in range(8)]
+            for b in batches:
+                rng.shuffle(b)
+            row_ids = [torch.from_numpy(rng.integers(0, rows, len(b))) for b in batches]
+            grads = torch.randn(len(batches[0]), dim)
+            count = iter(range(10**9))
+
+            def pick() -> int:
+                return next(count) % len(batches)
+
+            methods = {}
+            for t, c in clients.items():
+                c.declare_sparse("emb", dim, optimizer="sgd", lr=1e-6)
+                methods[f"{t}_pull"] = lambda c=c: c.pull_sparse("emb", batches[pick()],
+                                                                 assume_unique=True)
+                methods[f"{t}_push"] = lambda c=c: c.push_sparse("emb", batches[pick()], grads,
+                                                                 assume_unique=True)
+            methods["torchrpc_pull"] = lambda: rpc.rpc_sync(
+                "ps", _trpc_pull_sparse, args=("emb", row_ids[pick()]))
+            methods["torchrpc_push"] = lambda: rpc.rpc_sync(
+                "ps", _trpc_push_sparse, args=("emb", row_ids[pick()], grads))
+            t_s = interleaved(methods, sparse_reps)
+            out["sparse_rows_per_s"] = {k: len(batches[0]) / v for k, v in t_s.items()}
+    finally:
+        for c in clients.values():
+            c.close()
+    return out
+
+
+def torchrpc_ratios(tr: dict[str, dict[str, float]]) -> dict[str, float]:
+    """pstrain (transport auto) over PyTorch RPC, for the headline figures."""
+    out: dict[str, float] = {}
+    dense = tr.get("dense_16MiB_GBps")
+    if dense:
+        out["dense_pull_16MiB"] = dense["auto_pull"] / dense["torchrpc_pull"]
+        out["dense_push_16MiB"] = dense["auto_push"] / dense["torchrpc_push"]
+    sparse = tr.get("sparse_rows_per_s")
+    if sparse:
+        out["sparse_pull"] = sparse["auto_pull"] / sparse["torchrpc_pull"]
+        out["sparse_push"] = sparse["auto_push"] / sparse["torchrpc_push"]
+    return out
+
+
 def bench_index(rows: int, batch: int, reps: int) -> dict[str, float]:
     index = KeyIndex()
     rng = np.random.default_rng(2)
@@ -260,19 +396,30 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="smaller table (1 M rows) and fewer repetitions")
     parser.add_argument("--json", help="also write the figures to this path")
-    parser.add_argument("--only", choices=["dense", "sparse", "index"], action="append",
+    parser.add_argument("--only", choices=["dense", "sparse", "index", "transports"],
+                        action="append",
                         help="run only these parts (repeatable); figures of others are absent")
     parser.add_argument("--chunk-mib", type=float, default=None,
                         help="chunk size of the pstrain server (default: the server's own)")
+    parser.add_argument("--transports", default="",
+                        help="comma-separated transports to compare with PyTorch RPC "
+                             "(default: grpc, shm, ucx where available, and auto)")
     parser.add_argument("--serve-raw", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-torchrpc", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--torchrpc-tcp", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_raw:
         serve_raw(args.serve_raw)
         return
+    if args.serve_torchrpc:
+        serve_torchrpc(args.serve_torchrpc, args.torchrpc_tcp)
+        return
+    transports = (args.transports.split(",") if args.transports else
+                  [t for t in ("grpc", "shm", "ucx") if available(t)[0]] + ["auto"])
 
     torch.set_num_threads(1)
     tune_malloc()
-    parts = set(args.only or ["dense", "sparse", "index"])
+    parts = set(args.only or ["dense", "sparse", "index", "transports"])
     rows = 1_000_000 if args.quick else 10_000_000
     reps = {1: 20, 16: 11, 64: 3} if args.quick else {1: 40, 16: 25, 64: 7}
     tmp = Path(tempfile.mkdtemp(prefix="pstrain-bench-"))
@@ -295,20 +442,41 @@ def main() -> None:
         dense: dict[str, dict[str, float]] = {}
         sparse: dict[str, float] = {}
         index: dict[str, float] = {}
-        with PSClient([address]) as client:
+        transport_figures: dict[str, dict[str, float]] = {}
+        keys = None
+        with PSClient([address], transport="grpc") as client:
             if "dense" in parts:
                 print("dense transfers ...", flush=True)
                 dense = bench_dense(client, raw, [1, 16, 64], reps)
-            if "sparse" in parts:
+            if "sparse" in parts or "transports" in parts:
                 print(f"sparse table of {rows:,} rows ...", flush=True)
                 sparse = bench_sparse(client, server.pid, rows, 65536, 64,
                                       9 if args.quick else 15)
+                keys = fill_sparse.last_keys  # type: ignore[attr-defined]
+                if "sparse" not in parts:
+                    sparse = {}
+        if "transports" in parts:
+            port = free_port()
+            trpc = subprocess.Popen([sys.executable, __file__, "--serve-torchrpc", str(port)],
+                                    cwd=REPO)
+            procs.append(trpc)
+            torch.set_num_threads(1)
+            rpc.init_rpc("worker", rank=1, world_size=2,
+                         rpc_backend_options=trpc_options(port, False))  # type: ignore[arg-type]
+            try:
+                print(f"transports {transports} and PyTorch RPC ...", flush=True)
+                transport_figures = bench_transports(
+                    address, transports, [1, 16, 64], reps, keys, 9 if args.quick else 15,
+                    65536, 64)
+            finally:
+                rpc.shutdown()
         if "index" in parts:
             print("key index ...", flush=True)
             index = bench_index(rows, 65536, 9 if args.quick else 15)
     finally:
         for p in procs:
-            p.send_signal(signal.SIGTERM)
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
         for p in procs:
             p.wait(timeout=30)
 
@@ -322,13 +490,15 @@ def main() -> None:
             "dense_push_ratio_16MiB": dense["16MiB"]["ratio_push"]} if dense else {}),
         **sparse,
         **index,
+        **({"torchrpc_ratio": torchrpc_ratios(transport_figures),
+            "transports": transport_figures} if transport_figures else {}),
         "dense_GBps": dense,
         "sparse_rows": rows,
     }
     print_table(results)
     out_dir = REPO / "benchmarks" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
-    suffix = ("-quick" if args.quick else "") + ("" if len(parts) == 3 else "-partial")
+    suffix = ("-quick" if args.quick else "") + ("" if len(parts) == 4 else "-partial")
     paths = [out_dir / f"dataplane-{results['date']}{suffix}.json"]
     if args.json:
         paths.append(Path(args.json))
@@ -345,6 +515,8 @@ def print_table(r: dict[str, object]) -> None:
         print_dense(dense)
     if "sparse_pull_rows_per_s" in r:
         print_sparse(r)
+    if "transports" in r:
+        print_transports(r["transports"], r["torchrpc_ratio"])  # type: ignore[arg-type]
     if "index_lookup_or_insert_per_s" in r:
         print(f"index: lookup-or-insert {r['index_lookup_or_insert_per_s'] / 1e6:.1f} M/s "
               f"(existing keys), {r['index_insert_new_per_s'] / 1e6:.1f} M/s (new keys), "
@@ -357,6 +529,18 @@ def print_dense(dense: dict[str, dict[str, float]]) -> None:
         for op in ("pull", "push"):
             print(f"{size:<8}{op:<6}{g[f'pstrain_{op}']:>8.2f}GB/s{g[f'raw_unary_{op}']:>9.2f}"
                   f"{g[f'raw_stream_{op}']:>12.2f}{g[f'ratio_{op}']:>8.2f}x")
+
+
+def print_transports(tr: dict[str, dict[str, float]], ratios: dict[str, float]) -> None:
+    names = sorted({k.rsplit("_", 1)[0] for g in tr.values() for k in g})
+    print("\nby transport, one host (dense GB/s, sparse M rows/s), PyTorch RPC beside")
+    print(f"{'':<22}" + "".join(f"{n:>10}" for n in names))
+    for what, g in tr.items():
+        scale = 1e6 if what.startswith("sparse") else 1.0
+        for op in ("pull", "push"):
+            print(f"{what.replace('_GBps', '').replace('_rows_per_s', '') + ' ' + op:<22}"
+                  + "".join(f"{g[f'{n}_{op}'] / scale:>10.2f}" for n in names))
+    print("pstrain (auto) / PyTorch RPC: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
 
 
 def print_sparse(r: dict[str, object]) -> None:

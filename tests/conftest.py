@@ -12,6 +12,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from procs import Procs
 
+from protos.transport import available
+
+# Every bulk transport the data-plane tests run over: (transport, UCX_TLS or "").
+TRANSPORTS = [
+    pytest.param(("grpc", ""), id="grpc"),
+    pytest.param(("shm", ""), id="shm"),
+    pytest.param(("ucx", "tcp"), id="ucx-tcp"),
+    pytest.param(("ucx", "sm,self"), id="ucx-shm"),
+]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Forces one bulk transport on this test's servers and clients (through the
+    environment they inherit); skips, with the reason, where it cannot work."""
+    name, tls = request.param
+    ok, reason = available(name)
+    if not ok:
+        pytest.skip(f"transport {name} is not available here: {reason}")
+    monkeypatch.setenv("PSTRAIN_TRANSPORT", name)
+    if tls:
+        monkeypatch.setenv("UCX_TLS", tls)
+    return str(name)
+
 
 @pytest.fixture
 def procs(tmp_path: Path) -> Iterator[Procs]:

@@ -1,4 +1,7 @@
-"""PSClient against real server processes on loopback: values, exactly-once, routing."""
+"""PSClient against real server processes on loopback: values, exactly-once, routing.
+
+Every test runs once per bulk transport (the `transport` fixture forces it on both sides).
+"""
 
 from __future__ import annotations
 
@@ -16,10 +19,14 @@ from worker.client import PSClient
 from worker.errors import ClusterMismatchError, RemoteError
 
 
+pytestmark = pytest.mark.usefixtures("transport")
+
+
 @pytest.fixture
-def two_shards(procs: Procs) -> Iterator[PSClient]:
+def two_shards(procs: Procs, transport: str) -> Iterator[PSClient]:
     servers = procs.servers(2)
     with PSClient([s.address for s in servers], worker=0) as client:
+        assert client.transports() == [transport, transport]
         yield client
 
 

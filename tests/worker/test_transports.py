@@ -1,0 +1,171 @@
+"""Bulk transports between real processes: choice per peer, errors, cleanup and fallback."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from procs import REPO, Procs, wait_until
+
+from protos import pstrain_pb2 as pb
+from protos.transport import available
+from worker.bulk import TransportChoiceError
+from worker.client import PSClient
+from worker.errors import PSClientError
+
+UCX_OK, UCX_WHY = available("ucx")
+
+
+def shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def memfd_maps(pid: int) -> list[str]:
+    """The pstrain segments process `pid` has mapped now."""
+    try:
+        text = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return []
+    return [line for line in text.splitlines() if "/memfd:pstrain-" in line]
+
+
+@pytest.mark.skipif(UCX_OK, reason="ucx works here; this test needs a host without it")
+def test_forced_but_unavailable_transport_is_a_clear_error(procs: Procs) -> None:
+    server = procs.server()
+    with pytest.raises(TransportChoiceError) as err:
+        PSClient([server.address], transport="ucx")
+    assert "transport 'ucx' is forced" in str(err.value)
+    assert UCX_WHY in str(err.value)
+    # A server forced to a transport it lacks refuses to start, naming it.
+    bad = procs.spawn([sys.executable, "-m", "ps", "--bind", "127.0.0.1:0", "--transport",
+                       "ucx"], "server-ucx")
+    assert bad.popen.wait(timeout=60) == 2
+    assert "--transport ucx is forced but not available on this server" in bad.log()
+
+
+def test_unknown_transport_name_is_refused(procs: Procs) -> None:
+    server = procs.server()
+    with pytest.raises(PSClientError, match="unknown transport 'rdma'"):
+        PSClient([server.address], transport="rdma")
+    bad = procs.spawn([sys.executable, "-m", "ps", "--bind", "127.0.0.1:0", "--transport",
+                       "rdma"], "server-rdma")
+    assert bad.popen.wait(timeout=60) == 2
+    assert "unknown transport 'rdma'" in bad.log()
+
+
+def test_client_forcing_what_the_server_does_not_offer_is_refused(procs: Procs) -> None:
+    server = procs.server(extra=["--transport", "grpc"])
+    with pytest.raises(TransportChoiceError) as err:
+        PSClient([server.address], transport="shm")
+    text = str(err.value)
+    assert "the client forces transport 'shm' but the server forces 'grpc'" in text
+
+
+def test_mixed_capabilities_degrade_per_peer(procs: Procs) -> None:
+    # Shard 0 offers only gRPC (as a server without shared memory would), shard 1 all.
+    servers = [procs.server(0, 2, extra=["--transport", "grpc"]), procs.server(1, 2)]
+    with PSClient([s.address for s in servers], worker=0, transport="auto") as client:
+        assert client.transports() == ["grpc", "shm"]
+        client.declare_dense("w", (1000, 64), optimizer="sgd", lr=1.0, init=("uniform", -1, 1))
+        client.declare_sparse("e", 8, optimizer="sgd", lr=1.0, seed=2)
+        keys = np.arange(2000, dtype=np.int64)
+        w0, e0 = client.pull_dense("w"), client.pull_sparse("e", keys)
+        g, ge = torch.randn(1000, 64), torch.randn(2000, 8)
+        for _ in range(3):
+            client.push_dense("w", g)
+            client.push_sparse("e", keys, ge)
+        torch.testing.assert_close(client.pull_dense("w"), w0 - 3 * g, atol=1e-5, rtol=0)
+        torch.testing.assert_close(client.pull_sparse("e", keys), e0 - 3 * ge, atol=1e-5,
+                                   rtol=0)
+        stats = client.stats()
+        assert stats[0].bytes_received > 0 and stats[1].bytes_received > 0
+    # A client that forces gRPC gets it from a server offering more.
+    with PSClient([s.address for s in servers], worker=1, transport="grpc") as client:
+        assert client.transports() == ["grpc", "grpc"]
+
+
+@pytest.mark.skipif(not UCX_OK, reason=f"ucx is not available here: {UCX_WHY}")
+def test_peer_without_ucx_talks_to_one_with_it(procs: Procs) -> None:
+    with_ucx = procs.server(extra=["--transport", "ucx"])
+    without = procs.server(extra=["--transport", "grpc"])
+    with PSClient([with_ucx.address], worker=0) as client:
+        assert client.transports() == ["ucx"]
+    with PSClient([without.address], worker=1) as client:
+        assert client.transports() == ["grpc"]
+        client.declare_dense("b", (4,), optimizer="sgd", lr=1.0)
+        client.push_dense("b", torch.ones(4))
+        torch.testing.assert_close(client.pull_dense("b"), -torch.ones(4))
+
+
+def test_killed_client_mid_transfer_leaves_no_segment(procs: Procs) -> None:
+    before = shm_names()
+    server = procs.server()
+    worker = procs.spawn([sys.executable, str(REPO / "tests" / "transport_worker.py"),
+                          server.address, "shm"], "transport-worker")
+    wait_until(lambda: "looping" in worker.log() or worker.popen.poll() is not None, 60,
+               "the worker's first round trip")
+    assert "['shm']" in worker.log(), worker.log()
+    wait_until(lambda: memfd_maps(server.pid), 10, "the server to map the worker's segments")
+    procs.kill(worker, signal.SIGKILL)
+    # The server drops the dead client's mappings by itself; nothing ever was in /dev/shm.
+    wait_until(lambda: not memfd_maps(server.pid), 20,
+               "the server to unmap the killed worker's segments")
+    assert shm_names() - before == set()
+    with PSClient([server.address], worker=6, transport="shm") as client:  # still serving
+        client.declare_dense("loop", (1024, 1024), optimizer="sgd", lr=1e-6)
+        assert client.pull_dense("loop").shape == (1024, 1024)
+
+
+def test_killed_server_mid_transfer_leaves_no_segment(procs: Procs) -> None:
+    before = shm_names()
+    server = procs.server()
+    worker = procs.spawn([sys.executable, str(REPO / "tests" / "transport_worker.py"),
+                          server.address, "shm"], "transport-worker")
+    wait_until(lambda: "looping" in worker.log() or worker.popen.poll() is not None, 60,
+               "the worker's first round trip")
+    assert memfd_maps(worker.pid)
+    procs.kill(server, signal.SIGKILL)
+    procs.kill(worker, signal.SIGKILL)
+    assert shm_names() - before == set()
+    assert not memfd_maps(worker.pid)
+
+
+def test_broken_channel_falls_back_to_grpc_without_losing_or_repeating_a_push(
+    procs: Procs, caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = procs.server()
+    with PSClient([server.address], worker=0, transport="shm") as client:
+        client.declare_sparse("e", 16, optimizer="sgd", lr=1.0, init=("zeros", 0, 0))
+        client.declare_dense("w", (256, 64), optimizer="sgd", lr=1.0, init=("zeros", 0, 0))
+        keys = np.arange(500, dtype=np.int64)
+        g, gw = torch.ones(500, 16), torch.ones(256, 64)
+        for _ in range(3):
+            client.push_sparse("e", keys, g)
+            client.push_dense("w", gw)
+        # The server forgets this client's shared-memory session, as after losing its state:
+        # the next bulk request finds its region unusable.
+        peer = client._shards[0].bulk
+        channel = grpc.insecure_channel(server.address)
+        end = pb.HandshakeRequest(worker=0, end_session=peer.session).SerializeToString()
+        channel.unary_unary("/pstrain.v1.ParameterServer/Handshake")(end, timeout=10)
+        channel.close()
+        with caplog.at_level(logging.WARNING, logger="worker.bulk"):
+            client.push_sparse("e", keys, g)
+        assert client.transports() == ["grpc"]
+        assert any("transport shm to shard 0 failed" in r.getMessage() for r in caplog.records)
+        for _ in range(2):
+            client.push_sparse("e", keys, g)
+            client.push_dense("w", gw)
+        client.push_dense("w", gw)
+        torch.testing.assert_close(client.pull_sparse("e", keys), -6 * g, atol=0, rtol=0)
+        torch.testing.assert_close(client.pull_dense("w"), -6 * gw, atol=0, rtol=0)
+        tables = {t.name: t for t in client.stats()[0].tables}
+        assert tables["e"].pushes_applied == 6 and tables["w"].pushes_applied == 6
+        assert tables["e"].pushes_duplicate == 0 and tables["w"].pushes_duplicate == 0

@@ -17,6 +17,8 @@ import threading
 import time
 from types import FrameType
 
+from protos.transport import ENV_VAR as ENV_TRANSPORT
+from protos.transport import TransportError, parse_choice
 from scheduler.errors import CoordinationError
 from scheduler.launcher import UpConfig, status_of, up
 from scheduler.scheduler import Scheduler
@@ -84,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--rank", type=int, help="this worker's rank (default: the first free one)")
     w.add_argument("--metrics-port", type=int, default=0,
                    help="serve the worker's Prometheus metrics on this port (0: off)")
+    _transport_flag(w)
     w.add_argument("script", help="the training script (it calls worker.init())")
     w.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -107,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--metrics-base-port", type=int, default=0,
                    help="serve Prometheus metrics: server K on this port + K, worker R on "
                         "this port + servers + R (0: off)")
+    _transport_flag(u)
     u.add_argument("script", help="the training script, run by every worker")
     u.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script (after --)")
 
@@ -118,6 +122,22 @@ def _parser() -> argparse.ArgumentParser:
     _redis_flags(c)
     c.add_argument("--wait-s", type=float, default=120.0, help="how long to wait for it")
     return p
+
+
+def _transport_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--transport", default=os.environ.get(ENV_TRANSPORT, "auto"),
+                   help="bulk transport: auto (the fastest each worker and server share), "
+                        f"grpc, shm or ucx; a forced one that cannot work is an error (env "
+                        f"{ENV_TRANSPORT}, default auto)")
+
+
+def _transport_env(a: argparse.Namespace) -> dict[str, str]:
+    """The environment entry that hands --transport to the processes started from here."""
+    try:
+        choice = parse_choice(a.transport)
+    except TransportError as exc:
+        raise CoordinationError(f"--transport: {exc}") from exc
+    return {ENV_TRANSPORT: choice.name}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,7 +169,7 @@ def _need_redis(a: argparse.Namespace) -> None:
 def _run(a: argparse.Namespace) -> int:
     if a.command == "worker":
         _need_redis(a)
-        env = {**os.environ, ENV_REDIS: a.redis, ENV_JOB: a.job}
+        env = {**os.environ, ENV_REDIS: a.redis, ENV_JOB: a.job, **_transport_env(a)}
         if a.rank is not None:
             env["PSTRAIN_RANK"] = str(a.rank)
         if a.metrics_port:
@@ -160,6 +180,8 @@ def _run(a: argparse.Namespace) -> int:
         return _scheduler(a)
     if a.command == "up":
         script_args = a.args[1:] if a.args[:1] == ["--"] else a.args
+        # Servers and workers started by `up` inherit this process's environment.
+        os.environ.update(_transport_env(a))
         return up(UpConfig(
             script=a.script, script_args=tuple(script_args), spec=_spec(a.job, a),
             redis=a.redis, restart=a.restart, resume=a.resume, view=not a.no_view,

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from worker.client import PSClient  # noqa: E402
+from worker.client import PSClient
 
 
 def main() -> None:

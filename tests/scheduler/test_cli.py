@@ -50,3 +50,12 @@ def test_server_runs_and_stops_on_sigterm(procs: Procs) -> None:
     assert info["pid"] == proc.pid  # the CLI replaced itself with the server
     proc.popen.terminate()
     assert proc.popen.wait(timeout=20) == 0
+
+
+def test_bad_transport_is_named() -> None:
+    for command in (["worker", "--redis", "redis://127.0.0.1:1/0", "--job", "j", "--transport",
+                     "rdma", "script.py"], ["up", "--transport", "rdma", "script.py"],
+                    ["server", "--bind", "127.0.0.1:0", "--transport", "rdma"]):
+        out = _pstrain(*command)
+        assert out.returncode == 2, out
+        assert "unknown transport 'rdma'" in out.stderr, out.stderr

@@ -18,7 +18,6 @@ from protos.partition import shard_of_keys
 from worker.client import PSClient
 from worker.errors import ClusterMismatchError, RemoteError
 
-
 pytestmark = pytest.mark.usefixtures("transport")
 
 

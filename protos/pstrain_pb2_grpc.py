@@ -90,6 +90,11 @@ class ParameterServerStub:
                 request_serializer=protos_dot_pstrain__pb2.RestoreRequest.SerializeToString,
                 response_deserializer=protos_dot_pstrain__pb2.RestoreResponse.FromString,
                 _registered_method=True)
+        self.Exchange = channel.unary_unary(
+                '/pstrain.v1.ParameterServer/Exchange',
+                request_serializer=protos_dot_pstrain__pb2.ExchangeRequest.SerializeToString,
+                response_deserializer=protos_dot_pstrain__pb2.ExchangeResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -162,6 +167,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Exchange(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -219,6 +230,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Restore,
                     request_deserializer=protos_dot_pstrain__pb2.RestoreRequest.FromString,
                     response_serializer=protos_dot_pstrain__pb2.RestoreResponse.SerializeToString,
+            ),
+            'Exchange': grpc.unary_unary_rpc_method_handler(
+                    servicer.Exchange,
+                    request_deserializer=protos_dot_pstrain__pb2.ExchangeRequest.FromString,
+                    response_serializer=protos_dot_pstrain__pb2.ExchangeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -519,6 +535,33 @@ class ParameterServer:
             '/pstrain.v1.ParameterServer/Restore',
             protos_dot_pstrain__pb2.RestoreRequest.SerializeToString,
             protos_dot_pstrain__pb2.RestoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exchange(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.ParameterServer/Exchange',
+            protos_dot_pstrain__pb2.ExchangeRequest.SerializeToString,
+            protos_dot_pstrain__pb2.ExchangeResponse.FromString,
             options,
             channel_credentials,
             insecure,

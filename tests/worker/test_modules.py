@@ -279,6 +279,36 @@ def test_two_sync_workers_change_exactly_the_rows_they_touch(procs: Procs) -> No
     torch.testing.assert_close(dense_after, expected, atol=1e-5, rtol=0)
 
 
+def test_sync_prefetch_rides_in_the_step_and_stays_exact(procs: Procs) -> None:
+    """Under sync, step() sends the pushes, the end of the iteration and the next step's
+    pulls in one exchange; the prefetched rows must already include this step's update."""
+    (server,) = procs.servers(1, ["--mode", "sync", "--workers", "1"])
+    steps = 4
+    batches = [torch.tensor([1, 2, 2, 5 + t]) for t in range(steps)]
+    with PSClient([server.address], worker=0) as c:
+        emb = PSEmbedding(c, "exact_pf", 3, optimizer="sgd", lr=1.0)
+        dense = PSDense(c, nn.Linear(3, 1), "exact_pf.mlp", optimizer="sgd", lr=1.0)
+        with PSOptimizer(nn.ModuleList([emb, dense])) as ps:
+            assert not ps.overlap
+            for ids, upcoming in lookahead(batches):
+                if upcoming is not None:
+                    emb.prefetch(upcoming)
+                fresh_rows = c.pull_sparse(emb.table, ids)
+                fresh_dense = c.pull_dense(dense.table)
+                rows = emb(ids)
+                torch.testing.assert_close(rows, fresh_rows, atol=0, rtol=0)
+                out = dense(rows).sum()
+                flat = torch.cat([p.detach().reshape(-1) for p in dense.module.parameters()])
+                torch.testing.assert_close(flat, fresh_dense, atol=0, rtol=0)
+                ps.zero_grad()
+                out.backward()
+                ps.step()
+            assert c.clock == steps
+        # Forwards pulled nothing of their own after the first step: every later step's
+        # rows came in the previous step's exchange, next to the test's own fresh pulls.
+        assert table_stat(c, emb.table, "pulls") == 2 * steps
+
+
 def test_sync_tables_refuse_overlap(client: PSClient) -> None:
     emb = PSEmbedding(client, fresh("exact"), 2, consistency="sync")
     with pytest.raises(PSModuleError, match="overlap needs every table"):

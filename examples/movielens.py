@@ -309,7 +309,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     else:
         client, ctx = connect(args)
         model = ps_model(client, data, hyper, args.seed)
-        ps = PSOptimizer(model, overlap=None if args.overlap == "auto" else args.overlap == "on")
+        ps = PSOptimizer(model, overlap=None if args.overlap == "auto" else args.overlap == "on",
+                         prefetch_depth=args.prefetch_depth)
         optimizers = [ps]
         mine = shard_indices(len(parts.train), args.rank, args.world_size)
         # Every rank takes as many batches per epoch: sync clocks need all of them each step.
@@ -325,7 +326,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     for epoch in range(args.epochs):
         epoch_start = time.monotonic()
         losses: list[float] = []
-        for batch, upcoming in lookahead(batches(data, train_rows, args.batch_size, rng)):
+        ahead = ps.prefetch_depth if ps is not None else 1
+        for batch, upcoming in lookahead(batches(data, train_rows, args.batch_size, rng), ahead):
             if upcoming is not None:
                 model.prefetch(upcoming)
             loss = F.binary_cross_entropy_with_logits(model(batch), batch.labels)
@@ -377,6 +379,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="distributed: overlap pulls/pushes with compute (auto: where the "
                         "tables' consistency mode allows it)")
+    p.add_argument("--prefetch-depth", type=int, default=1,
+                   help="distributed, with overlap: pull this many steps ahead, with as many "
+                        "exchanges in flight (reads up to this many steps stale)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = p.parse_args(argv)
     if not 0 <= args.rank < args.world_size:

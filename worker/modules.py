@@ -223,16 +223,22 @@ class _Pipeline:
     Methods are for the training thread only; the exchange thread touches only futures.
     """
 
-    def __init__(self, client: PSClient, overlap: bool, dense: Sequence[PSDense]) -> None:
+    def __init__(
+        self, client: PSClient, overlap: bool, dense: Sequence[PSDense], depth: int
+    ) -> None:
         self.client = client
         self.overlap = overlap
+        # How many steps ahead pulls are asked for, and exchanges may be in flight.
+        self.depth = depth
         # The clock of the step being computed, in overlap mode (the client's clock lags
         # behind it while the previous step's pushes are in flight).
         self.step_clock = client.clock
         self.dense = list(dense)
-        # One thread: exchanges apply in the order they were sent, so a step's pushes and
-        # the end of its iteration always reach a shard before the pulls that follow them.
-        self._exchanges = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-exchange")
+        # With depth 1, one thread: exchanges apply in the order they were sent. Deeper,
+        # `depth` exchanges overlap; each still carries the end of the iteration its own
+        # pulls need, and the staleness bound (>= depth) covers the ones still in flight.
+        self._exchanges = ThreadPoolExecutor(max_workers=depth,
+                                             thread_name_prefix="ps-exchange")
         self.outbox: _Outbox | None = None
         self._waiting: list[_Ticket] = []
         self._dense_clock = -1  # the newest step whose dense pulls were asked for
@@ -256,10 +262,10 @@ class _Pipeline:
         """A PS module's forward is about to run. With overlap, the first of a step sends
         the previous step's gradients with the pulls asked for the next step."""
         if self.overlap:
-            self.ask_dense(self.step_clock + 1)
+            self.ask_dense(self.step_clock + self.depth)
             # Pulls further ahead wait for their turn: sent now, they could wait on this
             # worker's own iterations still to come.
-            self.dispatch(outbox=True, up_to=self.step_clock + 1)
+            self.dispatch(outbox=True, up_to=self.step_clock + self.depth)
 
     def ask(self, ticket: _Ticket) -> _Ticket:
         self._waiting.append(ticket)
@@ -293,7 +299,7 @@ class _Pipeline:
             for index, ticket in enumerate(group):
                 ticket.future, ticket.index = future, index
             self._sent.append(future)
-        while len(self._sent) > 4 and self._sent[0].done():
+        while len(self._sent) > self.depth + 4 and self._sent[0].done():
             self._sent.popleft().result()
 
     def _run(self, box: _Outbox | None, tickets: list[_Ticket]) -> list[torch.Tensor]:
@@ -310,10 +316,13 @@ class _Pipeline:
         # Staging in pinned memory here keeps that copy off the training thread.
         return [_staged(rows, t.device) for rows, t in zip(pulled, tickets, strict=True)]
 
-    def drain(self) -> None:
-        """Blocks until every exchange sent so far is done; raises the first one's error."""
-        sent, self._sent = self._sent, deque()
-        errors = [f.exception() for f in sent]
+    def drain(self, keep: int = 0) -> None:
+        """Blocks until every exchange sent so far but the newest `keep` is done; raises the
+        first error among them."""
+        done: list[Future[list[torch.Tensor]]] = []
+        while len(self._sent) > keep:
+            done.append(self._sent.popleft())
+        errors = [f.exception() for f in done]
         for error in errors:
             if error is not None:
                 raise error
@@ -406,7 +415,8 @@ class _SparseLookup(_PSModule):
         return self._anchor.device
 
     def prefetch(self, ids: torch.Tensor) -> None:
-        """Asks for the rows the next step's forward on `ids` needs. Returns at once.
+        """Asks for the rows the forward on `ids` will need `prefetch_depth` steps from now
+        (the next step, unless the PSOptimizer says otherwise). Returns at once.
 
         The pull travels in the exchange that carries the current step's gradients: with
         overlap, in the background while this step computes; without, in `step()`'s
@@ -420,8 +430,9 @@ class _SparseLookup(_PSModule):
             return
         flat = _as_ids(ids, "ids").clone()
         keys, inverse = torch.unique(flat, return_inverse=True)
+        ahead = pipeline.depth if pipeline.overlap else 1
         self._tickets.append(pipeline.ask(
-            _Ticket(self.table, pipeline.clock + 1, self.device, flat, keys, inverse)
+            _Ticket(self.table, pipeline.clock + ahead, self.device, flat, keys, inverse)
         ))
 
     def _pull(self, flat: torch.Tensor, clock: int | None) -> _Pulled:
@@ -714,12 +725,19 @@ class PSOptimizer:
     background: at most one step's pushes are in flight. `overlap=True` with a sync (or
     ssp:0) table raises PSModuleError: those modes promise exact reads.
 
+    `prefetch_depth` d > 1 (overlap only) asks for pulls d steps ahead and lets d exchanges
+    travel at once, so a round trip longer than a step of compute still hides behind
+    compute; reads are then up to d steps stale, so every ssp table's bound must be at
+    least d. Feed `prefetch()` the batch d steps ahead (`lookahead(batches, d)`).
+
     Construction may ask the servers for their default mode (blocks briefly). Methods are
     meant for the training thread and are not thread-safe; the exchange thread they start
     is joined by `close()`.
     """
 
-    def __init__(self, model: nn.Module, *, overlap: bool | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, *, overlap: bool | None = None, prefetch_depth: int = 1
+    ) -> None:
         modules = [m for m in model.modules() if isinstance(m, _PSModule)]
         if not modules:
             raise PSModuleError(
@@ -741,8 +759,20 @@ class PSOptimizer:
                 "leave overlap off"
             )
         self.overlap = not exact if overlap is None else overlap
+        bounds = [b for b in staleness.values() if b is not None]
+        if prefetch_depth < 1 or (prefetch_depth > 1 and not self.overlap):
+            raise PSModuleError(
+                f"prefetch_depth must be 1, or more with overlap; got {prefetch_depth} "
+                f"(overlap {self.overlap})"
+            )
+        if prefetch_depth > 1 and bounds and prefetch_depth > min(bounds):
+            raise PSModuleError(
+                f"prefetch_depth {prefetch_depth} would read past the staleness bound "
+                f"{min(bounds)} of an ssp table; use at most {min(bounds)}"
+            )
+        self.prefetch_depth = prefetch_depth
         dense = [m for m in modules if isinstance(m, PSDense)]
-        self._pipeline = _Pipeline(self.client, self.overlap, dense)
+        self._pipeline = _Pipeline(self.client, self.overlap, dense, prefetch_depth)
         # The exchange that carries the previous step's gradients (overlap mode).
         self._inflight: Future[list[torch.Tensor]] | None = None
         for m in modules:
@@ -794,15 +824,16 @@ class PSOptimizer:
             pipeline.dispatch(outbox=True, up_to=clock + 1)
             pipeline.drain()
             return
-        self._wait_inflight()
+        self._wait_inflight(keep=pipeline.depth - 1)
         clock = pipeline.step_clock
         pipeline.outbox = _Outbox(clock, pushes, event)
         pipeline.step_clock = clock + 1
 
-    def _wait_inflight(self) -> None:
-        """Waits for the exchanges sent so far; follows a clock the servers moved on."""
+    def _wait_inflight(self, keep: int = 0) -> None:
+        """Waits for the exchanges sent so far but the newest `keep`; follows a clock the
+        servers moved on."""
         pipeline = self._pipeline
-        pipeline.drain()
+        pipeline.drain(keep)
         if self.client.clock > pipeline.step_clock:
             # The servers moved this worker on (it fell behind closed clocks); follow them.
             log.info("worker %d: clock jumped from %d to %d", self.client.worker,

@@ -304,7 +304,7 @@ class PSClient:
         self.clock = 0
         # The job's rollback count this process joined under (worker.init sets it).
         self.generation = 0
-        # Guards dropped_pushes.
+        # Guards dropped_pushes, and the clock where exchanges may end iterations in parallel.
         self._count_lock = threading.Lock()
         self.dropped_pushes = 0
         # Finds a shard's current address (a restarted server may have moved), e.g. in Redis.
@@ -891,7 +891,7 @@ class PSClient:
     def exchange(
         self, pushes: Sequence[Push] = (), *, end_iteration: bool = False,
         pulls: Sequence[Pull] = (), push_clock: int | None = None,
-        pull_clock: int | None = None,
+        pull_clock: int | None = None, follow_open_clock: bool = True,
     ) -> list[torch.Tensor]:
         """Pushes gradients, ends the iteration and pulls, in one request per shard. Blocks.
 
@@ -905,6 +905,10 @@ class PSClient:
         The same as the separate calls in that order, at the cost of one round trip per
         shard; pushes keep their exactly-once numbering, so a retried exchange applies
         nothing twice. Requests too large for one message are sent as those separate calls.
+        `follow_open_clock=False` keeps the clock from jumping to the oldest open sync
+        clock: for callers with several exchanges of their own in flight, whose later ticks
+        may have closed clocks already.
+        Thread-safe; the clock only moves forward.
         """
         push_clock = self.clock if push_clock is None else push_clock
         if pull_clock is None:
@@ -925,7 +929,11 @@ class PSClient:
                 self._count_push(Frame(result, {}))
             plan.unpack(shard, frame)
         if end_iteration:
-            self.clock = max(push_clock + 1, min(f.msg.open_clock for f in frames))
+            ended = push_clock + 1
+            if follow_open_clock:
+                ended = max(ended, min(f.msg.open_clock for f in frames))
+            with self._count_lock:
+                self.clock = max(self.clock, ended)
         return [plan.finish(i, out) for i, out in enumerate(outputs)]
 
     def _exchange_apart(

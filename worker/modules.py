@@ -311,7 +311,7 @@ class _Pipeline:
         pull_clock = tickets[0].clock if tickets else push_clock + 1
         pulled = client.exchange(
             pushes, end_iteration=box is not None, pulls=[t.pull() for t in tickets],
-            push_clock=push_clock, pull_clock=pull_clock,
+            push_clock=push_clock, pull_clock=pull_clock, follow_open_clock=self.depth == 1,
         )
         # Staging in pinned memory here keeps that copy off the training thread.
         return [_staged(rows, t.device) for rows, t in zip(pulled, tickets, strict=True)]

@@ -171,9 +171,11 @@ def test_a_worker_waiting_for_an_absent_initialiser_times_out(client: PSClient) 
         PSDense(client, nn.Linear(2, 1), fresh("orphan"), initialize=False, init_timeout_s=0.2)
 
 
-def test_overlapped_steps_push_every_gradient_exactly_once(client: PSClient) -> None:
-    """Under overlap the pushes of step t run during step t+1 and rows are prefetched; with
-    gradients that do not depend on the parameters, the end state is known exactly."""
+@pytest.mark.parametrize("depth", [1, 2])
+def test_overlapped_steps_push_every_gradient_exactly_once(client: PSClient, depth: int) -> None:
+    """Under overlap the pushes of step t run during step t+1 and rows are prefetched
+    (`depth` steps ahead, with as many exchanges in flight); with gradients that do not
+    depend on the parameters, the end state is known exactly."""
     steps = 6
     emb = PSEmbedding(client, fresh("pipe"), 4, optimizer="sgd", lr=1.0)
     dense = PSDense(client, nn.Linear(8, 1), fresh("pipe_mlp"), optimizer="sgd", lr=1.0)
@@ -183,9 +185,9 @@ def test_overlapped_steps_push_every_gradient_exactly_once(client: PSClient) -> 
     rows_before = client.pull_sparse(emb.table, keys)
     dense_before = client.pull_dense(dense.table)
     pulls_before = table_stat(client, emb.table, "pulls")
-    with PSOptimizer(model) as ps:
+    with PSOptimizer(model, prefetch_depth=depth) as ps:
         assert ps.overlap  # async tables
-        for ids, upcoming in lookahead(batches):
+        for ids, upcoming in lookahead(batches, depth):
             if upcoming is not None:
                 emb.prefetch(upcoming)
             out = dense(emb(ids).flatten(1)).sum()
@@ -307,6 +309,16 @@ def test_sync_prefetch_rides_in_the_step_and_stays_exact(procs: Procs) -> None:
         # Forwards pulled nothing of their own after the first step: every later step's
         # rows came in the previous step's exchange, next to the test's own fresh pulls.
         assert table_stat(c, emb.table, "pulls") == 2 * steps
+
+
+def test_prefetch_depth_stays_within_the_staleness_bound(client: PSClient) -> None:
+    ssp = PSEmbedding(client, fresh("deep"), 2, consistency="ssp:1")
+    with pytest.raises(PSModuleError, match="past the staleness bound 1"):
+        PSOptimizer(ssp, prefetch_depth=2)
+    exact = PSEmbedding(client, fresh("deep"), 2, consistency="sync")
+    with pytest.raises(PSModuleError, match="prefetch_depth must be 1, or more with overlap"):
+        PSOptimizer(exact, prefetch_depth=2)
+    PSOptimizer(ssp, prefetch_depth=1).close()
 
 
 def test_sync_tables_refuse_overlap(client: PSClient) -> None:

@@ -323,6 +323,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     trained = 0
     train_s = 0.0
     val_auc = float("nan")
+    curve: list[tuple[float, float]] = []
     for epoch in range(args.epochs):
         epoch_start = time.monotonic()
         losses: list[float] = []
@@ -344,6 +345,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             ps.flush()
         train_s += time.monotonic() - epoch_start
         val_auc, val_loss = evaluate(model, data, parts.val)
+        # Test AUC after each epoch against the wall time so far: the learning curve.
+        curve.append((round(time.monotonic() - started, 2),
+                      round(evaluate(model, data, parts.test)[0], 5)))
         log.info("epoch %d: train loss %.4f, val AUC %.4f, val log loss %.4f, %.0f samples/s",
                  epoch + 1, float(np.mean(losses)), val_auc, val_loss,
                  trained / max(train_s, 1e-9))
@@ -355,6 +359,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "mode": mode, "rank": args.rank, "world_size": args.world_size,
         "epochs": args.epochs, "batch_size": args.batch_size, "train_samples": len(train_rows),
         "overlap": ps.overlap if ps else None,
+        "prefetch_depth": ps.prefetch_depth if ps else None, "curve": curve,
     }
     if ps is not None and client is not None:
         ps.close()

@@ -253,7 +253,9 @@ def command_lines(block: str) -> list[list[str]]:
     for code in re.findall(r"```bash\n(.*?)```", block, flags=re.S):
         for line in code.replace("\\\n", " ").splitlines():
             segment: list[str] = []
-            for word in [*shlex.split(line, comments=True), ";"]:
+            lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+            lexer.whitespace_split = True
+            for word in [*lexer, ";"]:
                 if word in ("&", "&&", "||", ";"):
                     if segment and Path(segment[0]).name == "pstrain":
                         out.append(segment)

@@ -127,6 +127,15 @@ def _as_ids(ids: torch.Tensor, what: str) -> torch.Tensor:
     return ids.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
 
 
+def _same_ids(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two flat int64 CPU id tensors are equal.
+
+    Compared as bytes, not with torch.equal: a torch op lets go of the GIL, and the
+    exchange thread that takes it over keeps the training thread waiting.
+    """
+    return a.shape == b.shape and a.numpy().tobytes() == b.numpy().tobytes()
+
+
 def _staged(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`host` ready for a copy to `device`: in pinned memory when `device` is a GPU."""
     if device.type != "cuda" or host.is_pinned():
@@ -370,7 +379,7 @@ class _PSModule(nn.Module):
                 return None
             self._tickets.popleft()
             if head.clock == clock and (
-                ids is None or (head.ids is not None and torch.equal(head.ids, ids))
+                ids is None or (head.ids is not None and _same_ids(head.ids, ids))
             ):
                 return head
             log.debug("worker %d: table %r: pull for step %d unused at step %d",

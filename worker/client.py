@@ -517,16 +517,28 @@ class PSClient:
         behind closed sync clocks (a backup, a straggler) jumps to the oldest open one, so it
         carries on from the newest parameters instead of pushing gradients bound to be dropped.
         """
+        return self._end(self.clock, follow_open_clock=True)
+
+    def _end(self, clock: int, follow_open_clock: bool) -> int:
         request = pb.TickRequest(
-            worker=self.worker, incarnation=self.incarnation, clock=self.clock,
+            worker=self.worker, incarnation=self.incarnation, clock=clock,
             generation=self.generation,
         ).SerializeToString()
         frames = self._each(
             [(s, partial(self._unary, s, "Tick", request)) for s in self._shards],
-            f"end iteration {self.clock}",
+            f"end iteration {clock}",
         )
-        self.clock = max(self.clock + 1, min(f.msg.open_clock for f in frames))
-        return self.clock
+        return self._ended(clock, frames if follow_open_clock else [])
+
+    def _ended(self, clock: int, frames: Sequence[Frame[Any]]) -> int:
+        """Moves the clock past iteration `clock`, and on to the oldest open sync clock the
+        shards answered in `frames` (none: no jump). Only forward; thread-safe."""
+        ended = clock + 1
+        if frames:
+            ended = max(ended, min(int(f.msg.open_clock) for f in frames))
+        with self._count_lock:
+            self.clock = max(self.clock, ended)
+            return self.clock
 
     def join(self) -> int:
         """Announces this process (its incarnation) to every shard; sets and returns its clock.
@@ -918,7 +930,8 @@ class PSClient:
             plan.push(push)
         outputs = [plan.pull(pull) for pull in pulls]
         if plan.too_large():
-            return self._exchange_apart(pushes, end_iteration, pulls, push_clock, pull_clock)
+            return self._exchange_apart(pushes, end_iteration, pulls, push_clock, pull_clock,
+                                        follow_open_clock)
         requests = plan.requests()
         frames = self._each(
             [(s, partial(self._unary, s, "Exchange", data)) for s, data in requests],
@@ -929,16 +942,12 @@ class PSClient:
                 self._count_push(Frame(result, {}))
             plan.unpack(shard, frame)
         if end_iteration:
-            ended = push_clock + 1
-            if follow_open_clock:
-                ended = max(ended, min(f.msg.open_clock for f in frames))
-            with self._count_lock:
-                self.clock = max(self.clock, ended)
+            self._ended(push_clock, frames if follow_open_clock else [])
         return [plan.finish(i, out) for i, out in enumerate(outputs)]
 
     def _exchange_apart(
         self, pushes: Sequence[Push], end_iteration: bool, pulls: Sequence[Pull],
-        push_clock: int, pull_clock: int,
+        push_clock: int, pull_clock: int, follow_open_clock: bool,
     ) -> list[torch.Tensor]:
         for push in pushes:
             if push.keys is None:
@@ -947,12 +956,7 @@ class PSClient:
                 self.push_sparse(push.table, push.keys, push.grad, clock=push_clock,
                                  assume_unique=push.assume_unique)
         if end_iteration:
-            saved, self.clock = self.clock, push_clock
-            try:
-                self.end_iteration()
-            except BaseException:
-                self.clock = saved
-                raise
+            self._end(push_clock, follow_open_clock)
         return [
             self.pull_dense(pull.table, clock=pull_clock)
             if pull.keys is None

@@ -7,11 +7,14 @@ Runs the examples as a user does (`--local`, and under `pstrain up`), in one run
   2 workers on 1 server in sync, ssp (s=2) and async. Goals: sync >= local - 0.005; ssp
   and async >= local - 0.01.
 - speed: samples/s of 1 server + 1 worker (async, overlapped) against single-process
-  PyTorch on the same model, at batch 128 and 1024. Goals: >= 0.6x and >= 0.8x.
+  PyTorch on the same model, at batch 128 and 1024, with prefetch depth 1 (the default)
+  and 2; each the ratio of the medians of --repeats alternated runs. Goals: >= 0.6x and
+  >= 0.8x.
 - growth: examples/synthetic_ctr.py on 2 servers until the tables hold --growth-rows rows:
   samples/s at the end against the start (goal >= 0.8x), and server memory per row against
   the raw bytes of its value and Adagrad state.
-Prints a table; writes JSON and a PNG (test AUC against wall time per mode) under
+Prints a table; writes JSON and a PNG (test AUC after each epoch against wall time, per
+mode and run) under
 benchmarks/results/ (and --json PATH).
 """
 
@@ -76,11 +79,18 @@ def bench_auc(seeds: list[int], extra: list[str]) -> dict[str, list[dict[str, fl
     return runs
 
 
-def bench_speed(batch: int, extra: list[str]) -> dict[str, float]:
-    args = ["--batch-size", str(batch), "--epochs", "1", *extra]
-    local = run_local(args)["samples_per_s"]
-    distributed = run_up(1, 1, MODES["async"], args)["samples_per_s"]
-    return {"local": local, "distributed": distributed, "ratio": distributed / local}
+def bench_speed(batch: int, depth: int, repeats: int) -> dict[str, object]:
+    """Local and 1+1 async runs, alternated `repeats` times: the ratio of their medians."""
+    args = ["--batch-size", str(batch), "--epochs", "1"]
+    local: list[float] = []
+    distributed: list[float] = []
+    for _ in range(repeats):
+        local.append(run_local(args)["samples_per_s"])
+        distributed.append(run_up(1, 1, MODES["async"],
+                                  [*args, "--prefetch-depth", str(depth)])["samples_per_s"])
+    lm, dm = statistics.median(local), statistics.median(distributed)
+    return {"local": lm, "distributed": dm, "ratio": dm / lm, "local_runs": local,
+            "distributed_runs": distributed}
 
 
 _PROGRESS = re.compile(r"step (\d+): loss [\d.]+, (\d+) samples/s, (\d+) rows")
@@ -141,6 +151,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="1 seed, 2 epochs, 2 M rows")
     p.add_argument("--growth-rows", type=int, default=0, help="default 20 M (quick: 2 M)")
     p.add_argument("--json", help="also write the figures to this path")
+    p.add_argument("--repeats", type=int, default=3, help="speed runs per setting")
     a = p.parse_args()
     seeds = [0] if a.quick else [0, 1, 2]
     extra = ["--epochs", "2"] if a.quick else []
@@ -150,10 +161,13 @@ def main() -> None:
     runs = bench_auc(seeds, extra)
     auc = {m: statistics.mean(r["test_auc"] for r in rs) for m, rs in runs.items()}
     print("speed, 1 server + 1 worker against single-process ...", flush=True)
-    speed = {b: bench_speed(b, []) for b in (128, 1024)}
-    for b, s in speed.items():
-        print(f"  batch {b}: local {s['local']:.0f}, distributed {s['distributed']:.0f} "
-              f"samples/s: {s['ratio']:.2f}x", flush=True)
+    speed: dict[str, dict[str, object]] = {}
+    for depth in (1, 2):
+        for b in (128, 1024):
+            s = speed[f"b{b}_depth{depth}"] = bench_speed(b, depth, a.repeats)
+            print(f"  batch {b}, prefetch depth {depth}: local {s['local']:.0f}, distributed "
+                  f"{s['distributed']:.0f} samples/s (medians of {a.repeats}): "
+                  f"{s['ratio']:.2f}x", flush=True)
     print(f"growth: synthetic_ctr on 2 servers to {growth_rows:,} rows ...", flush=True)
     growth = bench_growth(growth_rows, 4096, 16)
 
@@ -164,16 +178,21 @@ def main() -> None:
         "auc": auc,
         "auc_runs": {m: [r["test_auc"] for r in rs] for m, rs in runs.items()},
         "wall_s": {m: [r["wall_s"] for r in rs] for m, rs in runs.items()},
-        "speed_ratio_b128": speed[128]["ratio"], "speed_ratio_b1024": speed[1024]["ratio"],
-        "speed": {str(b): s for b, s in speed.items()},
+        "speed_ratio_b128": speed["b128_depth1"]["ratio"],
+        "speed_ratio_b1024": speed["b1024_depth1"]["ratio"],
+        "speed_ratio_b128_depth2": speed["b128_depth2"]["ratio"],
+        "speed_ratio_b1024_depth2": speed["b1024_depth2"]["ratio"],
+        "speed": speed,
         "growth_ratio": growth["growth_ratio"], "growth": growth,
     }
     print(f"\ntraining, {results['date']}, {results['machine']}")
     for m, v in auc.items():
         delta = "" if m == "local" else f"  ({v - auc['local']:+.4f} vs local)"
         print(f"  AUC {m:<6} {v:.4f}{delta}")
-    print(f"  speed 1+1 vs local: batch 128 {speed[128]['ratio']:.2f}x (goal 0.6), batch 1024 "
-          f"{speed[1024]['ratio']:.2f}x (goal 0.8)")
+    for depth in (1, 2):
+        print(f"  speed 1+1 vs local, prefetch depth {depth}: batch 128 "
+              f"{speed[f'b128_depth{depth}']['ratio']:.2f}x (goal 0.6), batch 1024 "
+              f"{speed[f'b1024_depth{depth}']['ratio']:.2f}x (goal 0.8)")
     print(f"  growth to {growth['rows']:,} rows: end/start {growth['growth_ratio']:.2f}x "
           f"(goal 0.8); {growth['bytes_per_row']:.0f} B/row = "
           f"{growth['row_memory_ratio']:.2f}x raw")
@@ -185,9 +204,12 @@ def main() -> None:
         print(f"wrote {path}")
     fig, ax = plt.subplots(figsize=(6, 4))
     for m, rs in runs.items():
-        ax.scatter([r["wall_s"] for r in rs], [r["test_auc"] for r in rs], label=m)
-    ax.set_xlabel("wall time (s)")
-    ax.set_ylabel("test AUC")
+        for i, r in enumerate(rs):
+            curve = list(r["curve"])
+            ax.plot([c[0] for c in curve], [c[1] for c in curve], marker=".",
+                    color=f"C{list(runs).index(m)}", label=m if i == 0 else None, alpha=0.8)
+    ax.set_xlabel("wall time since start (s)")
+    ax.set_ylabel("test AUC after each epoch")
     ax.set_title(f"MovieLens-100k, {len(seeds)} seed(s) ({results['date']})")
     ax.legend()
     fig.tight_layout()

@@ -309,7 +309,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     else:
         client, ctx = connect(args)
         model = ps_model(client, data, hyper, args.seed)
-        ps = PSOptimizer(model, overlap=None if args.overlap == "auto" else args.overlap == "on")
+        ps = PSOptimizer(model, overlap=None if args.overlap == "auto" else args.overlap == "on",
+                         prefetch_depth=args.prefetch_depth)
         optimizers = [ps]
         mine = shard_indices(len(parts.train), args.rank, args.world_size)
         # Every rank takes as many batches per epoch: sync clocks need all of them each step.
@@ -322,10 +323,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     trained = 0
     train_s = 0.0
     val_auc = float("nan")
+    curve: list[tuple[float, float]] = []
     for epoch in range(args.epochs):
         epoch_start = time.monotonic()
         losses: list[float] = []
-        for batch, upcoming in lookahead(batches(data, train_rows, args.batch_size, rng)):
+        ahead = ps.prefetch_depth if ps is not None else 1
+        for batch, upcoming in lookahead(batches(data, train_rows, args.batch_size, rng), ahead):
             if upcoming is not None:
                 model.prefetch(upcoming)
             loss = F.binary_cross_entropy_with_logits(model(batch), batch.labels)
@@ -342,6 +345,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             ps.flush()
         train_s += time.monotonic() - epoch_start
         val_auc, val_loss = evaluate(model, data, parts.val)
+        # Test AUC after each epoch against the wall time so far: the learning curve.
+        curve.append((round(time.monotonic() - started, 2),
+                      round(evaluate(model, data, parts.test)[0], 5)))
         log.info("epoch %d: train loss %.4f, val AUC %.4f, val log loss %.4f, %.0f samples/s",
                  epoch + 1, float(np.mean(losses)), val_auc, val_loss,
                  trained / max(train_s, 1e-9))
@@ -353,6 +359,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "mode": mode, "rank": args.rank, "world_size": args.world_size,
         "epochs": args.epochs, "batch_size": args.batch_size, "train_samples": len(train_rows),
         "overlap": ps.overlap if ps else None,
+        "prefetch_depth": ps.prefetch_depth if ps else None, "curve": curve,
     }
     if ps is not None and client is not None:
         ps.close()
@@ -377,6 +384,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="distributed: overlap pulls/pushes with compute (auto: where the "
                         "tables' consistency mode allows it)")
+    p.add_argument("--prefetch-depth", type=int, default=1,
+                   help="distributed, with overlap: pull this many steps ahead, with as many "
+                        "exchanges in flight (reads up to this many steps stale)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = p.parse_args(argv)
     if not 0 <= args.rank < args.world_size:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
@@ -109,11 +109,14 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def encode(msg: Message, bulk: Mapping[str, Buffer] | None = None) -> bytes:
+def encode(
+    msg: Message, bulk: Mapping[str, Buffer | Sequence[Buffer]] | None = None
+) -> bytes:
     """Serialize `msg` followed by its bulk fields; copies each bulk buffer once.
 
     `bulk` maps names of top-level `bytes` fields of `msg` to buffers (numpy arrays, tensors'
-    numpy views, memoryviews). Those fields must not also be set on `msg` itself.
+    numpy views, memoryviews), or to a list of buffers that the field carries back to back.
+    Those fields must not also be set on `msg` itself.
     """
     head = msg.SerializeToString()
     if not bulk:
@@ -124,10 +127,11 @@ def encode(msg: Message, bulk: Mapping[str, Buffer] | None = None) -> bytes:
         number = numbers.get(name)
         if number is None:
             raise WireError(f"{type(msg).__name__} has no bytes field named {name!r}")
-        view = memoryview(buf).cast("B")
+        buffers = list(buf) if isinstance(buf, list | tuple) else [cast(Buffer, buf)]
+        views = [memoryview(b).cast("B") for b in buffers]
         parts.append(_varint(number << 3 | _WIRE_LEN))
-        parts.append(_varint(view.nbytes))
-        parts.append(view)
+        parts.append(_varint(sum(v.nbytes for v in views)))
+        parts.extend(views)
     return b"".join(parts)
 
 
@@ -175,6 +179,35 @@ def decode(cls: type[M], data: bytes) -> Frame[M]:
     except DecodeError as exc:
         raise WireError(f"cannot parse {cls.__name__}: {exc}") from exc
     return Frame(msg, bulk)
+
+
+class Payload:
+    """Bulk parts laid back to back in one `bytes` field, each named by a Span.
+
+    `add` keeps a view of each part (no copy); `encode(msg, {field: payload.parts})` copies
+    them once into the message. Not thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self.parts: list[memoryview] = []
+        self.nbytes = 0
+
+    def add(self, buf: Buffer) -> pb.Span:
+        view = memoryview(buf).cast("B")
+        span = pb.Span(offset=self.nbytes, length=view.nbytes)
+        self.parts.append(view)
+        self.nbytes += view.nbytes
+        return span
+
+
+def span_of(payload: memoryview, span: pb.Span, what: str) -> memoryview:
+    """The bytes `span` names in `payload`; WireError when it reaches past the end."""
+    end = span.offset + span.length
+    if end > payload.nbytes:
+        raise WireError(
+            f"{what} names bytes [{span.offset}, {end}) of a {payload.nbytes}-byte payload"
+        )
+    return payload[span.offset : end]
 
 
 # ---- arrays --------------------------------------------------------------------------------

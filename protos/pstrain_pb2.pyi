@@ -535,3 +535,93 @@ class BulkRef(_message.Message):
     length: int
     tag: int
     def __init__(self, session: _Optional[int] = ..., segment: _Optional[int] = ..., fd: _Optional[int] = ..., segment_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., tag: _Optional[int] = ...) -> None: ...
+
+class Span(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class ExchangePush(_message.Message):
+    __slots__ = ("table", "seq", "dtype", "dim", "shape", "keys", "values", "dense")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    seq: int
+    dtype: DType
+    dim: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    keys: Span
+    values: Span
+    dense: bool
+    def __init__(self, table: _Optional[str] = ..., seq: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., dim: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., keys: _Optional[_Union[Span, _Mapping]] = ..., values: _Optional[_Union[Span, _Mapping]] = ..., dense: _Optional[bool] = ...) -> None: ...
+
+class ExchangePull(_message.Message):
+    __slots__ = ("table", "keys", "dense")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: Span
+    dense: bool
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[_Union[Span, _Mapping]] = ..., dense: _Optional[bool] = ...) -> None: ...
+
+class ExchangeRequest(_message.Message):
+    __slots__ = ("worker", "incarnation", "generation", "wait_ms", "push_clock", "pushes", "end_iteration", "pull_clock", "pulls", "payload", "bulk", "answer")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    END_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    PULL_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    BULK_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    incarnation: int
+    generation: int
+    wait_ms: int
+    push_clock: int
+    pushes: _containers.RepeatedCompositeFieldContainer[ExchangePush]
+    end_iteration: bool
+    pull_clock: int
+    pulls: _containers.RepeatedCompositeFieldContainer[ExchangePull]
+    payload: bytes
+    bulk: BulkRef
+    answer: BulkRef
+    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., generation: _Optional[int] = ..., wait_ms: _Optional[int] = ..., push_clock: _Optional[int] = ..., pushes: _Optional[_Iterable[_Union[ExchangePush, _Mapping]]] = ..., end_iteration: _Optional[bool] = ..., pull_clock: _Optional[int] = ..., pulls: _Optional[_Iterable[_Union[ExchangePull, _Mapping]]] = ..., payload: _Optional[bytes] = ..., bulk: _Optional[_Union[BulkRef, _Mapping]] = ..., answer: _Optional[_Union[BulkRef, _Mapping]] = ...) -> None: ...
+
+class ExchangePulled(_message.Message):
+    __slots__ = ("dtype", "shape", "values")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    values: Span
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., values: _Optional[_Union[Span, _Mapping]] = ...) -> None: ...
+
+class ExchangeResponse(_message.Message):
+    __slots__ = ("pushes", "open_clock", "pulled", "payload", "in_bulk")
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    OPEN_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    PULLED_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    IN_BULK_FIELD_NUMBER: _ClassVar[int]
+    pushes: _containers.RepeatedCompositeFieldContainer[PushResponse]
+    open_clock: int
+    pulled: _containers.RepeatedCompositeFieldContainer[ExchangePulled]
+    payload: bytes
+    in_bulk: bool
+    def __init__(self, pushes: _Optional[_Iterable[_Union[PushResponse, _Mapping]]] = ..., open_clock: _Optional[int] = ..., pulled: _Optional[_Iterable[_Union[ExchangePulled, _Mapping]]] = ..., payload: _Optional[bytes] = ..., in_bulk: _Optional[bool] = ...) -> None: ...

@@ -95,6 +95,11 @@ class ParameterServerStub:
                 request_serializer=protos_dot_pstrain__pb2.HandshakeRequest.SerializeToString,
                 response_deserializer=protos_dot_pstrain__pb2.HandshakeResponse.FromString,
                 _registered_method=True)
+        self.Exchange = channel.unary_unary(
+                '/pstrain.v1.ParameterServer/Exchange',
+                request_serializer=protos_dot_pstrain__pb2.ExchangeRequest.SerializeToString,
+                response_deserializer=protos_dot_pstrain__pb2.ExchangeResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -173,6 +178,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Exchange(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -235,6 +246,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Handshake,
                     request_deserializer=protos_dot_pstrain__pb2.HandshakeRequest.FromString,
                     response_serializer=protos_dot_pstrain__pb2.HandshakeResponse.SerializeToString,
+            ),
+            'Exchange': grpc.unary_unary_rpc_method_handler(
+                    servicer.Exchange,
+                    request_deserializer=protos_dot_pstrain__pb2.ExchangeRequest.FromString,
+                    response_serializer=protos_dot_pstrain__pb2.ExchangeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -562,6 +578,33 @@ class ParameterServer:
             '/pstrain.v1.ParameterServer/Handshake',
             protos_dot_pstrain__pb2.HandshakeRequest.SerializeToString,
             protos_dot_pstrain__pb2.HandshakeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exchange(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.ParameterServer/Exchange',
+            protos_dot_pstrain__pb2.ExchangeRequest.SerializeToString,
+            protos_dot_pstrain__pb2.ExchangeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -226,8 +226,14 @@ class Optimizer(ABC, Generic[ConfigT]):
         grad: torch.Tensor,
         state: Mapping[str, torch.Tensor],
         step: torch.Tensor | None,
+        *,
+        trusted: bool = False,
     ) -> None:
         """Apply one update to rows ``rows`` of a sparse table's storage, in place.
+
+        ``trusted`` skips the checks below: for a caller (the sparse table) whose storage,
+        state, step and row numbers are its own, and so valid by construction; on the
+        small pushes of a training step the checks cost as much as the update.
 
         ``param`` is the table's ``[capacity, dim]`` storage, ``rows`` a 1-D int64 tensor of
         row numbers, ``grad`` the ``[len(rows), dim]`` gradient, and ``state`` maps each name
@@ -247,6 +253,11 @@ class Optimizer(ABC, Generic[ConfigT]):
 
         Does not block; see the class docstring for thread-safety.
         """
+        if trusted:
+            if rows.shape[0]:
+                with torch.no_grad():
+                    self._update_rows(param, rows, grad, state, step)
+            return
         self._check_floating("param", param)
         if param.dim() != 2:
             raise InvalidArgumentError(
@@ -363,6 +374,10 @@ def _blocks(n: int, dim: int) -> Iterator[slice]:
         yield slice(start, min(start + size, n))
 
 
+# Below this many rows the sweep is too short for address order to pay for the sort.
+_SORT_MIN_ROWS = 4096
+
+
 def _in_address_order(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` sorted, and the permutation that sorts them (to gather the gradient with).
 
@@ -372,6 +387,8 @@ def _in_address_order(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     at 64k random rows of 64 floats in a 2M-row table. The result does not depend on the order
     because rows are unique.
     """
+    if rows.shape[0] < _SORT_MIN_ROWS:
+        return rows, torch.arange(rows.shape[0])
     return torch.sort(rows)
 
 

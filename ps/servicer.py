@@ -36,7 +36,17 @@ from ps.errors import (
     ResourceExhaustedError,
 )
 from ps.initializers import InitSpec
-from ps.shard import ClockState, PushMeta, PushOutcome, Shard
+from ps.shard import (
+    ClockState,
+    DensePush,
+    Exchange,
+    ExchangeResult,
+    Pull,
+    PushMeta,
+    PushOutcome,
+    Shard,
+    SparsePush,
+)
 from ps.tables import OptimizerConfig, SparseRows, TableSpec, TableStats
 
 log = logging.getLogger(__name__)
@@ -137,11 +147,77 @@ def _meta(msg: pb.PushDenseHeader | pb.PushSparseHeader) -> PushMeta:
     )
 
 
-def _push_response(outcome: PushOutcome, elements: int) -> bytes:
+def _push_result(outcome: PushOutcome, elements: int) -> pb.PushResponse:
     return pb.PushResponse(
         duplicate=outcome is PushOutcome.DUPLICATE, dropped=outcome is PushOutcome.DROPPED,
         elements=elements,
-    ).SerializeToString()
+    )
+
+
+def _push_response(outcome: PushOutcome, elements: int) -> bytes:
+    return _push_result(outcome, elements).SerializeToString()
+
+
+def exchange_from_proto(msg: pb.ExchangeRequest, payload: memoryview) -> Exchange:
+    """A domain Exchange from its wire form; WireError or InvalidArgumentError if malformed."""
+    wait_s = msg.wait_ms / 1000
+    pushes: list[SparsePush | DensePush] = []
+    for p in msg.pushes:
+        what = f"push to {p.table!r}"
+        meta = PushMeta(worker=msg.worker, incarnation=msg.incarnation, seq=p.seq,
+                        clock=msg.push_clock, wait_s=wait_s, generation=msg.generation)
+        dtype = codec.dtype_from_wire(p.dtype)
+        values = codec.span_of(payload, p.values, what)
+        if not p.dense:
+            keys = codec.keys_from_bytes(codec.span_of(payload, p.keys, what))
+            pushes.append(SparsePush(p.table, meta, dtype, p.dim, keys, values))
+            continue
+        shape = tuple(p.shape)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        expected = math.prod(shape) * itemsize
+        if values.nbytes != expected:
+            raise InvalidArgumentError(
+                f"dense push to {p.table!r} carries {values.nbytes} bytes but shape "
+                f"{list(shape)} of {codec.dtype_name(p.dtype)} needs {expected}"
+            )
+        flat = codec.tensor_from_bytes(values, dtype, (expected // itemsize,))
+        pushes.append(DensePush(p.table, meta, dtype, shape, flat))
+    pulls = [
+        Pull(q.table) if q.dense else Pull(
+            q.table, codec.keys_from_bytes(codec.span_of(payload, q.keys, f"pull of {q.table!r}"))
+        )
+        for q in msg.pulls
+    ]
+    return Exchange(
+        worker=msg.worker, incarnation=msg.incarnation, generation=msg.generation,
+        push_clock=msg.push_clock, pushes=pushes, end_iteration=msg.end_iteration,
+        pull_clock=msg.pull_clock, pulls=pulls, wait_s=wait_s,
+    )
+
+
+def exchange_to_proto(
+    exchange: Exchange, result: ExchangeResult
+) -> tuple[pb.ExchangeResponse, codec.Payload]:
+    """The wire answer to `exchange`, and the bulk bytes it names."""
+    response = pb.ExchangeResponse(
+        pushes=[
+            _push_result(outcome, _elements(push))
+            for push, outcome in zip(exchange.pushes, result.outcomes, strict=True)
+        ],
+        open_clock=result.open_clock or 0,
+    )
+    payload = codec.Payload()
+    for pulled in result.pulled:
+        values = pulled if isinstance(pulled, torch.Tensor) else pulled.gather(0, len(pulled))
+        response.pulled.append(pb.ExchangePulled(
+            dtype=codec.dtype_to_wire(values.dtype), shape=list(values.shape),
+            values=payload.add(codec.tensor_bytes(values)),
+        ))
+    return response, payload
+
+
+def _elements(push: SparsePush | DensePush) -> int:
+    return len(push.keys) * push.dim if isinstance(push, SparsePush) else push.values.numel()
 
 
 def _stats_to_proto(s: TableStats, mode: str) -> pb.TableStats:
@@ -494,6 +570,49 @@ class ParameterServerServicer:
                                              values)
         return _push_response(outcome, len(keys) * head.dim)
 
+    # ---- a whole step ----------------------------------------------------------------------
+
+    def Exchange(self, request: Frame[pb.ExchangeRequest], context: Any) -> bytes:
+        payload = request.payload("payload")
+
+        def run() -> bytes:
+            if request.msg.HasField("bulk"):
+                return self._exchange_bulk(request.msg)
+            self._check_request_size(payload.nbytes)
+            self.bytes.add(received=payload.nbytes)
+            exchange = exchange_from_proto(request.msg, payload)
+            response, out = exchange_to_proto(exchange, self.shard.exchange(exchange))
+            self.bytes.add(sent=out.nbytes)
+            return codec.encode(response, {"payload": out.parts})
+
+        return _guard(run, context)
+
+    def _exchange_bulk(self, msg: pb.ExchangeRequest) -> bytes:
+        """An exchange whose payload, and answer, lie in the client's bulk region."""
+        bulk = self._bulk()
+        self._check_request_size(msg.bulk.length)
+        with bulk.read(msg.bulk, BULK_TIMEOUT_S) as payload:
+            self.bytes.add(received=payload.nbytes)
+            exchange = exchange_from_proto(msg, payload)
+            result = self.shard.exchange(exchange)
+        response, out = exchange_to_proto(exchange, result)
+        if out.nbytes != msg.answer.length:
+            raise InvalidArgumentError(
+                f"the exchange's answer region holds {msg.answer.length} bytes; the answer "
+                f"needs {out.nbytes}"
+            )
+
+        def fill(view: memoryview) -> None:
+            pos = 0
+            for part in out.parts:
+                view[pos : pos + part.nbytes] = part
+                pos += part.nbytes
+
+        bulk.write(msg.answer, out.nbytes, fill, BULK_TIMEOUT_S)
+        self.bytes.add(sent=out.nbytes)
+        response.in_bulk = True
+        return response.SerializeToString()
+
     def _timed(self, method: str, handler: Callable[..., Any]) -> Callable[..., Any]:
         """`handler`, observing its duration (a whole stream's, for streamed answers)."""
         if self.latency is None:
@@ -550,6 +669,7 @@ class ParameterServerServicer:
             ("Join", unary, pb.JoinRequest),
             ("Restore", unary, pb.RestoreRequest),
             ("Handshake", unary, pb.HandshakeRequest),
+            ("Exchange", unary, pb.ExchangeRequest),
         ]
         methods = {
             name: factory(self._timed(name, getattr(self, name)), request_deserializer=de(cls))

@@ -90,10 +90,70 @@ class PushMeta:
     generation: int = 0  # the job's rollback count the worker joined under
 
 
+@dataclass(frozen=True)
+class SparsePush:
+    table: str
+    meta: PushMeta
+    dtype: torch.dtype
+    dim: int
+    keys: np.ndarray
+    values: memoryview
+
+
+@dataclass(frozen=True)
+class DensePush:
+    table: str
+    meta: PushMeta
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    values: torch.Tensor  # the whole block, flat
+
+
+@dataclass(frozen=True)
+class Pull:
+    table: str
+    keys: np.ndarray | None = None  # None: the dense block
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One worker step on this shard: pushes at `push_clock`, then (optionally) the end of
+    iteration `push_clock`, then pulls at `pull_clock`."""
+
+    worker: int
+    incarnation: int
+    generation: int
+    push_clock: int
+    pushes: Sequence[SparsePush | DensePush]
+    end_iteration: bool
+    pull_clock: int
+    pulls: Sequence[Pull]
+    wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A push that passed every check, ready to go through the ledger and the policy."""
+
+    name: str
+    table: Table
+    policy: Policy
+    meta: PushMeta
+    apply: Callable[[], None]
+    aggregate: Callable[[], None]
+
+
 class PushOutcome(Enum):
     APPLIED = "applied"  # applied now, or aggregated into its sync clock
     DUPLICATE = "duplicate"  # applied before; nothing changed
     DROPPED = "dropped"  # past its clock's quorum: counted, not applied
+
+
+@dataclass(frozen=True)
+class ExchangeResult:
+    outcomes: list[PushOutcome]
+    open_clock: int | None  # after the end of the iteration, when it was asked for
+    pulled: list[torch.Tensor | SparseRows]
 
 
 @dataclass(frozen=True)
@@ -299,6 +359,56 @@ class Shard:
         typically as they come off the wire: each is checked on arrival, so validation
         overlaps the transfer, and nothing is applied until every part has passed.
         """
+        return self._commit(self._prepare_dense(name, meta, dtype, shape, parts))
+
+    def push_sparse(
+        self, name: str, meta: PushMeta, dtype: torch.dtype, dim: int, keys: np.ndarray,
+        values: memoryview,
+    ) -> PushOutcome:
+        """Applies a sparse push once, as the table's mode says.
+
+        `values` are the raw row bytes in key order, checked against the keys here.
+        """
+        return self._commit(self._prepare_sparse(name, meta, dtype, dim, keys, values))
+
+    def exchange(self, request: Exchange) -> ExchangeResult:
+        """A worker's step in one call: its pushes, the end of its iteration, its pulls.
+
+        Every push and pull is checked before anything changes, so a refused exchange
+        changes nothing. Then the pushes apply in order (each at most once, as push_*),
+        the iteration ends (if asked), and the pulls are served, waiting as their tables'
+        modes say. Blocks like the calls it combines.
+        """
+        worker, generation = request.worker, request.generation
+        self.check_generation(worker, generation)
+        prepared = [
+            self._prepare_sparse(p.table, p.meta, p.dtype, p.dim, p.keys, p.values)
+            if isinstance(p, SparsePush)
+            else self._prepare_dense(p.table, p.meta, p.dtype, p.shape, ((0, p.values),))
+            for p in request.pushes
+        ]
+        for pull in request.pulls:
+            if pull.keys is None:
+                self._dense(pull.table)
+            else:
+                self._sparse(pull.table)[0].check_keys(pull.keys)
+        outcomes = [self._commit(p) for p in prepared]
+        open_clock = None
+        if request.end_iteration:
+            open_clock = self.tick(worker, request.incarnation, request.push_clock, generation)
+        pulled: list[torch.Tensor | SparseRows] = [
+            self.pull_dense(pull.table, worker, request.pull_clock, request.wait_s, generation)
+            if pull.keys is None
+            else self.pull_sparse(pull.table, worker, request.pull_clock, pull.keys,
+                                  request.wait_s, generation)
+            for pull in request.pulls
+        ]
+        return ExchangeResult(outcomes, open_clock, pulled)
+
+    def _prepare_dense(
+        self, name: str, meta: PushMeta, dtype: torch.dtype, shape: tuple[int, ...],
+        parts: Iterable[tuple[int, torch.Tensor]],
+    ) -> _Prepared:
         table, policy = self._dense(name)
         check = not meta.assign and not table.spec.allow_non_finite
         received: list[tuple[int, torch.Tensor]] = []
@@ -311,20 +421,16 @@ class Shard:
         except PSError:
             table.count(pushes_rejected=1)
             raise
-        return self._push(
+        return _Prepared(
             name, table, policy, meta,
             apply=lambda: table.apply(received, meta.assign),
             aggregate=lambda: self._sum(name, DenseSum).add(received),
         )
 
-    def push_sparse(
+    def _prepare_sparse(
         self, name: str, meta: PushMeta, dtype: torch.dtype, dim: int, keys: np.ndarray,
         values: memoryview,
-    ) -> PushOutcome:
-        """Applies a sparse push once, as the table's mode says.
-
-        `values` are the raw row bytes in key order, checked against the keys here.
-        """
+    ) -> _Prepared:
         table, policy = self._sparse(name)
         try:
             table.check_push(dtype, dim, len(keys), values.nbytes)
@@ -336,11 +442,14 @@ class Shard:
         except PSError:
             table.count(pushes_rejected=1)
             raise
-        return self._push(
+        return _Prepared(
             name, table, policy, meta,
             apply=lambda: table.apply(keys, rows, meta.assign, known),
             aggregate=lambda: self._sum(name, SparseSum).add(keys, rows),
         )
+
+    def _commit(self, p: _Prepared) -> PushOutcome:
+        return self._push(p.name, p.table, p.policy, p.meta, p.apply, p.aggregate)
 
     def _push(
         self, name: str, table: Table, policy: Policy, meta: PushMeta,

@@ -411,7 +411,8 @@ class SparseTable(_Counted):
             if assign:
                 self.value.index_copy_(0, rows, values)
             else:
-                self.optimizer.apply_rows(self.value, rows, values, self.state, self.step)
+                self.optimizer.apply_rows(self.value, rows, values, self.state, self.step,
+                                          trusted=True)
         self.count(pushes_applied=1, rows_pushed=len(keys))
 
     def _rows(self, keys: np.ndarray) -> torch.Tensor:

@@ -1,10 +1,13 @@
-"""Admin calls from the scheduler to parameter servers, over gRPC (the wire contract only)."""
+"""Admin calls from the scheduler to parameter servers, over gRPC (the wire contract only),
+and the health probe behind `pstrain health`."""
 
 from __future__ import annotations
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import pstrain_pb2 as pb
+from scheduler.errors import ConfigError
 
 _SERVICE = "/pstrain.v1.ParameterServer/"
 
@@ -54,3 +57,26 @@ class ServerAdmin:
         for channel in self._channels.values():
             channel.close()
         self._channels.clear()
+
+
+def check_address(address: str) -> str:
+    """`address` if it reads HOST:PORT (IPv6 as [::1]:PORT); ConfigError quoting it if not."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"address must be HOST:PORT with a port in [1, 65535], got {address!r}")
+    return address
+
+
+def health(address: str, service: str = "", timeout_s: float = 2.0) -> str:
+    """Asks the standard gRPC health service at `address` about `service` ("" is the server
+    as a whole). Blocks up to `timeout_s`; returns the status name (SERVING, NOT_SERVING,
+    SERVICE_UNKNOWN, ...) or, when the server cannot be asked, the gRPC error's code and
+    details. Thread-safe (each call has its own channel)."""
+    check_address(address)
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))

@@ -1,8 +1,9 @@
 """The `pstrain` command line. This is the one place it reads environment variables.
 
-Roles run as their own processes: `pstrain server` replaces itself with `python -m ps` and
-`pstrain worker` with the training script, so the CLI never imports the server or the
-worker (DESIGN.md: the launcher starts roles through the CLI).
+Roles run as their own processes: `pstrain server` replaces itself with `python -m ps`, and
+`pstrain worker --rank R` with the training script; `pstrain worker` without a rank claims
+one in Redis and runs the script as its child (scheduler/runner.py). So the CLI never
+imports the server or the worker (DESIGN.md: the launcher starts roles through the CLI).
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from types import FrameType
 
 from protos.transport import ENV_VAR as ENV_TRANSPORT
 from protos.transport import TransportError, parse_choice
-from scheduler.errors import CoordinationError
+from scheduler.admin import check_address, health
+from scheduler.errors import ConfigError, CoordinationError
 from scheduler.launcher import UpConfig, status_of, up
+from scheduler.runner import WorkerRunConfig, run_worker
 from scheduler.scheduler import Scheduler
 from scheduler.spec import JobSpec
 from scheduler.store import JobStore
@@ -83,10 +86,17 @@ def _parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("worker", help="run a training script as a worker of a job")
     _redis_flags(w)
-    w.add_argument("--rank", type=int, help="this worker's rank (default: the first free one)")
+    w.add_argument("--rank", type=int,
+                   help="this worker's rank (default: claim the lowest free one in Redis)")
     w.add_argument("--metrics-port", type=int, default=0,
                    help="serve the worker's Prometheus metrics on this port (0: off)")
     _transport_flag(w)
+    w.add_argument("--spec-wait-s", type=float, default=60.0,
+                   help="without --rank: how long to wait for the job's scheduler to create "
+                        "the job (default 60)")
+    w.add_argument("--rank-wait-s", type=float, default=0.0,
+                   help="without --rank: how long to wait as a spare while every unfinished "
+                        "rank is held by a live worker (default 0: no limit)")
     w.add_argument("script", help="the training script (it calls worker.init())")
     w.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -121,6 +131,12 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("checkpoint", help="ask a job's servers for a checkpoint now")
     _redis_flags(c)
     c.add_argument("--wait-s", type=float, default=120.0, help="how long to wait for it")
+
+    h = sub.add_parser("health", help="ask a server's gRPC health service; exit 0 if SERVING")
+    h.add_argument("address", help="the server's HOST:PORT")
+    h.add_argument("--service", default="",
+                   help="service name to ask about (default '': the server as a whole)")
+    h.add_argument("--timeout-s", type=float, default=2.0, help="how long to wait (default 2)")
     return p
 
 
@@ -169,13 +185,21 @@ def _need_redis(a: argparse.Namespace) -> None:
 def _run(a: argparse.Namespace) -> int:
     if a.command == "worker":
         _need_redis(a)
-        env = {**os.environ, ENV_REDIS: a.redis, ENV_JOB: a.job, **_transport_env(a)}
-        if a.rank is not None:
-            env["PSTRAIN_RANK"] = str(a.rank)
+        script_args = a.args[1:] if a.args[:1] == ["--"] else a.args
+        # The script (started here or by the worker runner) finds the transport here.
+        os.environ.update(_transport_env(a))
+        if a.rank is None:
+            return run_worker(WorkerRunConfig(
+                redis=a.redis, job=a.job, script=a.script, script_args=tuple(script_args),
+                metrics_port=a.metrics_port, spec_wait_s=a.spec_wait_s,
+                rank_wait_s=a.rank_wait_s,
+            ))
+        env = {**os.environ, ENV_REDIS: a.redis, ENV_JOB: a.job, "PSTRAIN_RANK": str(a.rank)}
         if a.metrics_port:
             env["PSTRAIN_METRICS_PORT"] = str(a.metrics_port)
-        script_args = a.args[1:] if a.args[:1] == ["--"] else a.args
         os.execve(sys.executable, [sys.executable, a.script, *script_args], env)
+    if a.command == "health":
+        return _health(a.address, a.service, a.timeout_s)
     if a.command == "scheduler":
         return _scheduler(a)
     if a.command == "up":
@@ -194,6 +218,14 @@ def _run(a: argparse.Namespace) -> int:
         _need_redis(a)
         return _checkpoint(JobStore.connect(a.redis, a.job), a.wait_s)
     raise CoordinationError(f"unknown command {a.command!r}")
+
+
+def _health(address: str, service: str, timeout_s: float) -> int:
+    if timeout_s <= 0:
+        raise ConfigError(f"--timeout-s must be > 0, got {timeout_s:g}")
+    status = health(check_address(address), service, timeout_s)
+    print(f"{address}: {status}")
+    return 0 if status == "SERVING" else 1
 
 
 def _scheduler(a: argparse.Namespace) -> int:
@@ -235,6 +267,8 @@ def _status(store: JobStore, as_json: bool) -> int:
     for e in status["events"]:
         when = time.strftime("%H:%M:%S", time.localtime(e["time"]))
         print(f"  {when} {e['type']:<9} {e['role']} {e['member']}")
+    finished = status["finished_ranks"]
+    print(f"finished ranks: {', '.join(map(str, finished)) if finished else 'none'}")
     latest = status["latest_checkpoint"]
     print(f"latest checkpoint: {latest['id'] if latest else 'none'}")
     return 0

@@ -25,3 +25,11 @@ class JobExistsError(CoordinationError):
 
 class JobNotFoundError(CoordinationError):
     """No job of that name is registered in Redis."""
+
+
+class ConfigError(CoordinationError):
+    """A command's option has a value it cannot use (the message quotes it)."""
+
+
+class RankUnavailableError(CoordinationError):
+    """No rank of the job came free for a worker within its wait."""

@@ -75,7 +75,7 @@ class Child:
     exit_code: int | None = None
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Runs in the child before exec: SIGKILL it when its parent dies."""
     name = ctypes.util.find_library("c")
     if name:
@@ -113,7 +113,7 @@ class Cluster:
                 child.args, env=child.env, stdout=out, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
                 # The launcher runs no other threads, so a pre-exec hook cannot deadlock.
-                preexec_fn=_die_with_parent,  # noqa: PLW1509
+                preexec_fn=die_with_parent,  # noqa: PLW1509
             )
         child.state = State.RUNNING
         child.exit_code = None
@@ -415,6 +415,7 @@ def status_of(store: JobStore, events: int = 20) -> dict[str, Any]:
             })
     out["events"] = [{"id": e.id, "time": e.time_s, "type": e.type, "role": e.role,
                       "member": e.member, **e.detail} for e in store.events()[-events:]]
+    out["finished_ranks"] = sorted(store.finished_ranks())
     latest = store.latest_checkpoint(spec.servers) if spec else None
     out["latest_checkpoint"] = None if latest is None else {"id": latest[0],
                                                             "shards": latest[1]}

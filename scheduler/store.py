@@ -9,11 +9,13 @@ Every key of a job lives under the prefix ``pstrain:{job}:``:
 | ``servers`` | hash | shard -> JSON {address, incarnation, pid, host, restored} |
 | ``workers`` | hash | rank -> JSON {incarnation, pid, host} |
 | ``hb:{role}:{id}`` | string | the latest heartbeat as JSON; expires after the misses allowed |
-| ``events`` | stream | membership events: joined, dead, restored, rollback, checkpoint |
+| ``events`` | stream | events: joined, dead, restored, rollback, checkpoint, claimed, finished |
 | ``checkpoint:request`` | string | JSON {id, clock} of the newest checkpoint asked for |
 | ``checkpoints`` | sorted set | checkpoint ids by time of completion of their first shard |
 | ``checkpoint:{id}`` | hash | shard -> JSON {path, sha256, nbytes, clock} |
 | ``generation`` | integer | bumped by each sync rollback; workers restart when it changes |
+| ``rank:{rank}`` | string | the `pstrain worker` holding the rank: {holder, pid, host}; expires |
+| ``finished`` | set | ranks whose worker ran its script to exit status 0; never claimed again |
 
 Blocking calls with a socket timeout; thread-safe (redis-py pools connections).
 """
@@ -39,6 +41,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# What `claim_rank` answers instead of a rank.
+NO_FREE_RANK = -1
+ALL_FINISHED = -2
+
 # What a lost or restarting Redis raises; callers that must ride out an outage catch these.
 REDIS_DOWN: tuple[type[Exception], ...] = (
     redis.exceptions.ConnectionError,
@@ -50,6 +56,66 @@ REDIS_DOWN: tuple[type[Exception], ...] = (
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+# Takes the lowest rank that is neither finished nor held (by a `pstrain worker` claim or a
+# live heartbeat). KEYS: finished set, then the W rank keys, then the W heartbeat keys.
+# ARGV: the holder's JSON, the time to live in ms, W. Returns the rank, -1 when every
+# unfinished rank is held, -2 when every rank has finished.
+_CLAIM_RANK = """
+local w = tonumber(ARGV[3])
+local finished = 0
+for r = 0, w - 1 do
+  if redis.call('SISMEMBER', KEYS[1], tostring(r)) == 1 then
+    finished = finished + 1
+  elseif redis.call('EXISTS', KEYS[2 + r]) == 0 and redis.call('EXISTS', KEYS[2 + w + r]) == 0 then
+    redis.call('SET', KEYS[2 + r], ARGV[1], 'PX', ARGV[2])
+    return r
+  end
+end
+if finished == w then
+  return -2
+end
+return -1
+"""
+
+# Extends a rank claim still held by ARGV[1] (1); takes it back if it lapsed and nobody took
+# it meanwhile (2); 0 when another worker holds it now.
+_RENEW_RANK = """
+local held = redis.call('GET', KEYS[1])
+if held == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if not held then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 2
+end
+return 0
+"""
+
+# Ends a rank claim held by ARGV[1]; with ARGV[2] == '1' the rank joins the finished set.
+_END_RANK = """
+if ARGV[2] == '1' then
+  redis.call('SADD', KEYS[2], ARGV[3])
+end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+end
+return 1
+"""
+
+# The heartbeat-key claim of `worker.init()`, which also leaves alone ranks held by a
+# `pstrain worker` claim and ranks that have finished. KEYS: heartbeat, rank key, finished
+# set; ARGV: payload, time to live in ms, rank.
+_CLAIM_BEAT = """
+if redis.call('EXISTS', KEYS[2]) == 1 or redis.call('SISMEMBER', KEYS[3], ARGV[3]) == 1 then
+  return 0
+end
+if redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2], 'NX') then
+  return 1
 end
 return 0
 """
@@ -100,6 +166,12 @@ class Keys:
 
     def generation(self) -> str:
         return self.prefix + "generation"
+
+    def rank(self, rank: int) -> str:
+        return f"{self.prefix}rank:{rank}"
+
+    def finished(self) -> str:
+        return self.prefix + "finished"
 
 
 @dataclass(frozen=True)
@@ -184,6 +256,8 @@ class JobStore:
         if not spec.created_s:
             spec = dataclasses.replace(spec, created_s=time.time())
         self.put_spec(spec)
+        # A new job under an old name starts with every rank still to run.
+        self.redis.delete(self.keys.finished())
         return spec
 
     def is_live(self) -> bool:
@@ -213,9 +287,18 @@ class JobStore:
         pipe.execute()
 
     def claim(self, role: str, ident: int, payload: Mapping[str, Any], ttl_s: float) -> bool:
-        """Takes `ident` if no live process holds it (its heartbeat key is the claim)."""
-        return bool(self.redis.set(self.keys.heartbeat(role, ident), json.dumps(dict(payload)),
-                                   px=max(1, int(ttl_s * 1000)), nx=True))
+        """Takes `ident` if no live process holds it (its heartbeat key is the claim).
+
+        A worker rank held by a `pstrain worker` claim (`claim_rank`) or finished is not taken.
+        """
+        ttl_ms = max(1, int(ttl_s * 1000))
+        if role != "worker":
+            return bool(self.redis.set(self.keys.heartbeat(role, ident),
+                                       json.dumps(dict(payload)), px=ttl_ms, nx=True))
+        return bool(self.redis.eval(
+            _CLAIM_BEAT, 3, self.keys.heartbeat(role, ident), self.keys.rank(ident),
+            self.keys.finished(), json.dumps(dict(payload)), ttl_ms, ident,
+        ))
 
     def heartbeats(self, role: str, idents: list[int]) -> dict[int, dict[str, Any] | None]:
         """The latest heartbeat of each member, None where it has lapsed."""
@@ -226,6 +309,38 @@ class JobStore:
 
     def forget(self, role: str, ident: int) -> None:
         self.redis.delete(self.keys.heartbeat(role, ident))
+
+    # ---- worker ranks ------------------------------------------------------------------------
+
+    def claim_rank(self, workers: int, holder: str, ttl_s: float) -> int:
+        """Atomically takes the lowest free rank of `workers` for `holder` (a JSON string).
+
+        Free: not finished, no claim and no live heartbeat. Returns the rank, NO_FREE_RANK when
+        every unfinished rank is held, or ALL_FINISHED. The claim expires after `ttl_s` unless
+        renewed.
+        """
+        keys = [self.keys.finished(), *(self.keys.rank(r) for r in range(workers)),
+                *(self.keys.heartbeat("worker", r) for r in range(workers))]
+        return int(self.redis.eval(_CLAIM_RANK, len(keys), *keys, holder,
+                                   max(1, int(ttl_s * 1000)), workers))
+
+    def renew_rank(self, rank: int, holder: str, ttl_s: float) -> int:
+        """Extends `holder`'s claim: 1 renewed, 2 taken back after it lapsed, 0 lost."""
+        return int(self.redis.eval(_RENEW_RANK, 1, self.keys.rank(rank), holder,
+                                   max(1, int(ttl_s * 1000))))
+
+    def end_rank(self, rank: int, holder: str, *, finished: bool) -> None:
+        """Drops `holder`'s claim; with `finished` the rank is never claimed again."""
+        self.redis.eval(_END_RANK, 2, self.keys.rank(rank), self.keys.finished(), holder,
+                        "1" if finished else "0", rank)
+
+    def rank_holders(self, workers: int) -> dict[int, dict[str, Any]]:
+        """The current claim of each claimed rank."""
+        raw = self.redis.mget([self.keys.rank(r) for r in range(workers)])
+        return {r: json.loads(v) for r, v in enumerate(raw) if v is not None}
+
+    def finished_ranks(self) -> set[int]:
+        return {int(_text(r)) for r in self.redis.smembers(self.keys.finished())}
 
     # ---- events ------------------------------------------------------------------------------
 

@@ -305,3 +305,39 @@ def push_sparse(peer: Peer, method: Callable[..., Any], header: pb.PushSparseHea
     )
     region.release()
     return frame
+
+
+def exchange(peer: Peer, method: Callable[..., Any], msg: pb.ExchangeRequest,
+             parts: list[memoryview], nbytes: int, answer_bytes: int, timeout_s: float
+             ) -> tuple[Frame[pb.ExchangeResponse], Region] | None:
+    """Sends an exchange whose payload (`parts`, `nbytes` in all) goes through a region and
+    whose answer's payload comes back into it, from byte `nbytes` on; the caller releases
+    the region. None: go inline."""
+    if not nbytes and not answer_bytes:
+        return None  # nothing bulk: a plain message is cheaper
+    region = _lease(peer, nbytes + answer_bytes)
+    if region is None:
+        return None
+    try:
+        view = region.view
+        pos = 0
+        for part in parts:
+            view[pos : pos + part.nbytes] = part
+            pos += part.nbytes
+        request = pb.ExchangeRequest()
+        request.CopyFrom(msg)
+        request.bulk.CopyFrom(region.send_ref(0, nbytes))
+        request.answer.CopyFrom(region.recv_ref(nbytes, answer_bytes))
+    except BaseException:
+        region.release()
+        raise
+
+    def call() -> Frame[pb.ExchangeResponse]:
+        frame: Frame[pb.ExchangeResponse] = method(request.SerializeToString(),
+                                                   timeout=timeout_s)
+        if not frame.msg.in_bulk:
+            raise ChannelBrokenError("the server answered a bulk exchange inline")
+        return frame
+
+    frame: Frame[pb.ExchangeResponse] = _run(region, call, timeout_s)
+    return frame, region

@@ -93,6 +93,173 @@ class _Shard:
     bulk: Peer = field(default_factory=Peer)  # the transport agreed with this server
 
 
+@dataclass(frozen=True)
+class Push:
+    """A gradient for `PSClient.exchange`: of a dense table (`keys` None) or of sparse rows."""
+
+    table: str
+    grad: torch.Tensor
+    keys: KeysLike | None = None
+    assume_unique: bool = False
+
+
+@dataclass(frozen=True)
+class Pull:
+    """What `PSClient.exchange` pulls: a dense table whole (`keys` None) or sparse rows."""
+
+    table: str
+    keys: KeysLike | None = None
+    assume_unique: bool = False
+
+
+@dataclass
+class _PullOut:
+    """Where the shards' answers to one pull land."""
+
+    values: torch.Tensor  # dense: the whole tensor; sparse: the unique keys' rows
+    inverse: np.ndarray | None = None  # sparse: each asked key's row in `values`
+    dense_width: int = 0
+
+
+class _ExchangePlan:
+    """One exchange's per-shard requests, and how their answers are put back together."""
+
+    def __init__(self, client: PSClient, push_clock: int, end_iteration: bool,
+                 pull_clock: int) -> None:
+        self.client = client
+        self.header = pb.ExchangeRequest(
+            worker=client.worker, incarnation=client.incarnation,
+            generation=client.generation, wait_ms=client._wait_ms(), push_clock=push_clock,
+            end_iteration=end_iteration, pull_clock=pull_clock,
+        )
+        self.shards: dict[int, tuple[pb.ExchangeRequest, codec.Payload]] = {}
+        # Per shard, per pull sent there: (pull index, where its rows go; None: all of them).
+        self.routes: dict[int, list[tuple[int, np.ndarray | RowRange | None]]] = {}
+        self.outputs: list[_PullOut] = []
+        self.answer_bytes: dict[int, int] = {}
+        if end_iteration:
+            for shard in client._shards:
+                self._request(shard.index)
+
+    def _request(self, index: int) -> tuple[pb.ExchangeRequest, codec.Payload]:
+        found = self.shards.get(index)
+        if found is None:
+            msg = pb.ExchangeRequest()
+            msg.CopyFrom(self.header)
+            found = self.shards[index] = (msg, codec.Payload())
+            self.routes[index] = []
+        return found
+
+    def push(self, push: Push) -> None:
+        client = self.client
+        if push.keys is None:
+            table = client._table(push.table, "dense")
+            if tuple(push.grad.shape) != table.shape:
+                raise PSClientError(
+                    f"table {push.table!r} has shape {list(table.shape)}; got "
+                    f"{list(push.grad.shape)}"
+                )
+            values = push.grad.detach().to("cpu").contiguous()
+            flat = values.view(-1) if values.dim() else values.view(1)
+            width = math.prod(table.shape[1:]) if table.shape else 1
+            dtype = client._wire_dtype(values.dtype)
+            for r in table.placement:
+                if not r.rows and table.shape:
+                    continue
+                msg, payload = self._request(r.shard)
+                block = flat[r.start * width : r.end * width]
+                msg.pushes.append(pb.ExchangePush(
+                    table=push.table, seq=next(client._seq), dtype=dtype, dense=True,
+                    shape=[r.rows, *table.shape[1:]] if table.shape else [],
+                    values=payload.add(codec.tensor_bytes(block)),
+                ))
+            return
+        table = client._table(push.table, "sparse")
+        unique, grads = client._coalesce(table, push.keys, push.grad, push.assume_unique)
+        dtype = client._wire_dtype(grads.dtype)
+        for shard, positions in client._route(unique):
+            keys = unique if positions is None else unique[positions]
+            rows = grads if positions is None else grads[torch.from_numpy(positions)]
+            msg, payload = self._request(shard.index)
+            msg.pushes.append(pb.ExchangePush(
+                table=push.table, seq=next(client._seq), dtype=dtype, dim=table.dim,
+                keys=payload.add(codec.keys_bytes(keys)),
+                values=payload.add(codec.tensor_bytes(rows)),
+            ))
+
+    def pull(self, pull: Pull) -> _PullOut:
+        client = self.client
+        index = len(self.outputs)
+        if pull.keys is None:
+            table = client._table(pull.table, "dense")
+            out = _PullOut(torch.empty(table.shape, dtype=table.dtype),
+                           dense_width=math.prod(table.shape[1:]) if table.shape else 1)
+            for r in table.placement:
+                if r.rows or not table.shape:
+                    msg, _ = self._request(r.shard)
+                    msg.pulls.append(pb.ExchangePull(table=pull.table, dense=True))
+                    self.routes[r.shard].append((index, r))
+                    self._expect(r.shard, r.rows * out.dense_width * out.values.element_size())
+        else:
+            table = client._table(pull.table, "sparse")
+            unique, inverse = client._unique(_as_keys(pull.keys), pull.assume_unique)
+            out = _PullOut(torch.empty((len(unique), table.dim), dtype=table.dtype), inverse)
+            row_bytes = table.dim * out.values.element_size()
+            for shard, positions in client._route(unique):
+                keys = unique if positions is None else unique[positions]
+                msg, payload = self._request(shard.index)
+                msg.pulls.append(pb.ExchangePull(
+                    table=pull.table, keys=payload.add(codec.keys_bytes(keys))
+                ))
+                self.routes[shard.index].append((index, positions))
+                self._expect(shard.index, len(keys) * row_bytes)
+        self.outputs.append(out)
+        return out
+
+    def _expect(self, index: int, nbytes: int) -> None:
+        self.answer_bytes[index] = self.answer_bytes.get(index, 0) + nbytes
+
+    def too_large(self) -> bool:
+        """Whether a request or an answer would pass one shard's comfortable message size."""
+        shards = self.client._shards
+        return any(
+            max(payload.nbytes, self.answer_bytes.get(i, 0)) > 2 * shards[i].chunk_bytes
+            for i, (_, payload) in self.shards.items()
+        )
+
+    def requests(self) -> list[tuple[_Shard, pb.ExchangeRequest, codec.Payload, int]]:
+        """(shard, request, its payload, the answer's payload bytes) per shard involved."""
+        return [
+            (self.client._shards[i], msg, payload, self.answer_bytes.get(i, 0))
+            for i, (msg, payload) in sorted(self.shards.items())
+        ]
+
+    def unpack(self, shard: _Shard, msg: pb.ExchangeResponse, payload: memoryview) -> None:
+        """Puts one shard's answer (its pulled parts in `payload`) where the pulls want it."""
+        routes = self.routes[shard.index]
+        if len(msg.pulled) != len(routes):
+            raise PSClientError(
+                f"shard {shard.index} answered {len(msg.pulled)} pulls of {len(routes)}"
+            )
+        for (index, where), part in zip(routes, msg.pulled, strict=True):
+            out = self.outputs[index]
+            data = codec.span_of(payload, part.values, f"shard {shard.index}'s answer")
+            values = codec.tensor_from_bytes(data, out.values.dtype, tuple(part.shape))
+            if isinstance(where, RowRange):
+                flat = out.values.view(-1)
+                start = where.start * out.dense_width
+                flat[start : start + values.numel()].copy_(values.reshape(-1))
+            elif where is None:
+                out.values.copy_(values)
+            else:
+                out.values.index_copy_(0, torch.from_numpy(where), values)
+
+    def finish(self, index: int, out: _PullOut) -> torch.Tensor:
+        if out.inverse is None:
+            return out.values
+        return out.values[torch.from_numpy(out.inverse)]
+
+
 def _as_keys(keys: KeysLike) -> np.ndarray:
     if isinstance(keys, torch.Tensor):
         if keys.dtype != torch.int64:
@@ -144,7 +311,7 @@ class PSClient:
         self.clock = 0
         # The job's rollback count this process joined under (worker.init sets it).
         self.generation = 0
-        # Guards dropped_pushes.
+        # Guards dropped_pushes, and the clock where exchanges may end iterations in parallel.
         self._count_lock = threading.Lock()
         self.dropped_pushes = 0
         # Finds a shard's current address (a restarted server may have moved), e.g. in Redis.
@@ -206,6 +373,7 @@ class PSClient:
             "Join": method("Join", "unary_unary", pb.JoinResponse),
             "SetMembership": method("SetMembership", "unary_unary", pb.MembershipResponse),
             "Handshake": method("Handshake", "unary_unary", pb.HandshakeResponse),
+            "Exchange": method("Exchange", "unary_unary", pb.ExchangeResponse),
         }
         deadline = time.monotonic() + timeout_s
         while True:
@@ -394,16 +562,28 @@ class PSClient:
         behind closed sync clocks (a backup, a straggler) jumps to the oldest open one, so it
         carries on from the newest parameters instead of pushing gradients bound to be dropped.
         """
+        return self._end(self.clock, follow_open_clock=True)
+
+    def _end(self, clock: int, follow_open_clock: bool) -> int:
         request = pb.TickRequest(
-            worker=self.worker, incarnation=self.incarnation, clock=self.clock,
+            worker=self.worker, incarnation=self.incarnation, clock=clock,
             generation=self.generation,
         ).SerializeToString()
         frames = self._each(
             [(s, partial(self._unary, s, "Tick", request)) for s in self._shards],
-            f"end iteration {self.clock}",
+            f"end iteration {clock}",
         )
-        self.clock = max(self.clock + 1, min(f.msg.open_clock for f in frames))
-        return self.clock
+        return self._ended(clock, frames if follow_open_clock else [])
+
+    def _ended(self, clock: int, frames: Sequence[Frame[Any]]) -> int:
+        """Moves the clock past iteration `clock`, and on to the oldest open sync clock the
+        shards answered in `frames` (none: no jump). Only forward; thread-safe."""
+        ended = clock + 1
+        if frames:
+            ended = max(ended, min(int(f.msg.open_clock) for f in frames))
+        with self._count_lock:
+            self.clock = max(self.clock, ended)
+            return self.clock
 
     def join(self) -> int:
         """Announces this process (its incarnation) to every shard; sets and returns its clock.
@@ -803,18 +983,7 @@ class PSClient:
         assume_unique: bool,
     ) -> None:
         table = self._table(name, "sparse")
-        all_keys = _as_keys(keys)
-        grads = grads.detach().to("cpu")
-        if grads.dim() != 2 or grads.shape[0] != len(all_keys) or grads.shape[1] != table.dim:
-            raise PSClientError(
-                f"push to {name!r} needs a [{len(all_keys)}, {table.dim}] gradient, got "
-                f"{list(grads.shape)}"
-            )
-        unique, inverse = self._unique(all_keys, assume_unique)
-        if inverse is not None:
-            summed = torch.zeros((len(unique), table.dim), dtype=grads.dtype)
-            grads = summed.index_add_(0, torch.from_numpy(inverse), grads)
-        grads = grads.contiguous()
+        unique, grads = self._coalesce(table, keys, grads, assume_unique)
         wire_dtype = self._wire_dtype(grads.dtype)
         jobs = []
         for shard, positions in self._route(unique):
@@ -841,6 +1010,23 @@ class PSClient:
             return None
         self._count_push(frame)
         return True
+
+    def _coalesce(
+        self, table: _Table, keys: KeysLike, grads: torch.Tensor, assume_unique: bool
+    ) -> tuple[np.ndarray, torch.Tensor]:
+        """(unique keys, their gradient rows): gradients of repeated keys summed."""
+        all_keys = _as_keys(keys)
+        grads = grads.detach().to("cpu")
+        if grads.dim() != 2 or grads.shape[0] != len(all_keys) or grads.shape[1] != table.dim:
+            raise PSClientError(
+                f"push to {table.name!r} needs a [{len(all_keys)}, {table.dim}] gradient, got "
+                f"{list(grads.shape)}"
+            )
+        unique, inverse = self._unique(all_keys, assume_unique)
+        if inverse is not None:
+            summed = torch.zeros((len(unique), table.dim), dtype=grads.dtype)
+            grads = summed.index_add_(0, torch.from_numpy(inverse), grads)
+        return unique, grads.contiguous()
 
     @staticmethod
     def _sparse_frames(
@@ -885,6 +1071,100 @@ class PSClient:
             positions = order[bounds[s] : bounds[s + 1]]
             if len(positions):
                 yield self._shards[s], positions
+
+    # ---- a whole step in one request per shard -----------------------------------------------
+
+    def exchange(
+        self, pushes: Sequence[Push] = (), *, end_iteration: bool = False,
+        pulls: Sequence[Pull] = (), push_clock: int | None = None,
+        pull_clock: int | None = None, follow_open_clock: bool = True,
+    ) -> list[torch.Tensor]:
+        """Pushes gradients, ends the iteration and pulls, in one request per shard. Blocks.
+
+        Each shard applies its part of `pushes` (gradients, at `push_clock`, default this
+        worker's clock), then ends iteration `push_clock` if `end_iteration` (advancing the
+        clock as `end_iteration()` does), then answers its part of `pulls` at `pull_clock`
+        (default: the clock after the iteration, or the current one), waiting as the tables'
+        modes say. Returns one tensor per pull, in order: a dense table whole, or a sparse
+        pull's `[len(keys), dim]` rows in the caller's order.
+
+        The same as the separate calls in that order, at the cost of one round trip per
+        shard; pushes keep their exactly-once numbering, so a retried exchange applies
+        nothing twice. Requests too large for one message are sent as those separate calls.
+        `follow_open_clock=False` keeps the clock from jumping to the oldest open sync
+        clock: for callers with several exchanges of their own in flight, whose later ticks
+        may have closed clocks already.
+        Thread-safe; the clock only moves forward.
+        """
+        push_clock = self.clock if push_clock is None else push_clock
+        if pull_clock is None:
+            pull_clock = push_clock + 1 if end_iteration else self.clock
+        plan = _ExchangePlan(self, push_clock, end_iteration, pull_clock)
+        for push in pushes:
+            plan.push(push)
+        outputs = [plan.pull(pull) for pull in pulls]
+        if plan.too_large():
+            return self._exchange_apart(pushes, end_iteration, pulls, push_clock, pull_clock,
+                                        follow_open_clock)
+        jobs = [
+            (shard, partial(self._bulk_or_inline, shard,
+                            partial(self._exchange_bulk, plan, shard, msg, payload, answer),
+                            partial(self._exchange_inline, plan, shard, msg, payload)))
+            for shard, msg, payload, answer in plan.requests()
+        ]
+        answers = self._each(jobs, f"exchange {push_clock}")
+        for answer in answers:
+            for result in answer.pushes:
+                self._count_push(Frame(result, {}))
+        if end_iteration:
+            self._ended(push_clock,
+                        [Frame(a, {}) for a in answers] if follow_open_clock else [])
+        return [plan.finish(i, out) for i, out in enumerate(outputs)]
+
+    def _exchange_inline(
+        self, plan: _ExchangePlan, shard: _Shard, msg: pb.ExchangeRequest,
+        payload: codec.Payload,
+    ) -> pb.ExchangeResponse:
+        data = codec.encode(msg, {"payload": payload.parts})
+        frame: Frame[pb.ExchangeResponse] = self._unary(shard, "Exchange", data)
+        plan.unpack(shard, frame.msg, frame.payload("payload"))
+        return frame.msg
+
+    def _exchange_bulk(
+        self, plan: _ExchangePlan, shard: _Shard, msg: pb.ExchangeRequest,
+        payload: codec.Payload, answer_bytes: int, peer: Peer,
+    ) -> pb.ExchangeResponse | None:
+        sent = bulk_io.exchange(peer, shard.methods["Exchange"], msg, payload.parts,
+                                payload.nbytes, answer_bytes, self.timeout_s)
+        if sent is None:
+            return None
+        frame, region = sent
+        try:
+            view = region.view[payload.nbytes : payload.nbytes + answer_bytes]
+            plan.unpack(shard, frame.msg, view)
+        finally:
+            region.release()
+        return frame.msg
+
+    def _exchange_apart(
+        self, pushes: Sequence[Push], end_iteration: bool, pulls: Sequence[Pull],
+        push_clock: int, pull_clock: int, follow_open_clock: bool,
+    ) -> list[torch.Tensor]:
+        for push in pushes:
+            if push.keys is None:
+                self.push_dense(push.table, push.grad, clock=push_clock)
+            else:
+                self.push_sparse(push.table, push.keys, push.grad, clock=push_clock,
+                                 assume_unique=push.assume_unique)
+        if end_iteration:
+            self._end(push_clock, follow_open_clock)
+        return [
+            self.pull_dense(pull.table, clock=pull_clock)
+            if pull.keys is None
+            else self.pull_sparse(pull.table, pull.keys, clock=pull_clock,
+                                  assume_unique=pull.assume_unique)
+            for pull in pulls
+        ]
 
     # ---- introspection ---------------------------------------------------------------------
 

@@ -22,18 +22,20 @@ ends the iteration, so a loop reads like plain PyTorch::
         ps.step()              # pushes; returns at once where the mode allows overlap
     ps.flush()
 
-How a step travels. A forward de-duplicates the ids (`torch.unique`), pulls each unique row
-once and gathers or pools from that small leaf tensor; autograd then leaves each unique row's
-summed gradient in the leaf's `.grad`, which `step()` pushes with `assume_unique=True`. A
-`PSDense` pulls its flat vector at the first forward of a step and `step()` pushes the flat
-gradient: one request per shard and step, however many tensors the module has.
+How a step travels. A forward de-duplicates the ids (`torch.unique`), gathers or pools from
+the unique rows (a small leaf tensor); autograd then leaves each unique row's summed
+gradient in the leaf's `.grad`. A `PSDense` keeps a module's parameters in one flat dense
+table. `step()` hands every table's gradients and the end of the iteration to one
+`PSClient.exchange` per shard, and the same request carries the pulls asked for the next
+step: `prefetch()`ed rows and every PSDense's values. So a step costs one round trip per
+shard, however many tables the model has.
 
 Overlap. Where every table's consistency mode allows staleness (async, or ssp with a bound
-of at least 1), `step()` hands the pushes and the end of the iteration to a background
-thread and returns at once, `prefetch()` pulls the next batch's rows while the current one
-computes, and dense values for the next step are pulled while this step's gradients travel.
-Under `sync` (and ssp with bound 0) nothing overlaps and `prefetch()` does nothing, so the
-same loop keeps sync's exact semantics.
+of at least 1), that exchange leaves at the next step's first forward, in the background,
+and its pulls are ready by the step after: the network time hides behind a step of
+compute, and reads are one step stale. Under `sync` (and ssp with bound 0) `step()` sends
+it and waits, and the pulls in it wait for the iteration to close on the servers, so the
+same loop keeps sync's exact semantics while still paying one round trip per step.
 
 GPU workers. Give the sparse modules `device="cuda"` (or move the model with `.to()`), and
 put the module wrapped by `PSDense` on the GPU. Pulled rows are staged in pinned host
@@ -44,7 +46,6 @@ background pusher waits for that copy before sending.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -56,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.client import PSClient
+from worker.client import PSClient, Pull, Push
 from worker.errors import PSClientError
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,15 @@ def _as_ids(ids: torch.Tensor, what: str) -> torch.Tensor:
     return ids.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
 
 
+def _same_ids(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two flat int64 CPU id tensors are equal.
+
+    Compared as bytes, not with torch.equal: a torch op lets go of the GIL, and the
+    exchange thread that takes it over keeps the training thread waiting.
+    """
+    return a.shape == b.shape and a.numpy().tobytes() == b.numpy().tobytes()
+
+
 def _staged(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`host` ready for a copy to `device`: in pinned memory when `device` is a GPU."""
     if device.type != "cuda" or host.is_pinned():
@@ -162,12 +172,24 @@ class _Pulled:
 
 
 @dataclass
-class _Prefetch:
-    """A pull started ahead of the forward that will use it, for step `clock`."""
+class _Ticket:
+    """A pull a module will need at step `clock`: of sparse rows for `ids`, or (ids None)
+    of a dense table. It waits in the pipeline until an exchange carries it; `future` then
+    gives that exchange's pulled tensors, this ticket's at `index`.
+    """
 
+    table: str
     clock: int
-    ids: torch.Tensor
-    future: Future[_Pulled]
+    device: torch.device
+    ids: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+    inverse: torch.Tensor | None = None
+    future: Future[list[torch.Tensor]] | None = None
+    index: int = -1
+
+    def pull(self) -> Pull:
+        return Pull(self.table, None if self.keys is None else self.keys.numpy(),
+                    assume_unique=True)
 
 
 @dataclass
@@ -189,59 +211,133 @@ class _Gradient:
     keys: torch.Tensor | None = None
 
 
-class _Pipeline:
-    """What a PSOptimizer shares with its modules: the step clock, the overlap switch and
-    the I/O threads.
+@dataclass
+class _Outbox:
+    """A finished step's gradients and the end of its iteration, not sent yet."""
 
-    Thread-safe: `completed` and `wait_completed` may be called from any thread; `clock` is
-    set only by the training thread.
+    clock: int
+    pushes: list[Push]
+    event: torch.cuda.Event | None
+
+
+class _Pipeline:
+    """What a PSOptimizer shares with its modules: the step clock, the tickets of pulls
+    to come, the gradients to send, and the one thread that runs exchanges in order.
+
+    Every step costs one `PSClient.exchange` per shard: a finished step's pushes and the
+    end of its iteration, with the pulls of the steps ahead. With overlap the exchange
+    leaves at the first forward of the next step (so the loop's prefetches ride along) and
+    runs while that step computes; without it `step()` sends it and waits.
+
+    Methods are for the training thread only; the exchange thread touches only futures.
     """
 
-    def __init__(self, client: PSClient, overlap: bool, io_threads: int) -> None:
+    def __init__(
+        self, client: PSClient, overlap: bool, dense: Sequence[PSDense], depth: int
+    ) -> None:
         self.client = client
         self.overlap = overlap
+        # How many steps ahead pulls are asked for, and exchanges may be in flight.
+        self.depth = depth
         # The clock of the step being computed, in overlap mode (the client's clock lags
         # behind it while the previous step's pushes are in flight).
         self.step_clock = client.clock
-        # Pulls and pushes use separate threads: a prefetch that waits on the servers must
-        # never hold up the pushes the servers are waiting for.
-        self.pulls = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="ps-pull")
-        self.pushes = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="ps-push")
-        # Guards _completed: this worker's clock as the servers know it (its last tick).
-        self._cond = threading.Condition()
-        self._completed = client.clock
+        self.dense = list(dense)
+        # With depth 1, one thread: exchanges apply in the order they were sent. Deeper,
+        # `depth` exchanges overlap; each still carries the end of the iteration its own
+        # pulls need, and the staleness bound (>= depth) covers the ones still in flight.
+        self._exchanges = ThreadPoolExecutor(max_workers=depth,
+                                             thread_name_prefix="ps-exchange")
+        self.outbox: _Outbox | None = None
+        self._waiting: list[_Ticket] = []
+        self._dense_clock = -1  # the newest step whose dense pulls were asked for
+        self._sent: deque[Future[list[torch.Tensor]]] = deque()
 
     @property
     def clock(self) -> int:
         """The clock of the step being computed."""
         return self.step_clock if self.overlap else self.client.clock
 
-    def completed(self, clock: int) -> None:
-        """Records that the servers have seen this worker end every iteration before `clock`."""
-        with self._cond:
-            self._completed = max(self._completed, clock)
-            self._cond.notify_all()
+    def wait(self, ticket: _Ticket) -> torch.Tensor:
+        """Blocks until `ticket`'s pull has arrived (sending it first if it is waiting)."""
+        if ticket.future is None:
+            self.dispatch(outbox=self.overlap, up_to=ticket.clock)
+        if ticket.future is None:
+            raise PSModuleError(f"the pull of {ticket.table!r} for step {ticket.clock} was "
+                                "never sent")
+        return ticket.future.result()[ticket.index]
 
-    def wait_completed(self, clock: int, timeout_s: float) -> None:
-        """Blocks until this worker's own clock on the servers has reached `clock`.
+    def forward_started(self) -> None:
+        """A PS module's forward is about to run. With overlap, the first of a step sends
+        the previous step's gradients with the pulls asked for the next step."""
+        if self.overlap:
+            self.ask_dense(self.step_clock + self.depth)
+            # Pulls further ahead wait for their turn: sent now, they could wait on this
+            # worker's own iterations still to come.
+            self.dispatch(outbox=True, up_to=self.step_clock + self.depth)
 
-        A prefetch under ssp waits here for this worker's own pushes before its pull may
-        wait on the servers for other workers only, so no worker ever waits on itself.
-        """
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while self._completed < clock:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise PSModuleError(
-                        f"worker {self.client.worker}: waited {timeout_s:g} s for its own "
-                        f"clock {clock} (at {self._completed}); the step pushes are stuck"
-                    )
-                self._cond.wait(left)
+    def ask(self, ticket: _Ticket) -> _Ticket:
+        self._waiting.append(ticket)
+        return ticket
+
+    def ask_dense(self, clock: int) -> None:
+        """Tickets for every PSDense module's values at step `clock`, once per step."""
+        if clock <= self._dense_clock:
+            return
+        self._dense_clock = clock
+        for module in self.dense:
+            module._tickets.append(self.ask(
+                _Ticket(module.table, clock, module.device)
+            ))
+
+    def dispatch(self, *, outbox: bool, up_to: int | None = None) -> None:
+        """Sends, as one exchange, the outbox (if `outbox`) and the waiting tickets for
+        steps up to `up_to` (all when None). Does not wait for it."""
+        tickets = [t for t in self._waiting if up_to is None or t.clock <= up_to]
+        box = self.outbox if outbox else None
+        if box is None and not tickets:
+            return
+        if box is not None:
+            self.outbox = None
+        self._waiting = [t for t in self._waiting if t not in tickets]
+        clocks = sorted({t.clock for t in tickets})
+        # Pulls for different steps wait for different clocks: one exchange per step.
+        groups = [[t for t in tickets if t.clock == c] for c in clocks] or [[]]
+        for i, group in enumerate(groups):
+            future = self._exchanges.submit(self._run, box if i == 0 else None, group)
+            for index, ticket in enumerate(group):
+                ticket.future, ticket.index = future, index
+            self._sent.append(future)
+        while len(self._sent) > self.depth + 4 and self._sent[0].done():
+            self._sent.popleft().result()
+
+    def _run(self, box: _Outbox | None, tickets: list[_Ticket]) -> list[torch.Tensor]:
+        if box is not None and box.event is not None:
+            box.event.synchronize()
+        client = self.client
+        pushes = box.pushes if box is not None else []
+        push_clock = box.clock if box is not None else client.clock
+        pull_clock = tickets[0].clock if tickets else push_clock + 1
+        pulled = client.exchange(
+            pushes, end_iteration=box is not None, pulls=[t.pull() for t in tickets],
+            push_clock=push_clock, pull_clock=pull_clock, follow_open_clock=self.depth == 1,
+        )
+        # Staging in pinned memory here keeps that copy off the training thread.
+        return [_staged(rows, t.device) for rows, t in zip(pulled, tickets, strict=True)]
+
+    def drain(self, keep: int = 0) -> None:
+        """Blocks until every exchange sent so far but the newest `keep` is done; raises the
+        first error among them."""
+        done: list[Future[list[torch.Tensor]]] = []
+        while len(self._sent) > keep:
+            done.append(self._sent.popleft())
+        errors = [f.exception() for f in done]
+        for error in errors:
+            if error is not None:
+                raise error
 
     def shutdown(self) -> None:
-        self.pulls.shutdown(wait=True, cancel_futures=True)
-        self.pushes.shutdown(wait=True, cancel_futures=True)
+        self._exchanges.shutdown(wait=True, cancel_futures=True)
 
 
 class _PSModule(nn.Module):
@@ -255,7 +351,8 @@ class _PSModule(nn.Module):
         self.table = name
         self.consistency = mode
         self._pipeline: _Pipeline | None = None
-        self._staleness: int | None = 0
+        # Pulls asked for ahead of the forward that will use them, oldest first.
+        self._tickets: deque[_Ticket] = deque()
 
     def _check_free(self) -> None:
         if self._pipeline is not None:
@@ -264,20 +361,30 @@ class _PSModule(nn.Module):
                 "PSOptimizer per model (close the old one first)"
             )
 
-    def _attach(self, pipeline: _Pipeline, staleness: int | None) -> None:
+    def _attach(self, pipeline: _Pipeline) -> None:
         self._pipeline = pipeline
-        self._staleness = staleness
 
     def _detach(self) -> None:
         self._pipeline = None
+        self._tickets.clear()
 
     def _clock(self) -> int | None:
         return None if self._pipeline is None else self._pipeline.clock
 
-    def _wait_own_clock(self, clock: int) -> None:
-        """Before a pull for `clock` runs ahead: wait for this worker's own pushes it needs."""
-        if self._pipeline is not None and self._staleness is not None:
-            self._pipeline.wait_completed(clock - self._staleness, self.client.timeout_s)
+    def _ticket_for(self, clock: int, ids: torch.Tensor | None) -> _Ticket | None:
+        """The ticket asked for step `clock` (and these ids), dropping older ones."""
+        while self._tickets:
+            head = self._tickets[0]
+            if head.clock > clock:
+                return None
+            self._tickets.popleft()
+            if head.clock == clock and (
+                ids is None or (head.ids is not None and _same_ids(head.ids, ids))
+            ):
+                return head
+            log.debug("worker %d: table %r: pull for step %d unused at step %d",
+                      self.client.worker, self.table, head.clock, clock)
+        return None
 
     def _take_gradients(self) -> list[_Gradient]:
         raise NotImplementedError
@@ -310,7 +417,6 @@ class _SparseLookup(_PSModule):
         # moves it, and outputs follow it.
         self.register_buffer("_anchor", torch.empty(0, device=device), persistent=False)
         self._pending: list[_Lookup] = []
-        self._prefetched: deque[_Prefetch] = deque()
 
     @property
     def device(self) -> torch.device:
@@ -318,60 +424,58 @@ class _SparseLookup(_PSModule):
         return self._anchor.device
 
     def prefetch(self, ids: torch.Tensor) -> None:
-        """Starts pulling, in the background, the rows the next step's forward on `ids` needs.
+        """Asks for the rows the forward on `ids` will need `prefetch_depth` steps from now
+        (the next step, unless the PSOptimizer says otherwise). Returns at once.
 
-        Returns at once. The next step's forward uses the prefetched rows if it is called
-        with equal ids, and pulls afresh otherwise. Does nothing unless a PSOptimizer with
-        overlap owns this module (under sync a prefetch could not be exact). Call it from
-        the training thread.
+        The pull travels in the exchange that carries the current step's gradients: with
+        overlap, in the background while this step computes; without, in `step()`'s
+        request, after the step's pushes (so under sync the rows are exact). The next
+        step's forward uses them if it is called with equal ids, and pulls afresh
+        otherwise. Does nothing unless a PSOptimizer owns this module. Call it from the
+        training thread.
         """
         pipeline = self._pipeline
-        if pipeline is None or not pipeline.overlap:
+        if pipeline is None:
             return
-        clock = pipeline.clock + 1
         flat = _as_ids(ids, "ids").clone()
-        while self._prefetched and self._prefetched[0].clock < pipeline.clock:
-            self._prefetched.popleft()
-        future = pipeline.pulls.submit(self._pull_ahead, flat, clock)
-        self._prefetched.append(_Prefetch(clock, flat, future))
-
-    def _pull_ahead(self, flat: torch.Tensor, clock: int) -> _Pulled:
-        self._wait_own_clock(clock)
-        return self._pull(flat, clock)
+        keys, inverse = torch.unique(flat, return_inverse=True)
+        ahead = pipeline.depth if pipeline.overlap else 1
+        self._tickets.append(pipeline.ask(
+            _Ticket(self.table, pipeline.clock + ahead, self.device, flat, keys, inverse)
+        ))
 
     def _pull(self, flat: torch.Tensor, clock: int | None) -> _Pulled:
-        if flat.numel() == 0:
-            empty = torch.empty((0, self.embedding_dim), dtype=self.dtype)
-            return _Pulled(flat, flat, empty)
         keys, inverse = torch.unique(flat, return_inverse=True)
-        rows = self.client.pull_sparse(self.table, keys, clock=clock, assume_unique=True)
-        # Staging in pinned memory here keeps that copy off the training thread.
-        return _Pulled(keys, inverse, _staged(rows, self.device))
-
-    def _take_prefetched(self, flat: torch.Tensor, clock: int | None) -> _Pulled | None:
-        while self._prefetched:
-            head = self._prefetched[0]
-            if clock is None or head.clock > clock:
-                return None
-            self._prefetched.popleft()
-            if head.clock == clock and torch.equal(head.ids, flat):
-                return head.future.result()
-            log.debug(
-                "worker %d: table %r: prefetch for clock %d unused at clock %s (other ids)",
-                self.client.worker, self.table, head.clock, clock,
-            )
-        return None
+        pipeline = self._pipeline
+        if pipeline is None or clock is None:
+            rows = self.client.pull_sparse(self.table, keys, clock=clock, assume_unique=True)
+            return _Pulled(keys, inverse, rows)
+        ticket = pipeline.ask(_Ticket(self.table, clock, self.device, flat, keys, inverse))
+        return _Pulled(keys, inverse, pipeline.wait(ticket))
 
     def _lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(index of each id into the unique rows, on the output device; those rows)."""
         flat = _as_ids(ids, "ids")
         clock = self._clock()
-        pulled = self._take_prefetched(flat, clock) or self._pull(flat, clock)
+        pipeline = self._pipeline
+        if flat.numel() == 0:
+            empty = torch.empty((0, self.embedding_dim), dtype=self.dtype)
+            pulled = _Pulled(flat, flat, empty)
+        else:
+            if pipeline is not None:
+                pipeline.forward_started()
+            ticket = self._ticket_for(clock, flat) if clock is not None else None
+            if ticket is not None and pipeline is not None:
+                if ticket.keys is None or ticket.inverse is None:
+                    raise PSModuleError(f"table {self.table!r}: a sparse ticket without keys")
+                pulled = _Pulled(ticket.keys, ticket.inverse, pipeline.wait(ticket))
+            else:
+                pulled = self._pull(flat, clock)
         device = self.device
         rows = _to_device(pulled.rows, device)
         inverse = _to_device(pulled.inverse, device).view(ids.shape)
         # Only a module with a PSOptimizer records gradients: nothing else would push them.
-        if self._pipeline is not None and torch.is_grad_enabled() and pulled.keys.numel():
+        if pipeline is not None and torch.is_grad_enabled() and pulled.keys.numel():
             rows.requires_grad_(True)
             self._pending.append(_Lookup(self.table, pulled.keys, rows))
         return inverse, rows
@@ -391,7 +495,6 @@ class _SparseLookup(_PSModule):
     def _detach(self) -> None:
         super()._detach()
         self._pending.clear()
-        self._prefetched.clear()
 
 
 class PSEmbedding(_SparseLookup):
@@ -524,7 +627,6 @@ class PSDense(_PSModule):
         self._params = params
         self.numel = sum(p.numel() for p in params)
         self._loaded_clock: int | None = None
-        self._prefetched: _Prefetch | None = None
         dtype = params[0].dtype
         self._ready_table = f"{name}.initialized"
         client.declare_dense(name, (self.numel,), dtype=dtype, optimizer=optimizer,
@@ -573,17 +675,20 @@ class PSDense(_PSModule):
     def load(self) -> None:
         """Loads the servers' values into the parameters, unless done already this step.
 
-        Blocks on the pull (or the prefetched one). Called by forward.
+        Blocks on the pull (or the one asked for ahead). Called by forward.
         """
         clock = self._clock()
         if clock is not None and self._loaded_clock == clock:
             return
-        flat: torch.Tensor | None = None
-        prefetched, self._prefetched = self._prefetched, None
-        if prefetched is not None and prefetched.clock == clock:
-            flat = prefetched.future.result().rows
-        if flat is None:
-            flat = _staged(self.client.pull_dense(self.table, clock=clock), self.device)
+        pipeline = self._pipeline
+        if pipeline is None or clock is None:
+            flat = self.client.pull_dense(self.table, clock=clock)
+        else:
+            pipeline.forward_started()
+            ticket = self._ticket_for(clock, None) or pipeline.ask(
+                _Ticket(self.table, clock, self.device)
+            )
+            flat = pipeline.wait(ticket)
         values = _to_device(flat, self.device)
         with torch.no_grad():
             offset = 0
@@ -596,19 +701,6 @@ class PSDense(_PSModule):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.load()
         return self.module(*args, **kwargs)
-
-    def _prefetch(self, clock: int) -> None:
-        """Starts pulling the values for step `clock` (PSOptimizer calls it under overlap)."""
-        if self._pipeline is None:
-            return
-        future = self._pipeline.pulls.submit(self._pull_ahead, clock)
-        self._prefetched = _Prefetch(clock, torch.empty(0, dtype=torch.int64), future)
-
-    def _pull_ahead(self, clock: int) -> _Pulled:
-        self._wait_own_clock(clock)
-        flat = _staged(self.client.pull_dense(self.table, clock=clock), self.device)
-        empty = torch.empty(0, dtype=torch.int64)
-        return _Pulled(empty, empty, flat)
 
     def _take_gradients(self) -> list[_Gradient]:
         grads = [p.grad for p in self._params]
@@ -627,10 +719,6 @@ class PSDense(_PSModule):
         for p in self._params:
             p.grad = None
 
-    def _detach(self) -> None:
-        super()._detach()
-        self._prefetched = None
-
     def extra_repr(self) -> str:
         return f"table={self.table!r}, numel={self.numel}"
 
@@ -638,21 +726,26 @@ class PSDense(_PSModule):
 class PSOptimizer:
     """The training loop's handle on the servers' optimizers for every PS module of `model`.
 
-    `step()` pushes the step's gradients (each table's in parallel; the gradients of lookups
-    of one table in a step are summed) and ends the iteration on every shard.
+    `step()` pushes the step's gradients (the gradients of lookups of one table in a step
+    are summed) and ends the iteration on every shard, in one exchange per shard that also
+    carries the pulls asked for the next step (prefetches, and every PSDense's values).
     `overlap` (default: allowed by every table's mode, i.e. async or ssp with bound >= 1)
-    makes `step()` return at once while the pushes run in the background, at most one step
-    in flight, enables the modules' `prefetch()`, and pulls the next step's dense values
-    while the pushes travel. `overlap=True` with a sync (or ssp:0) table raises
-    PSModuleError: those modes promise exact reads.
+    defers that exchange to the next step's first forward, which sends it in the
+    background: at most one step's pushes are in flight. `overlap=True` with a sync (or
+    ssp:0) table raises PSModuleError: those modes promise exact reads.
+
+    `prefetch_depth` d > 1 (overlap only) asks for pulls d steps ahead and lets d exchanges
+    travel at once, so a round trip longer than a step of compute still hides behind
+    compute; reads are then up to d steps stale, so every ssp table's bound must be at
+    least d. Feed `prefetch()` the batch d steps ahead (`lookahead(batches, d)`).
 
     Construction may ask the servers for their default mode (blocks briefly). Methods are
-    meant for the training thread and are not thread-safe; the I/O threads they start are
-    joined by `close()`.
+    meant for the training thread and are not thread-safe; the exchange thread they start
+    is joined by `close()`.
     """
 
     def __init__(
-        self, model: nn.Module, *, overlap: bool | None = None, io_threads: int = 4
+        self, model: nn.Module, *, overlap: bool | None = None, prefetch_depth: int = 1
     ) -> None:
         modules = [m for m in model.modules() if isinstance(m, _PSModule)]
         if not modules:
@@ -662,8 +755,6 @@ class PSOptimizer:
         clients = {id(m.client) for m in modules}
         if len(clients) != 1:
             raise PSModuleError("every PS module of one model must share one PSClient")
-        if io_threads < 1:
-            raise PSModuleError(f"io_threads must be >= 1, got {io_threads}")
         for m in modules:
             m._check_free()
         self.client = modules[0].client
@@ -677,11 +768,24 @@ class PSOptimizer:
                 "leave overlap off"
             )
         self.overlap = not exact if overlap is None else overlap
-        self._pipeline = _Pipeline(self.client, self.overlap, io_threads)
-        self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-step")
-        self._inflight: Future[int] | None = None
+        bounds = [b for b in staleness.values() if b is not None]
+        if prefetch_depth < 1 or (prefetch_depth > 1 and not self.overlap):
+            raise PSModuleError(
+                f"prefetch_depth must be 1, or more with overlap; got {prefetch_depth} "
+                f"(overlap {self.overlap})"
+            )
+        if prefetch_depth > 1 and bounds and prefetch_depth > min(bounds):
+            raise PSModuleError(
+                f"prefetch_depth {prefetch_depth} would read past the staleness bound "
+                f"{min(bounds)} of an ssp table; use at most {min(bounds)}"
+            )
+        self.prefetch_depth = prefetch_depth
+        dense = [m for m in modules if isinstance(m, PSDense)]
+        self._pipeline = _Pipeline(self.client, self.overlap, dense, prefetch_depth)
+        # The exchange that carries the previous step's gradients (overlap mode).
+        self._inflight: Future[list[torch.Tensor]] | None = None
         for m in modules:
-            m._attach(self._pipeline, staleness[m.table])
+            m._attach(self._pipeline)
         log.info("worker %d: PSOptimizer over %d tables, overlap %s", self.client.worker,
                  len({m.table for m in modules}), self.overlap)
 
@@ -710,9 +814,10 @@ class PSOptimizer:
     def step(self) -> None:
         """Pushes this step's gradients and ends the iteration on every shard.
 
-        Without overlap it blocks until both are done. With overlap it first waits for the
-        previous step's pushes (raising their error, if any), then returns while this
-        step's pushes run in the background.
+        Without overlap it blocks until both are done (and the next step's pulls with
+        them). With overlap it first waits for the exchange carrying the previous step's
+        gradients (raising its error, if any), then returns: this step's gradients leave
+        with the next forward, or with `flush()`.
         """
         grads = [g for m in self._modules for g in m._take_gradients()]
         event = None
@@ -720,82 +825,47 @@ class PSOptimizer:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
         pipeline = self._pipeline
+        pushes = [_push_of(table, items) for table, items in _by_table(grads)]
         if not self.overlap:
-            self._push_and_tick(grads, event, self.client.clock)
+            clock = self.client.clock
+            pipeline.outbox = _Outbox(clock, pushes, event)
+            pipeline.ask_dense(clock + 1)
+            pipeline.dispatch(outbox=True, up_to=clock + 1)
+            pipeline.drain()
             return
-        self._wait_inflight()
+        self._wait_inflight(keep=pipeline.depth - 1)
         clock = pipeline.step_clock
-        self._inflight = self._stepper.submit(self._push_and_tick, grads, event, clock)
+        pipeline.outbox = _Outbox(clock, pushes, event)
         pipeline.step_clock = clock + 1
-        for m in self._modules:
-            if isinstance(m, PSDense):
-                m._prefetch(clock + 1)
 
-    def _push_and_tick(
-        self, grads: list[_Gradient], event: torch.cuda.Event | None, clock: int
-    ) -> int:
-        if event is not None:
-            event.synchronize()
-        tables = list(_by_table(grads))
-        if len(tables) == 1:
-            self._push_table(*tables[0], clock)
-            tables = []
-        futures = [
-            self._pipeline.pushes.submit(self._push_table, table, items, clock)
-            for table, items in tables
-        ]
-        errors = [f.exception() for f in futures]
-        for error in errors:
-            if error is not None:
-                raise error
-        new_clock = self.client.end_iteration()
-        self._pipeline.completed(new_clock)
-        return new_clock
-
-    def _push_table(self, table: str, items: list[_Gradient], clock: int) -> None:
-        if items[0].kind == "dense":
-            total = items[0].grad
-            for item in items[1:]:
-                total = total + item.grad
-            self.client.push_dense(table, total, clock=clock)
-            return
-        keys = [i.keys for i in items if i.keys is not None]
-        if len(items) == 1:
-            self.client.push_sparse(table, keys[0], items[0].grad, clock=clock,
-                                    assume_unique=True)
-            return
-        # Lookups of one table in one step may share ids; the client sums their gradients.
-        self.client.push_sparse(table, torch.cat(keys), torch.cat([i.grad for i in items]),
-                                clock=clock)
-
-    def _wait_inflight(self) -> None:
-        inflight, self._inflight = self._inflight, None
-        if inflight is None:
-            return
-        new_clock = inflight.result()
-        if new_clock > self._pipeline.step_clock:
+    def _wait_inflight(self, keep: int = 0) -> None:
+        """Waits for the exchanges sent so far but the newest `keep`; follows a clock the
+        servers moved on."""
+        pipeline = self._pipeline
+        pipeline.drain(keep)
+        if self.client.clock > pipeline.step_clock:
             # The servers moved this worker on (it fell behind closed clocks); follow them.
             log.info("worker %d: clock jumped from %d to %d", self.client.worker,
-                     self._pipeline.step_clock, new_clock)
-            self._pipeline.step_clock = new_clock
+                     pipeline.step_clock, self.client.clock)
+            pipeline.step_clock = self.client.clock
 
     def flush(self) -> None:
         """Blocks until every pushed gradient has been applied and its iteration ended.
 
-        Call it before evaluating or saving. Raises the error of a failed background push.
+        Call it before evaluating or saving. Raises the error of a failed exchange.
         """
+        self._pipeline.dispatch(outbox=True, up_to=-1)
         self._wait_inflight()
         for m in self._modules:
             if isinstance(m, PSDense):
-                # Pulled while the last pushes travelled: the next forward pulls afresh.
-                m._prefetched = None
+                # Pulled while the last gradients travelled: the next forward pulls afresh.
+                m._tickets.clear()
 
     def close(self) -> None:
-        """Flushes, stops the I/O threads and releases the modules. Idempotent."""
+        """Flushes, stops the exchange thread and releases the modules. Idempotent."""
         try:
             self.flush()
         finally:
-            self._stepper.shutdown(wait=True, cancel_futures=True)
             self._pipeline.shutdown()
             for m in self._modules:
                 m._detach()
@@ -805,6 +875,20 @@ class PSOptimizer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _push_of(table: str, items: list[_Gradient]) -> Push:
+    """One table's gradients of a step as one push."""
+    if items[0].kind == "dense":
+        total = items[0].grad
+        for item in items[1:]:
+            total = total + item.grad
+        return Push(table, total)
+    keys = [i.keys for i in items if i.keys is not None]
+    if len(items) == 1:
+        return Push(table, items[0].grad, keys[0].numpy(), assume_unique=True)
+    # Lookups of one table in one step may share ids; the client sums their gradients.
+    return Push(table, torch.cat([i.grad for i in items]), torch.cat(keys).numpy())
 
 
 def _by_table(grads: list[_Gradient]) -> Iterator[tuple[str, list[_Gradient]]]:

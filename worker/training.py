@@ -7,6 +7,8 @@ never blocks beyond its own computation.
 from __future__ import annotations
 
 import argparse
+import collections
+import itertools
 import os
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
@@ -44,27 +46,27 @@ def shard_indices(n: int, rank: int, world_size: int) -> npt.NDArray[np.int64]:
     return np.arange(start, end, dtype=np.int64)
 
 
-def lookahead(items: Iterable[T]) -> Iterator[tuple[T, T | None]]:
-    """Yields (item, the item after it), with None after the last one.
+def lookahead(items: Iterable[T], steps: int = 1) -> Iterator[tuple[T, T | None]]:
+    """Yields (item, the item `steps` after it), with None for the last `steps` items.
 
-    A training loop uses it to prefetch the next batch's parameters while the current batch
-    computes::
+    A training loop uses it to prefetch the parameters of a batch ahead while the current
+    batch computes (`steps` is the PSOptimizer's `prefetch_depth`)::
 
-        for batch, upcoming in lookahead(batches):
+        for batch, upcoming in lookahead(batches, ps.prefetch_depth):
             if upcoming is not None:
                 model.prefetch(upcoming)
 
-    Consumes `items` one element ahead; blocks only as `items` does.
+    Consumes `items` `steps` elements ahead; blocks only as `items` does.
     """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
     it = iter(items)
-    try:
-        current = next(it)
-    except StopIteration:
-        return
+    window: collections.deque[T] = collections.deque(itertools.islice(it, steps))
     for upcoming in it:
-        yield current, upcoming
-        current = upcoming
-    yield current, None
+        window.append(upcoming)
+        yield window.popleft(), upcoming
+    while window:
+        yield window.popleft(), None
 
 
 def _as_binary_labels(labels: npt.ArrayLike, scores: npt.ArrayLike) -> tuple[

@@ -4,7 +4,7 @@ not the client's."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -37,12 +37,16 @@ class Raw:
     def pull_sparse(self, request: bytes) -> list[bytes]:
         return list(self.channel.unary_stream(_SERVICE + "PullSparse")(request, timeout=10))
 
-    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def exchange(self, request: bytes) -> pb.ExchangeResponse:
+        call = self.channel.unary_unary(_SERVICE + "Exchange")
+        return pb.ExchangeResponse.FromString(call(request, timeout=10))
+
+    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor, int, list[tuple[int, int]]]:
         dense = self.client.pull_dense("w")
         sparse = self.client.pull_sparse("e", KEYS)
         stats = self.client.stats()[0]
         applied = sum(t.pushes_applied for t in stats.tables)
-        return dense, sparse, applied
+        return dense, sparse, applied, sorted((c.worker, c.clock) for c in stats.clocks)
 
 
 KEYS = np.array([1, 2, 3], dtype=np.int64)
@@ -70,6 +74,39 @@ def _dense_push(values: torch.Tensor, shape: list[int], dtype: int = pb.FLOAT32)
         shape=shape,
     )
     return codec.encode(pb.PushDenseChunk(header=header), {"data": codec.tensor_bytes(values)})
+
+
+def _exchange(then: Callable[[pb.ExchangeRequest, codec.Payload], None]) -> bytes:
+    """An exchange whose first push is good, followed by whatever `then` adds; it ends
+    worker 1's iteration, so a refused one must leave the clocks alone too."""
+    msg = pb.ExchangeRequest(worker=1, incarnation=1, end_iteration=True)
+    payload = codec.Payload()
+    msg.pushes.append(pb.ExchangePush(
+        table="e", seq=next(_seq), dtype=pb.FLOAT32, dim=4,
+        keys=payload.add(codec.keys_bytes(KEYS)), values=payload.add(_values(3)),
+    ))
+    then(msg, payload)
+    return codec.encode(msg, {"payload": payload.parts})
+
+
+def _then_dense(values: torch.Tensor, shape: list[int]) -> Callable[
+    [pb.ExchangeRequest, codec.Payload], None
+]:
+    def add(msg: pb.ExchangeRequest, payload: codec.Payload) -> None:
+        msg.pushes.append(pb.ExchangePush(
+            table="w", seq=next(_seq), dtype=pb.FLOAT32, dense=True, shape=shape,
+            values=payload.add(codec.tensor_bytes(values)),
+        ))
+    return add
+
+
+def _then_pull(table: str, span: pb.Span | None = None) -> Callable[
+    [pb.ExchangeRequest, codec.Payload], None
+]:
+    def add(msg: pb.ExchangeRequest, payload: codec.Payload) -> None:
+        keys = span if span is not None else payload.add(codec.keys_bytes(KEYS))
+        msg.pulls.append(pb.ExchangePull(table=table, keys=keys))
+    return add
 
 
 @pytest.fixture
@@ -144,6 +181,30 @@ CASES = [
         lambda r: r.push_dense([_dense_push(torch.full((8, 4), float("inf")), [8, 4])]),
         "INVALID_ARGUMENT", "non-finite value (inf) at flat element 0", id="inf-gradient",
     ),
+    # An exchange is checked whole before its first push applies or its iteration ends.
+    pytest.param(
+        lambda r: r.exchange(_exchange(_then_dense(torch.ones(8, 5), [8, 5]))),
+        "INVALID_ARGUMENT", "block shape [8, 4]; the push carries shape [8, 5]",
+        id="exchange-wrong-shape",
+    ),
+    pytest.param(
+        lambda r: r.exchange(_exchange(_then_dense(torch.ones(7, 4), [8, 4]))),
+        "INVALID_ARGUMENT", "carries 112 bytes but shape [8, 4] of float32 needs 128",
+        id="exchange-bytes-disagree",
+    ),
+    pytest.param(
+        lambda r: r.exchange(_exchange(_then_dense(torch.full((8, 4), float("nan")), [8, 4]))),
+        "INVALID_ARGUMENT", "non-finite value (nan) at flat element 0", id="exchange-nan",
+    ),
+    pytest.param(
+        lambda r: r.exchange(_exchange(_then_pull("nope"))),
+        "NOT_FOUND", "no table 'nope'", id="exchange-unknown-pull",
+    ),
+    pytest.param(
+        lambda r: r.exchange(_exchange(_then_pull("e", pb.Span(offset=8, length=1 << 20)))),
+        "INVALID_ARGUMENT", "names bytes [8, 1048584) of a 72-byte payload",
+        id="exchange-span-past-payload",
+    ),
 ]
 
 
@@ -159,7 +220,7 @@ def test_bad_input_gets_status_and_changes_nothing(
     after = raw.snapshot()
     torch.testing.assert_close(after[0], before[0], atol=0, rtol=0)
     torch.testing.assert_close(after[1], before[1], atol=0, rtol=0)
-    assert after[2] == before[2]
+    assert after[2:] == before[2:]
 
 
 def test_non_finite_allowed_per_table(raw: Raw) -> None:

@@ -15,7 +15,7 @@ from procs import Procs
 from protos import codec
 from protos import pstrain_pb2 as pb
 from protos.partition import shard_of_keys
-from worker.client import PSClient
+from worker.client import PSClient, Pull, Push
 from worker.errors import ClusterMismatchError, RemoteError
 
 pytestmark = pytest.mark.usefixtures("transport")
@@ -173,3 +173,59 @@ def test_large_sparse_push_streams_in_chunks(two_shards: PSClient) -> None:
     g = torch.randn(40_000, 64, generator=torch.Generator().manual_seed(0))
     client.push_sparse("e", keys, g, assume_unique=True)
     torch.testing.assert_close(client.pull_sparse("e", keys), -g, atol=0, rtol=0)
+
+
+def test_exchange_equals_the_separate_calls_in_order(two_shards: PSClient) -> None:
+    """Pushes, then the end of the iteration, then pulls: the pulls see the pushes, rows
+    come back in the caller's order with repeats, and the clock moves on once."""
+    client = two_shards
+    client.declare_sparse("e", 4, optimizer="sgd", lr=1.0, init=("uniform", -1, 1))
+    client.declare_dense("d", (300, 3), optimizer="sgd", lr=1.0, init=("uniform", -1, 1))
+    keys = np.array([5, 2**40, 5, -7, 123, 2**40], dtype=np.int64)
+    rows, dense = client.pull_sparse("e", keys), client.pull_dense("d")
+    g = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    gd = torch.randn(300, 3, generator=torch.Generator().manual_seed(0))
+    pulled_rows, pulled_dense = client.exchange(
+        [Push("e", g, keys), Push("d", gd)], end_iteration=True,
+        pulls=[Pull("e", keys), Pull("d")],
+    )
+    expected = rows.clone()
+    for i, k in enumerate(keys.tolist()):
+        expected[i] -= g[keys == k].sum(0)
+    torch.testing.assert_close(pulled_rows, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(pulled_dense, dense - gd, atol=1e-6, rtol=0)
+    torch.testing.assert_close(client.pull_sparse("e", keys), expected, atol=0, rtol=0)
+    assert client.clock == 1
+    assert all({(c.worker, c.clock) for c in s.clocks} == {(0, 1)} for s in client.stats())
+
+
+def test_retried_exchange_applies_its_pushes_once(two_shards: PSClient) -> None:
+    client = two_shards
+    client.declare_sparse("e", 4, optimizer="sgd", lr=1.0, init=("zeros", 0, 0))
+    keys = np.array([42], dtype=np.int64)
+    shard = client._shards[int(shard_of_keys(keys, 2)[0])]
+    msg = pb.ExchangeRequest(worker=7, incarnation=1, end_iteration=True)
+    payload = codec.Payload()
+    msg.pushes.append(pb.ExchangePush(
+        table="e", seq=1, dtype=pb.FLOAT32, dim=4, keys=payload.add(codec.keys_bytes(keys)),
+        values=payload.add(codec.tensor_bytes(torch.ones(1, 4))),
+    ))
+    request = codec.encode(msg, {"payload": payload.parts})
+    first = shard.methods["Exchange"](request, timeout=10)
+    again = shard.methods["Exchange"](request, timeout=10)
+    assert not first.msg.pushes[0].duplicate and again.msg.pushes[0].duplicate
+    torch.testing.assert_close(client.pull_sparse("e", keys), -torch.ones(1, 4))
+
+
+def test_exchange_too_large_for_one_message_goes_as_separate_calls(
+    two_shards: PSClient,
+) -> None:
+    client = two_shards
+    # 2 x 5 MiB blocks: past one message, so the exchange streams them like push_dense.
+    client.declare_dense("big", (2560, 1024), optimizer="sgd", lr=1.0, init=("zeros", 0, 0))
+    g = torch.ones(2560, 1024)
+    (pulled,) = client.exchange([Push("big", g)], end_iteration=True, pulls=[Pull("big")])
+    torch.testing.assert_close(pulled, -g, atol=0, rtol=0)
+    assert client.clock == 1
+    stats = [t for s in client.stats() for t in s.tables if t.name == "big"]
+    assert [t.pushes_applied for t in stats] == [1, 1]

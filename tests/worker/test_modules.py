@@ -171,9 +171,11 @@ def test_a_worker_waiting_for_an_absent_initialiser_times_out(client: PSClient) 
         PSDense(client, nn.Linear(2, 1), fresh("orphan"), initialize=False, init_timeout_s=0.2)
 
 
-def test_overlapped_steps_push_every_gradient_exactly_once(client: PSClient) -> None:
-    """Under overlap the pushes of step t run during step t+1 and rows are prefetched; with
-    gradients that do not depend on the parameters, the end state is known exactly."""
+@pytest.mark.parametrize("depth", [1, 2])
+def test_overlapped_steps_push_every_gradient_exactly_once(client: PSClient, depth: int) -> None:
+    """Under overlap the pushes of step t run during step t+1 and rows are prefetched
+    (`depth` steps ahead, with as many exchanges in flight); with gradients that do not
+    depend on the parameters, the end state is known exactly."""
     steps = 6
     emb = PSEmbedding(client, fresh("pipe"), 4, optimizer="sgd", lr=1.0)
     dense = PSDense(client, nn.Linear(8, 1), fresh("pipe_mlp"), optimizer="sgd", lr=1.0)
@@ -183,9 +185,9 @@ def test_overlapped_steps_push_every_gradient_exactly_once(client: PSClient) -> 
     rows_before = client.pull_sparse(emb.table, keys)
     dense_before = client.pull_dense(dense.table)
     pulls_before = table_stat(client, emb.table, "pulls")
-    with PSOptimizer(model) as ps:
+    with PSOptimizer(model, prefetch_depth=depth) as ps:
         assert ps.overlap  # async tables
-        for ids, upcoming in lookahead(batches):
+        for ids, upcoming in lookahead(batches, depth):
             if upcoming is not None:
                 emb.prefetch(upcoming)
             out = dense(emb(ids).flatten(1)).sum()
@@ -277,6 +279,46 @@ def test_two_sync_workers_change_exactly_the_rows_they_touch(procs: Procs) -> No
     grads = {r: torch.cat([inputs[r].sum(0).repeat(2), torch.full((2,), 5.0)]) for r in (0, 1)}
     expected = initial[0] - steps * (grads[0] + grads[1]) / 2
     torch.testing.assert_close(dense_after, expected, atol=1e-5, rtol=0)
+
+
+def test_sync_prefetch_rides_in_the_step_and_stays_exact(procs: Procs) -> None:
+    """Under sync, step() sends the pushes, the end of the iteration and the next step's
+    pulls in one exchange; the prefetched rows must already include this step's update."""
+    (server,) = procs.servers(1, ["--mode", "sync", "--workers", "1"])
+    steps = 4
+    batches = [torch.tensor([1, 2, 2, 5 + t]) for t in range(steps)]
+    with PSClient([server.address], worker=0) as c:
+        emb = PSEmbedding(c, "exact_pf", 3, optimizer="sgd", lr=1.0)
+        dense = PSDense(c, nn.Linear(3, 1), "exact_pf.mlp", optimizer="sgd", lr=1.0)
+        with PSOptimizer(nn.ModuleList([emb, dense])) as ps:
+            assert not ps.overlap
+            for ids, upcoming in lookahead(batches):
+                if upcoming is not None:
+                    emb.prefetch(upcoming)
+                fresh_rows = c.pull_sparse(emb.table, ids)
+                fresh_dense = c.pull_dense(dense.table)
+                rows = emb(ids)
+                torch.testing.assert_close(rows, fresh_rows, atol=0, rtol=0)
+                out = dense(rows).sum()
+                flat = torch.cat([p.detach().reshape(-1) for p in dense.module.parameters()])
+                torch.testing.assert_close(flat, fresh_dense, atol=0, rtol=0)
+                ps.zero_grad()
+                out.backward()
+                ps.step()
+            assert c.clock == steps
+        # Forwards pulled nothing of their own after the first step: every later step's
+        # rows came in the previous step's exchange, next to the test's own fresh pulls.
+        assert table_stat(c, emb.table, "pulls") == 2 * steps
+
+
+def test_prefetch_depth_stays_within_the_staleness_bound(client: PSClient) -> None:
+    ssp = PSEmbedding(client, fresh("deep"), 2, consistency="ssp:1")
+    with pytest.raises(PSModuleError, match="past the staleness bound 1"):
+        PSOptimizer(ssp, prefetch_depth=2)
+    exact = PSEmbedding(client, fresh("deep"), 2, consistency="sync")
+    with pytest.raises(PSModuleError, match="prefetch_depth must be 1, or more with overlap"):
+        PSOptimizer(exact, prefetch_depth=2)
+    PSOptimizer(ssp, prefetch_depth=1).close()
 
 
 def test_sync_tables_refuse_overlap(client: PSClient) -> None:

@@ -67,3 +67,10 @@ def test_lookahead_pairs_each_item_with_the_next() -> None:
     assert list(lookahead([1, 2, 3])) == [(1, 2), (2, 3), (3, None)]
     nothing: list[int] = []
     assert list(lookahead(nothing)) == []
+
+
+def test_lookahead_steps_ahead_pairs_each_item_with_the_one_that_far_on() -> None:
+    assert list(lookahead(iter(range(5)), 2)) == [(0, 2), (1, 3), (2, 4), (3, None), (4, None)]
+    assert list(lookahead([7], 3)) == [(7, None)]
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        list(lookahead([1], 0))

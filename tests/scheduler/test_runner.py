@@ -59,6 +59,17 @@ def test_a_live_heartbeat_holds_a_rank_and_a_lapsed_claim_frees_it(procs: Procs)
     assert store.renew_rank(1, holder("c"), ttl_s=30) == 0
 
 
+def test_worker_init_s_own_claim_leaves_claimed_and_finished_ranks_alone(procs: Procs) -> None:
+    store = JobStore.connect(procs.redis().address, "own")
+    assert store.claim("worker", 0, {"rank": 0}, ttl_s=30)
+    assert not store.claim("worker", 0, {"rank": 0}, ttl_s=30)  # its heartbeat holds it now
+    assert store.claim_rank(3, holder("a"), ttl_s=30) == 1
+    assert not store.claim("worker", 1, {"rank": 1}, ttl_s=30)
+    store.end_rank(2, holder("b"), finished=True)
+    assert not store.claim("worker", 2, {"rank": 2}, ttl_s=30)
+    assert store.claim("server", 0, {"shard": 0}, ttl_s=30)  # other roles: the heartbeat only
+
+
 def test_a_new_job_under_a_finished_job_s_name_runs_every_rank_again(procs: Procs) -> None:
     store = JobStore.connect(procs.redis().address, "again")
     store.create_job(JobSpec("again", workers=2), adopt=False)

@@ -180,7 +180,8 @@ def test_redis_outage_pauses_coordination_not_training(procs: Procs) -> None:
     time.sleep(10)
     during = pushes_applied(address)
     assert during > before + 100, (before, during)  # training went on without Redis
-    assert all(p.popen.poll() is None for p in [*started, *workers])  # nobody exited
+    exited = [p for p in [*started, *workers] if p.popen.poll() is not None]
+    assert not exited, [(p.log_path.name, p.popen.returncode, p.log()[-3000:]) for p in exited]
     procs.redis(port=port)  # back, and empty
     fresh = JobStore.connect(redis, "outage")
     wait_until(lambda: fresh.spec() is not None, 30, "the scheduler to rebuild the job")

@@ -24,7 +24,12 @@ UCX_OK, UCX_WHY = available("ucx")
 
 
 def shm_names() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    """Shared-memory segments named in /dev/shm. POSIX semaphores (`sem.*`, which Python's
+    multiprocessing in unrelated programs on a shared machine creates and removes) are not
+    segments, and pstrain creates none, so they are left out."""
+    if not os.path.isdir("/dev/shm"):
+        return set()
+    return {n for n in os.listdir("/dev/shm") if not n.startswith("sem.")}
 
 
 def memfd_maps(pid: int) -> list[str]:

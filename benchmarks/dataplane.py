@@ -15,8 +15,15 @@ that the machine's noise falls on all of them alike:
   (torch.distributed.rpc over TensorPipe) parameter server in its own process doing the same
   work: dense pull and push of 1, 16 and 64 MiB, and sparse pull (index_select) and push (SGD
   through index_add_) of 64k rows x dim 64 on a table of the same size. `torchrpc_ratio`
-  holds pstrain's rate with transport auto over PyTorch RPC's for the four headline figures.
-Prints a table and writes JSON to benchmarks/results/dataplane-<date>.json (and --json PATH).
+  holds pstrain's rate with transport auto over PyTorch RPC's for the four headline figures;
+- across hosts (`cross_host`): two hosts made of network namespaces joined by a veth pair
+  (benchmarks/netns.py; needs root), pstrain's server and a PyTorch RPC server on one, a
+  client on the other: the transport the handshake picks, then gRPC (and UCX over TCP where
+  the ucx transport is available) beside PyTorch RPC forced onto TensorPipe's TCP path, for
+  dense pull and push of 16 MiB and sparse pull and push of 64k rows x dim 64. Where
+  namespaces may not be made, `cross_host` holds only `skipped`, the reason.
+Prints a table and writes JSON to benchmarks/results/dataplane-<date>.json (and --json PATH);
+a run of some parts (`--only`) names them in the file name.
 """
 
 from __future__ import annotations

@@ -15,8 +15,15 @@ that the machine's noise falls on all of them alike:
   (torch.distributed.rpc over TensorPipe) parameter server in its own process doing the same
   work: dense pull and push of 1, 16 and 64 MiB, and sparse pull (index_select) and push (SGD
   through index_add_) of 64k rows x dim 64 on a table of the same size. `torchrpc_ratio`
-  holds pstrain's rate with transport auto over PyTorch RPC's for the four headline figures.
-Prints a table and writes JSON to benchmarks/results/dataplane-<date>.json (and --json PATH).
+  holds pstrain's rate with transport auto over PyTorch RPC's for the four headline figures;
+- across hosts (`cross_host`): two hosts made of network namespaces joined by a veth pair
+  (benchmarks/netns.py; needs root), pstrain's server and a PyTorch RPC server on one, a
+  client on the other: the transport the handshake picks, then gRPC (and UCX over TCP where
+  the ucx transport is available) beside PyTorch RPC forced onto TensorPipe's TCP path, for
+  dense pull and push of 16 MiB and sparse pull and push of 64k rows x dim 64. Where
+  namespaces may not be made, `cross_host` holds only `skipped`, the reason.
+Prints a table and writes JSON to benchmarks/results/dataplane-<date>.json (and --json PATH);
+a run of some parts (`--only`) names them in the file name.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import statistics
@@ -37,6 +45,7 @@ from collections.abc import Callable, Iterator
 from concurrent import futures
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -46,12 +55,15 @@ from torch.distributed import rpc
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import netns  # noqa: E402  (benchmarks/netns.py, beside this script)
+
 from protos.runtime import tune_malloc  # noqa: E402
 from protos.transport import available  # noqa: E402
 from ps.index import KeyIndex  # noqa: E402
 from worker.client import PSClient  # noqa: E402
 
 MiB = 1024 * 1024
+PARTS = ["dense", "sparse", "index", "transports", "cross-host"]
 RAW_SERVICE = "/bench.Raw/"
 TRPC_LR = 1e-9
 
@@ -81,8 +93,10 @@ def _trpc_push_sparse(name: str, rows: torch.Tensor, grads: torch.Tensor) -> Non
     _trpc_tables[name].index_add_(0, rows, grads, alpha=-TRPC_LR)
 
 
-def trpc_options(port: int, tcp_only: bool) -> object:
-    kw: dict[str, object] = {"init_method": f"tcp://127.0.0.1:{port}", "num_worker_threads": 8,
+def trpc_options(port: int, tcp_only: bool, host: str = "127.0.0.1") -> object:
+    """TensorPipe options; `tcp_only` keeps it to its TCP transport (libuv) and the basic
+    channel, which sends tensors through that transport, as between two hosts."""
+    kw: dict[str, object] = {"init_method": f"tcp://{host}:{port}", "num_worker_threads": 8,
                              "rpc_timeout": 120}
     if tcp_only:
         kw["_transports"] = ["uv"]
@@ -90,12 +104,12 @@ def trpc_options(port: int, tcp_only: bool) -> object:
     return rpc.TensorPipeRpcBackendOptions(**kw)  # type: ignore[arg-type]
 
 
-def serve_torchrpc(port: int, tcp_only: bool) -> None:
+def serve_torchrpc(port: int, tcp_only: bool, host: str) -> None:
     """The peer baseline: a parameter server written with torch.distributed.rpc."""
     torch.set_num_threads(1)
     tune_malloc()
     rpc.init_rpc("ps", rank=0, world_size=2,
-                 rpc_backend_options=trpc_options(port, tcp_only))  # type: ignore[arg-type]
+                 rpc_backend_options=trpc_options(port, tcp_only, host))  # type: ignore[arg-type]
     rpc.shutdown()  # blocks until the client has shut down too
 
 
@@ -351,18 +365,168 @@ def bench_transports(
     return out
 
 
-def torchrpc_ratios(tr: dict[str, dict[str, float]]) -> dict[str, float]:
-    """pstrain (transport auto) over PyTorch RPC, for the headline figures."""
+def torchrpc_ratios(tr: dict[str, dict[str, float]], name: str = "auto") -> dict[str, float]:
+    """pstrain (transport `name`) over PyTorch RPC, for the headline figures."""
     out: dict[str, float] = {}
     dense = tr.get("dense_16MiB_GBps")
     if dense:
-        out["dense_pull_16MiB"] = dense["auto_pull"] / dense["torchrpc_pull"]
-        out["dense_push_16MiB"] = dense["auto_push"] / dense["torchrpc_push"]
+        out["dense_pull_16MiB"] = dense[f"{name}_pull"] / dense["torchrpc_pull"]
+        out["dense_push_16MiB"] = dense[f"{name}_push"] / dense["torchrpc_push"]
     sparse = tr.get("sparse_rows_per_s")
     if sparse:
-        out["sparse_pull"] = sparse["auto_pull"] / sparse["torchrpc_pull"]
-        out["sparse_push"] = sparse["auto_push"] / sparse["torchrpc_push"]
+        out["sparse_pull"] = sparse[f"{name}_pull"] / sparse["torchrpc_pull"]
+        out["sparse_push"] = sparse[f"{name}_push"] / sparse["torchrpc_push"]
     return out
+
+
+# ---- across hosts: two network namespaces joined by a veth pair ---------------------------
+
+TRPC_PORT = 29500  # in the server host's fresh namespace, where nothing else listens
+TRPC_TCP = "torch.distributed.rpc, TensorPipe transport uv (TCP), channel basic"
+CROSS_HOST_TIMEOUT_S = 1800.0
+
+
+def cross_host_client(config_path: str) -> None:
+    """The client host's side (runs in its namespace): fills the sparse table, records the
+    transport the handshake picks, then measures each transport beside PyTorch RPC over TCP,
+    interleaved, and writes the figures as JSON."""
+    cfg = json.loads(Path(config_path).read_text())
+    torch.set_num_threads(1)
+    tune_malloc()
+    address, rows, batch, dim = cfg["address"], cfg["rows"], cfg["batch"], cfg["dim"]
+    with PSClient([address], worker=100, transport="auto") as probe:
+        auto = probe.transports()[0]
+        print(f"cross-host: the handshake picks transport {auto}; filling {rows:,} rows ...",
+              flush=True)
+        probe.declare_sparse("emb", dim, optimizer="sgd", lr=1e-6)
+        start = time.perf_counter()
+        keys = fill_sparse(probe, "emb", rows, batch)
+        fill_s = time.perf_counter() - start
+    options = trpc_options(cfg["trpc_port"], True, cfg["trpc_host"])
+    rpc.init_rpc("worker", rank=1, world_size=2,
+                 rpc_backend_options=options)  # type: ignore[arg-type]
+    try:
+        print(f"cross-host: transports {cfg['transports']} and PyTorch RPC over TCP ...",
+              flush=True)
+        figures = bench_transports(address, cfg["transports"], [16], {16: cfg["reps"]}, keys,
+                                   cfg["sparse_reps"], batch, dim)
+    finally:
+        rpc.shutdown()
+    Path(cfg["out"]).write_text(json.dumps(
+        {"auto_transport": auto, "fill_rows_per_s": rows / fill_s, "figures": figures}))
+
+
+def _start(args: list[str], log: Path, env: dict[str, str], quiet: bool = True
+           ) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as f:
+        return subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+                                stdout=f if quiet else None, stderr=f)
+
+
+def _tail(log: Path, chars: int = 3000) -> str:
+    return log.read_text(errors="replace")[-chars:] if log.exists() else ""
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Ends each process by its pid: SIGTERM, then SIGKILL after 10 s."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the clean-up of processes and namespaces
+
+
+def bench_cross_host(rows: int, reps: int, sparse_reps: int, chunk_mib: float | None
+                     ) -> dict[str, object]:
+    """pstrain's server on one emulated host and its client on another (network namespaces
+    joined by a veth pair), beside a PyTorch RPC server likewise over TensorPipe's TCP path.
+    Returns the figures, or {"skipped": reason} where namespaces may not be made. Blocks for
+    minutes; ends its processes and deletes its namespaces even on failure or Ctrl-C."""
+    reason = netns.unavailable_reason()
+    if reason:
+        return {"skipped": reason}
+    ucx_ok, ucx_reason = available("ucx")
+    transports = ["grpc", *(["ucx"] if ucx_ok else [])]
+    status = {"grpc": "measured", "ucx": "measured (UCX_TLS=tcp)" if ucx_ok
+              else f"unavailable: {ucx_reason}"}
+    tmp = Path(tempfile.mkdtemp(prefix="pstrain-xhost-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        with netns.host_pair(str(os.getpid() % 100000)) as (srv, cli):
+            try:
+                def env(host: netns.Host) -> dict[str, str]:
+                    ucx = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": host.device} if ucx_ok else {}
+                    # Gloo (which TensorPipe RPC starts with) and TensorPipe bind to the link.
+                    return {"TP_SOCKET_IFNAME": host.device, "GLOO_SOCKET_IFNAME": host.device,
+                            **ucx}
+
+                ready = tmp / "ps.ready"
+                procs.append(_start(srv.command(
+                    [sys.executable, "-m", "ps", "--bind", f"{srv.address}:0", "--ready-file",
+                     str(ready), "--log-level", "WARNING",
+                     *(["--chunk-mib", str(chunk_mib)] if chunk_mib else [])]),
+                    tmp / "ps.log", env(srv)))
+                deadline = time.monotonic() + 60
+                while not ready.exists():
+                    if procs[0].poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"the server host's pstrain server did not start: "
+                                           f"{_tail(tmp / 'ps.log')}")
+                    time.sleep(0.05)
+                address = json.loads(ready.read_text())["address"]
+                procs.append(_start(srv.command(
+                    [sys.executable, __file__, "--serve-torchrpc", str(TRPC_PORT),
+                     "--torchrpc-tcp", "--torchrpc-host", srv.address]),
+                    tmp / "torchrpc.log", env(srv)))
+                config = {"address": address, "trpc_host": srv.address, "trpc_port": TRPC_PORT,
+                          "transports": transports, "reps": reps, "sparse_reps": sparse_reps,
+                          "rows": rows, "batch": 65536, "dim": 64,
+                          "out": str(tmp / "figures.json")}
+                (tmp / "client.json").write_text(json.dumps(config))
+                client = _start(cli.command(
+                    [sys.executable, __file__, "--cross-host-client", str(tmp / "client.json")]),
+                    tmp / "client.log", env(cli), quiet=False)
+                procs.append(client)
+                rc = client.wait(timeout=CROSS_HOST_TIMEOUT_S)
+                if rc != 0:
+                    raise RuntimeError(f"the cross-host client exited with status {rc}: "
+                                       f"{_tail(tmp / 'client.log')}\nPyTorch RPC server: "
+                                       f"{_tail(tmp / 'torchrpc.log')}")
+                got = json.loads((tmp / "figures.json").read_text())
+                link_mtu = netns.mtu(srv)
+            finally:
+                _stop(procs)
+    except netns.NotPermittedError as exc:
+        return {"skipped": f"network namespaces may not be made here: {exc}"}
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        shutil.rmtree(tmp, ignore_errors=True)
+    figures: dict[str, dict[str, float]] = got["figures"]
+    auto = got["auto_transport"]
+    by_transport = {t: torchrpc_ratios(figures, t) for t in transports}
+    return {
+        "topology": (f"server host {srv.address}, client host {cli.address}: network namespaces "
+                     "joined by a veth pair (a kernel loopback between namespaces, no NIC), "
+                     "each process with its host's own hostname"),
+        "link_mtu": link_mtu,
+        "auto_transport": auto,
+        "transport_status": status,
+        "torchrpc": TRPC_TCP,
+        "sparse_rows": rows,
+        "reps": {"dense_16MiB": reps, "sparse": sparse_reps},
+        "fill_rows_per_s": got["fill_rows_per_s"],
+        **figures,
+        "torchrpc_ratio_by_transport": by_transport,
+        "torchrpc_ratio": by_transport.get(auto, {}),
+    }
 
 
 def bench_index(rows: int, batch: int, reps: int) -> dict[str, float]:
@@ -396,7 +560,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="smaller table (1 M rows) and fewer repetitions")
     parser.add_argument("--json", help="also write the figures to this path")
-    parser.add_argument("--only", choices=["dense", "sparse", "index", "transports"],
+    parser.add_argument("--only", choices=PARTS,
                         action="append",
                         help="run only these parts (repeatable); figures of others are absent")
     parser.add_argument("--chunk-mib", type=float, default=None,
@@ -407,78 +571,88 @@ def main() -> None:
     parser.add_argument("--serve-raw", help=argparse.SUPPRESS)
     parser.add_argument("--serve-torchrpc", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--torchrpc-tcp", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--torchrpc-host", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--cross-host-client", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_raw:
         serve_raw(args.serve_raw)
         return
     if args.serve_torchrpc:
-        serve_torchrpc(args.serve_torchrpc, args.torchrpc_tcp)
+        serve_torchrpc(args.serve_torchrpc, args.torchrpc_tcp, args.torchrpc_host)
+        return
+    if args.cross_host_client:
+        cross_host_client(args.cross_host_client)
         return
     transports = (args.transports.split(",") if args.transports else
                   [t for t in ("grpc", "shm", "ucx") if available(t)[0]] + ["auto"])
 
     torch.set_num_threads(1)
     tune_malloc()
-    parts = set(args.only or ["dense", "sparse", "index", "transports"])
+    parts = set(args.only or PARTS)
     rows = 1_000_000 if args.quick else 10_000_000
     reps = {1: 20, 16: 11, 64: 3} if args.quick else {1: 40, 16: 25, 64: 7}
-    tmp = Path(tempfile.mkdtemp(prefix="pstrain-bench-"))
-    procs = []
-    try:
-        server, address = spawn(
-            [sys.executable, "-m", "ps", "--bind", "127.0.0.1:0",
-             "--ready-file", str(tmp / "ps.ready"), "--log-level", "WARNING",
-             *(["--chunk-mib", str(args.chunk_mib)] if args.chunk_mib else [])],
-            tmp / "ps.ready",
-        )
-        procs.append(server)
-        raw_proc, raw_address = spawn(
-            [sys.executable, __file__, "--serve-raw", str(tmp / "raw.ready")], tmp / "raw.ready"
-        )
-        procs.append(raw_proc)
-        raw = grpc.insecure_channel(raw_address, options=[
-            ("grpc.max_receive_message_length", 256 * MiB),
-            ("grpc.max_send_message_length", 256 * MiB)])
-        dense: dict[str, dict[str, float]] = {}
-        sparse: dict[str, float] = {}
-        index: dict[str, float] = {}
-        transport_figures: dict[str, dict[str, float]] = {}
-        keys = None
-        with PSClient([address], transport="grpc") as client:
-            if "dense" in parts:
-                print("dense transfers ...", flush=True)
-                dense = bench_dense(client, raw, [1, 16, 64], reps)
-            if "sparse" in parts or "transports" in parts:
-                print(f"sparse table of {rows:,} rows ...", flush=True)
-                sparse = bench_sparse(client, server.pid, rows, 65536, 64,
-                                      9 if args.quick else 15)
-                keys = fill_sparse.last_keys  # type: ignore[attr-defined]
-                if "sparse" not in parts:
-                    sparse = {}
-        if "transports" in parts:
-            port = free_port()
-            trpc = subprocess.Popen([sys.executable, __file__, "--serve-torchrpc", str(port)],
-                                    cwd=REPO)
-            procs.append(trpc)
-            torch.set_num_threads(1)
-            rpc.init_rpc("worker", rank=1, world_size=2,
-                         rpc_backend_options=trpc_options(port, False))  # type: ignore[arg-type]
-            try:
-                print(f"transports {transports} and PyTorch RPC ...", flush=True)
-                transport_figures = bench_transports(
-                    address, transports, [1, 16, 64], reps, keys, 9 if args.quick else 15,
-                    65536, 64)
-            finally:
-                rpc.shutdown()
-        if "index" in parts:
-            print("key index ...", flush=True)
-            index = bench_index(rows, 65536, 9 if args.quick else 15)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            p.wait(timeout=30)
+    dense: dict[str, dict[str, float]] = {}
+    sparse: dict[str, float] = {}
+    index: dict[str, float] = {}
+    transport_figures: dict[str, dict[str, float]] = {}
+    if parts - {"cross-host"}:
+        tmp = Path(tempfile.mkdtemp(prefix="pstrain-bench-"))
+        procs = []
+        try:
+            server, address = spawn(
+                [sys.executable, "-m", "ps", "--bind", "127.0.0.1:0",
+                 "--ready-file", str(tmp / "ps.ready"), "--log-level", "WARNING",
+                 *(["--chunk-mib", str(args.chunk_mib)] if args.chunk_mib else [])],
+                tmp / "ps.ready",
+            )
+            procs.append(server)
+            raw_proc, raw_address = spawn(
+                [sys.executable, __file__, "--serve-raw", str(tmp / "raw.ready")], tmp / "raw.ready"
+            )
+            procs.append(raw_proc)
+            raw = grpc.insecure_channel(raw_address, options=[
+                ("grpc.max_receive_message_length", 256 * MiB),
+                ("grpc.max_send_message_length", 256 * MiB)])
+            keys = None
+            with PSClient([address], transport="grpc") as client:
+                if "dense" in parts:
+                    print("dense transfers ...", flush=True)
+                    dense = bench_dense(client, raw, [1, 16, 64], reps)
+                if "sparse" in parts or "transports" in parts:
+                    print(f"sparse table of {rows:,} rows ...", flush=True)
+                    sparse = bench_sparse(client, server.pid, rows, 65536, 64,
+                                          9 if args.quick else 15)
+                    keys = fill_sparse.last_keys  # type: ignore[attr-defined]
+                    if "sparse" not in parts:
+                        sparse = {}
+            if "transports" in parts:
+                port = free_port()
+                trpc = subprocess.Popen([sys.executable, __file__, "--serve-torchrpc", str(port)],
+                                        cwd=REPO)
+                procs.append(trpc)
+                torch.set_num_threads(1)
+                rpc.init_rpc("worker", rank=1, world_size=2,
+                             rpc_backend_options=trpc_options(port, False))  # type: ignore[arg-type]
+                try:
+                    print(f"transports {transports} and PyTorch RPC ...", flush=True)
+                    transport_figures = bench_transports(
+                        address, transports, [1, 16, 64], reps, keys, 9 if args.quick else 15,
+                        65536, 64)
+                finally:
+                    rpc.shutdown()
+            if "index" in parts:
+                print("key index ...", flush=True)
+                index = bench_index(rows, 65536, 9 if args.quick else 15)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in procs:
+                p.wait(timeout=30)
+    cross_host: dict[str, object] = {}
+    if "cross-host" in parts:
+        print("across hosts (network namespaces joined by a veth pair) ...", flush=True)
+        cross_host = bench_cross_host(rows, reps[16], 9 if args.quick else 15, args.chunk_mib)
 
     results = {
         "date": datetime.date.today().isoformat(),
@@ -492,13 +666,16 @@ def main() -> None:
         **index,
         **({"torchrpc_ratio": torchrpc_ratios(transport_figures),
             "transports": transport_figures} if transport_figures else {}),
+        **({"cross_host": cross_host} if cross_host else {}),
         "dense_GBps": dense,
         "sparse_rows": rows,
     }
     print_table(results)
     out_dir = REPO / "benchmarks" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
-    suffix = ("-quick" if args.quick else "") + ("" if len(parts) == 4 else "-partial")
+    # A partial run names its parts, so it never overwrites another run's figures.
+    suffix = ("-quick" if args.quick else "") + (
+        "" if parts == set(PARTS) else "-" + "-".join(p for p in PARTS if p in parts))
     paths = [out_dir / f"dataplane-{results['date']}{suffix}.json"]
     if args.json:
         paths.append(Path(args.json))
@@ -517,6 +694,8 @@ def print_table(r: dict[str, object]) -> None:
         print_sparse(r)
     if "transports" in r:
         print_transports(r["transports"], r["torchrpc_ratio"])  # type: ignore[arg-type]
+    if "cross_host" in r:
+        print_cross_host(r["cross_host"])  # type: ignore[arg-type]
     if "index_lookup_or_insert_per_s" in r:
         print(f"index: lookup-or-insert {r['index_lookup_or_insert_per_s'] / 1e6:.1f} M/s "
               f"(existing keys), {r['index_insert_new_per_s'] / 1e6:.1f} M/s (new keys), "
@@ -531,16 +710,31 @@ def print_dense(dense: dict[str, dict[str, float]]) -> None:
                   f"{g[f'raw_stream_{op}']:>12.2f}{g[f'ratio_{op}']:>8.2f}x")
 
 
-def print_transports(tr: dict[str, dict[str, float]], ratios: dict[str, float]) -> None:
+def print_transports(tr: dict[str, dict[str, float]], ratios: dict[str, float],
+                     title: str = "one host (dense GB/s, sparse M rows/s), PyTorch RPC beside",
+                     ratio_title: str = "pstrain (auto) / PyTorch RPC: ") -> None:
     names = sorted({k.rsplit("_", 1)[0] for g in tr.values() for k in g})
-    print("\nby transport, one host (dense GB/s, sparse M rows/s), PyTorch RPC beside")
+    print(f"\nby transport, {title}")
     print(f"{'':<22}" + "".join(f"{n:>10}" for n in names))
     for what, g in tr.items():
         scale = 1e6 if what.startswith("sparse") else 1.0
         for op in ("pull", "push"):
             print(f"{what.replace('_GBps', '').replace('_rows_per_s', '') + ' ' + op:<22}"
                   + "".join(f"{g[f'{n}_{op}'] / scale:>10.2f}" for n in names))
-    print("pstrain (auto) / PyTorch RPC: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    print(ratio_title + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+
+
+def print_cross_host(ch: dict[str, Any]) -> None:
+    if "skipped" in ch:
+        print(f"\nacross hosts: skipped, {ch['skipped']}")
+        return
+    print(f"\nacross hosts ({ch['topology']}; MTU {ch['link_mtu']})")
+    print(f"the handshake picks transport {ch['auto_transport']}; "
+          + "; ".join(f"{t}: {s}" for t, s in ch["transport_status"].items()))
+    figures = {k: v for k, v in ch.items() if k.startswith(("dense_", "sparse_rows_per_s"))}
+    print_transports(figures, ch["torchrpc_ratio"],
+                     f"PyTorch RPC over TCP beside; pstrain ({ch['auto_transport']})",
+                     f"across hosts, pstrain ({ch['auto_transport']}) / PyTorch RPC (TCP): ")
 
 
 def print_sparse(r: dict[str, object]) -> None:

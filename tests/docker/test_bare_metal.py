@@ -62,8 +62,14 @@ class Hosts:
     links: dict[str, str]
 
     def run(self, procs: Procs, host: str, args: list[str], name: str) -> Proc:
-        """Starts `args` on `host`; `ip netns exec` execs it, so the pid is the command's."""
-        return procs.spawn(["ip", "netns", "exec", self.namespaces[host], *args], name)
+        """Starts `args` on `host`, under the host's own hostname (so the data plane sees
+        separate machines, never one host sharing memory); `ip netns exec`, `unshare` and
+        the shell all exec, so the pid is the command's."""
+        return procs.spawn(
+            ["ip", "netns", "exec", self.namespaces[host], "unshare", "--uts", "sh", "-c",
+             'hostname "$0" && exec "$@"', f"pstrain-{host}", *args],
+            name,
+        )
 
     def cut(self, host: str) -> None:
         ip("-n", self.hub, "link", "set", self.links[host], "down")
@@ -199,6 +205,10 @@ def test_roles_on_separate_hosts_train_to_the_single_process_result(
     expected = single_process_sync(2, steps)
     for final in finals:
         assert torch.allclose(torch.tensor(final["w"]), expected, atol=1e-5), final
+    # Separate hosts share no memory: every worker's bulk data crossed the network (gRPC).
+    for server in job.servers:
+        log = server.log()
+        assert log.count("uses transport grpc") >= 2 and "uses transport shm" not in log, log
 
 
 def test_a_worker_whose_link_is_cut_is_declared_dead_and_the_job_carries_on(

@@ -188,8 +188,19 @@ class _Ticket:
     index: int = -1
 
     def pull(self) -> Pull:
-        return Pull(self.table, None if self.keys is None else self.keys.numpy(),
-                    assume_unique=True)
+        """What to ask the servers for. Runs on the exchange thread, which also finds the
+        unique keys of a sparse ticket: that work stays off the training thread."""
+        if self.ids is None:
+            return Pull(self.table)
+        if self.keys is None or self.inverse is None:
+            self.keys, self.inverse = torch.unique(self.ids, return_inverse=True)
+        return Pull(self.table, self.keys.numpy(), assume_unique=True)
+
+    def pulled(self, rows: torch.Tensor) -> _Pulled:
+        """A sparse ticket's answer, once its exchange is done."""
+        if self.keys is None or self.inverse is None:
+            raise PSModuleError(f"table {self.table!r}: rows arrived for a pull never sent")
+        return _Pulled(self.keys, self.inverse, rows)
 
 
 @dataclass
@@ -438,20 +449,20 @@ class _SparseLookup(_PSModule):
         if pipeline is None:
             return
         flat = _as_ids(ids, "ids").clone()
-        keys, inverse = torch.unique(flat, return_inverse=True)
         ahead = pipeline.depth if pipeline.overlap else 1
         self._tickets.append(pipeline.ask(
-            _Ticket(self.table, pipeline.clock + ahead, self.device, flat, keys, inverse)
+            _Ticket(self.table, pipeline.clock + ahead, self.device, flat)
         ))
 
     def _pull(self, flat: torch.Tensor, clock: int | None) -> _Pulled:
-        keys, inverse = torch.unique(flat, return_inverse=True)
         pipeline = self._pipeline
         if pipeline is None or clock is None:
+            keys, inverse = torch.unique(flat, return_inverse=True)
             rows = self.client.pull_sparse(self.table, keys, clock=clock, assume_unique=True)
             return _Pulled(keys, inverse, rows)
-        ticket = pipeline.ask(_Ticket(self.table, clock, self.device, flat, keys, inverse))
-        return _Pulled(keys, inverse, pipeline.wait(ticket))
+        ticket = pipeline.ask(_Ticket(self.table, clock, self.device, flat))
+        rows = pipeline.wait(ticket)
+        return ticket.pulled(rows)
 
     def _lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(index of each id into the unique rows, on the output device; those rows)."""
@@ -466,9 +477,8 @@ class _SparseLookup(_PSModule):
                 pipeline.forward_started()
             ticket = self._ticket_for(clock, flat) if clock is not None else None
             if ticket is not None and pipeline is not None:
-                if ticket.keys is None or ticket.inverse is None:
-                    raise PSModuleError(f"table {self.table!r}: a sparse ticket without keys")
-                pulled = _Pulled(ticket.keys, ticket.inverse, pipeline.wait(ticket))
+                rows = pipeline.wait(ticket)
+                pulled = ticket.pulled(rows)
             else:
                 pulled = self._pull(flat, clock)
         device = self.device
@@ -690,12 +700,13 @@ class PSDense(_PSModule):
             )
             flat = pipeline.wait(ticket)
         values = _to_device(flat, self.device)
-        with torch.no_grad():
-            offset = 0
-            for p in self._params:
-                n = p.numel()
-                p.copy_(values[offset : offset + n].view_as(p))
-                offset += n
+        # The parameters become views of the pulled tensor, which is this step's alone:
+        # no copy, and nothing else writes to it.
+        offset = 0
+        for p in self._params:
+            n = p.numel()
+            p.data = values[offset : offset + n].view_as(p)
+            offset += n
         self._loaded_clock = clock
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -337,10 +337,19 @@ class PSClient:
         except TransportError as exc:
             raise PSClientError(f"transport: {exc}") from exc
         self._bulk = BulkClient(choice, worker, self.incarnation)
-        self._shards = [
-            self._connect(i, address, len(addresses), options, connect_timeout_s)
-            for i, address in enumerate(addresses)
-        ]
+        self._shards: list[_Shard] = []
+        try:
+            for i, address in enumerate(addresses):
+                self._shards.append(
+                    self._connect(i, address, len(addresses), options, connect_timeout_s)
+                )
+        except BaseException:
+            # Nothing half-made outlives a failed constructor (sessions, UCX workers).
+            for shard in self._shards:
+                self._bulk.end(shard.bulk, shard.methods["Handshake"])
+                shard.channel.close()
+            self._bulk.close()
+            raise
         self._pool = ThreadPoolExecutor(
             max_workers=max(1, 2 * len(self._shards)), thread_name_prefix="psclient"
         )

@@ -138,6 +138,34 @@ def _wait(requests: list[Any], timeout_s: float) -> bool:
         delay = min(1e-3, delay * 2 or 2e-5)
 
 
+# Empty requests ucxx returned: asking one anything, or destroying it (which cancels it),
+# dereferences a null pointer and crashes the process, so they are never destroyed.
+_EMPTY: list[Any] = []
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_EMPTY))
+
+
+def _posted(request: Any) -> Any:
+    """`request`, or ChannelBrokenError when ucxx answered with an empty one (a failed
+    endpoint)."""
+    if not request.ucxx_ptr:
+        _EMPTY.append(request)
+        raise ChannelBrokenError("ucx: the endpoint failed; the transfer was not posted")
+    return request
+
+
+def _close(ep: Any) -> Any:
+    """Starts closing an endpoint: its close request, or None when there is nothing to wait
+    for. A failed endpoint is not closed again: ucxx answers that with an empty request,
+    which crashes the process when asked whether it completed."""
+    if not ep.alive:
+        return None
+    request = ep.close()
+    if not request.ucxx_ptr:
+        _EMPTY.append(request)
+        return None
+    return request
+
+
 def _check(requests: list[Any], what: str) -> None:
     """ChannelBrokenError naming the first completed request that failed."""
     for request in requests:
@@ -270,7 +298,8 @@ class _Engine:
         microseconds)."""
         ucx = _lib()
         try:
-            request = self._self_ep.tag_send(_array(memoryview(b"")), ucx.UCXXTag(tag))
+            request = _posted(self._self_ep.tag_send(_array(memoryview(b"")),
+                                                    ucx.UCXXTag(tag)))
             _wait([request, receive], _SHORT_WAIT_S)
         except Exception as exc:  # the worker is closing; the buffer stays set aside
             log.debug("ucx (%s): settling a receive: %s", self.role, exc)
@@ -281,7 +310,7 @@ class _Engine:
         receive truncates it; the sender completes normally). Does not block."""
         ucx = _lib()
         try:
-            request = self.worker.tag_recv(_array(_SCRATCH), ucx.UCXXTag(tag))
+            request = _posted(self.worker.tag_recv(_array(_SCRATCH), ucx.UCXXTag(tag)))
         except Exception as exc:
             log.debug("ucx (%s): posting a discard: %s", self.role, exc)
             return
@@ -296,9 +325,10 @@ class _Engine:
             if ep in self._endpoints:
                 self._endpoints.remove(ep)
             # Kept until done: a request whose Python object dies is cancelled.
-            self._closing = [(e, r) for e, r in self._closing if not r.completed]
+            self._closing = [(e, r) for e, r in self._closing
+                             if r is not None and not r.completed]
         try:
-            request = ep.close()
+            request = _close(ep)
         except Exception as exc:  # a failed peer's endpoint may refuse to close cleanly
             log.debug("ucx (%s): closing an endpoint: %s", self.role, exc)
             return
@@ -319,12 +349,15 @@ class _Engine:
             self._closed = True
             endpoints, self._endpoints = self._endpoints, []
             closing, self._closing = self._closing, []
-        requests = [r for _, r in closing]
+        requests = [r for _, r in closing if r is not None]
         for ep in endpoints:
             try:
-                requests.append(ep.close())
+                request = _close(ep)
             except Exception as exc:
                 log.debug("ucx (%s): closing an endpoint: %s", self.role, exc)
+                continue
+            if request is not None:
+                requests.append(request)
         if not _wait(requests, _SHORT_WAIT_S):
             log.debug("ucx (%s): some endpoints did not close within %s s", self.role,
                       _SHORT_WAIT_S)
@@ -484,7 +517,8 @@ class UcxRegion:
             return self._ref(offset, 0, 0)
         data, tag = self._slice(offset, length), _tag()
         try:
-            self._sends.append(self._link.ep.tag_send(_array(data), _lib().UCXXTag(tag)))
+            self._sends.append(_posted(self._link.ep.tag_send(_array(data),
+                                                              _lib().UCXXTag(tag))))
         except Exception as exc:
             raise ChannelBrokenError(f"ucx: posting a send failed: {exc}") from exc
         return self._ref(offset, length, tag)
@@ -496,7 +530,7 @@ class UcxRegion:
             return self._ref(offset, 0, 0)
         data, tag = self._slice(offset, length), _tag()
         try:
-            request = self._link.ep.tag_recv(_array(data), _lib().UCXXTag(tag))
+            request = _posted(self._link.ep.tag_recv(_array(data), _lib().UCXXTag(tag)))
         except Exception as exc:
             raise ChannelBrokenError(f"ucx: posting a receive failed: {exc}") from exc
         self._recvs.append((tag, request))
@@ -685,7 +719,8 @@ class Server:
         requests: list[Any] = []
         try:
             try:
-                requests.append(state.ep.tag_recv(_array(view), _lib().UCXXTag(ref.tag)))
+                requests.append(_posted(state.ep.tag_recv(_array(view),
+                                                          _lib().UCXXTag(ref.tag))))
             except Exception as exc:
                 raise ChannelBrokenError(f"ucx: posting a receive failed: {exc}") from exc
             if not _wait(requests, timeout_s):
@@ -719,7 +754,8 @@ class Server:
         try:
             fill(view)
             try:
-                requests.append(state.ep.tag_send(_array(view), _lib().UCXXTag(ref.tag)))
+                requests.append(_posted(state.ep.tag_send(_array(view),
+                                                          _lib().UCXXTag(ref.tag))))
             except Exception as exc:
                 raise ChannelBrokenError(f"ucx: posting a send failed: {exc}") from exc
             if not _wait(requests, timeout_s):

@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -217,3 +218,31 @@ def test_broken_channel_falls_back_to_grpc_without_losing_or_repeating_a_push(
         tables = {t.name: t for t in client.stats()[0].tables}
         assert tables["e"].pushes_applied == 6 and tables["w"].pushes_applied == 6
         assert tables["e"].pushes_duplicate == 0 and tables["w"].pushes_duplicate == 0
+
+
+@pytest.mark.parametrize("tls", [pytest.param("tcp", id="ucx-tcp"),
+                                 pytest.param("posix,self", id="ucx-shm")])
+@needs_ucx
+def test_killed_ucx_worker_mid_transfer_leaves_the_server_serving(
+    procs: Procs, monkeypatch: pytest.MonkeyPatch, tls: str,
+) -> None:
+    monkeypatch.setenv("UCX_TLS", tls)
+    server = procs.server(extra=["--transport", "ucx"])
+    worker = procs.spawn([sys.executable, str(REPO / "tests" / "transport_worker.py"),
+                          server.address, "ucx"], "transport-worker")
+    wait_until(lambda: "looping" in worker.log() or worker.popen.poll() is not None, 60,
+               "the worker's first round trip")
+    assert "['ucx']" in worker.log(), worker.log()
+    procs.kill(worker, signal.SIGKILL)
+    with PSClient([server.address], worker=6, transport="ucx") as client:
+        assert client.transports() == ["ucx"]
+        client.declare_dense("loop", (1024, 1024), optimizer="sgd", lr=1e-6)
+        for _ in range(3):
+            assert client.pull_dense("loop").shape == (1024, 1024)
+            client.push_dense("loop", torch.ones(1024, 1024))
+        assert client.transports() == ["ucx"]
+    # The server still stops cleanly (no UCX worker left waiting on the dead peer).
+    start = time.monotonic()
+    procs.kill(server, signal.SIGTERM)
+    assert server.popen.returncode == 0, server.log()
+    assert time.monotonic() - start < 10

@@ -54,6 +54,7 @@ class Peer:
     session: int = 0
     channel: ClientChannel | None = None
     note: str = ""
+    over: str = ""  # what the transport runs over, when it says (UCX: "tcp/eth0")
 
 
 class BulkClient:
@@ -139,7 +140,7 @@ class BulkClient:
         detail = "".join(f", {d}" for d in (server_offer.detail, over) if d)
         log.info("worker %d: shard %d (%s) uses transport %s%s%s", self.worker, index, address,
                  name, detail, f" ({answer.note})" if answer.note else "")
-        return Peer(name, answer.session, channel, answer.note)
+        return Peer(name, answer.session, channel, answer.note, over)
 
     def broken(self, peer: Peer, index: int, reason: str) -> None:
         """Marks a peer's transport as failed: its requests go inline from now on."""
@@ -147,7 +148,7 @@ class BulkClient:
             if peer.channel is None:
                 return
             was = peer.transport
-            peer.transport, peer.channel = "grpc", None
+            peer.transport, peer.channel, peer.over = "grpc", None, ""
             peer.note = f"{was} failed: {reason}"
         log.warning("worker %d: transport %s to shard %d failed (%s); retrying the request and "
                     "sending everything after it over grpc", self.worker, was, index, reason)

@@ -561,6 +561,12 @@ class PSClient:
         """The bulk transport each shard uses now, in shard order. Thread-safe."""
         return [s.bulk.transport for s in self._shards]
 
+    def transport_details(self) -> list[str]:
+        """Each shard's transport and, where it says, what it runs over ("ucx (tcp/eth0)",
+        "ucx (rc_mlx5/mlx5_0:1)" for RDMA), in shard order. Thread-safe."""
+        return [f"{s.bulk.transport} ({s.bulk.over})" if s.bulk.over else s.bulk.transport
+                for s in self._shards]
+
     # ---- clocks ----------------------------------------------------------------------------
 
     def end_iteration(self) -> int:

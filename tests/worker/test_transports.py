@@ -22,6 +22,8 @@ from worker.client import PSClient
 from worker.errors import PSClientError
 
 UCX_OK, UCX_WHY = available("ucx")
+if UCX_OK:
+    from protos.transport import ucx
 needs_ucx = pytest.mark.skipif(not UCX_OK, reason=f"ucx is not available here: {UCX_WHY}")
 # The transports a bulk channel can break on: (transport, UCX_TLS or "").
 BREAKABLE = [
@@ -246,3 +248,21 @@ def test_killed_ucx_worker_mid_transfer_leaves_the_server_serving(
     procs.kill(server, signal.SIGTERM)
     assert server.popen.returncode == 0, server.log()
     assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize(("tls", "lane"), [pytest.param("tcp", "tcp/", id="ucx-tcp"),
+                                           pytest.param("posix,self", "posix/", id="ucx-shm")])
+@needs_ucx
+def test_the_ucx_transports_in_use_are_reported(
+    procs: Procs, monkeypatch: pytest.MonkeyPatch, tls: str, lane: str,
+) -> None:
+    monkeypatch.setenv("UCX_TLS", tls)
+    server = procs.server(extra=["--transport", "ucx"])
+    with PSClient([server.address], worker=0, transport="ucx") as client:
+        (detail,) = client.transport_details()
+        assert detail.startswith(f"ucx ({lane}"), detail
+        lanes = detail[len("ucx (") : -1].split(", ")
+        assert not any(ucx.is_rdma(n) for n in lanes)  # no RDMA hardware in CI
+    wait_until(lambda: "runs over UCX transports" in server.log(), 10, "the server's log line")
+    line = next(x for x in server.log().splitlines() if "runs over UCX transports" in x)
+    assert f"transports {lane}" in line, line

@@ -94,6 +94,13 @@ class BulkEndpoint:
                 offers = [o if o.name != name else unavailable_offer(name, str(exc))
                           for o in offers]
                 continue
+            declined = "" if request.forced or self.choice.forced else channel.declines(session)
+            if declined:
+                # Usable but no faster than gRPC here: auto takes the next transport.
+                channel.end(session)
+                offers = [o if o.name != name else unavailable_offer(name, declined)
+                          for o in offers]
+                continue
             break
         if name != "grpc":
             with self._lock:

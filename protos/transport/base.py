@@ -131,6 +131,11 @@ class ServerChannel(Protocol):
         Blocks until the bytes are delivered (up to `timeout_s`)."""
         ...
 
+    def declines(self, session: int) -> str:
+        """Why `auto` should not use this accepted session (it would be no faster than
+        gRPC), or "" to use it. A forced transport is used regardless. Does not block."""
+        ...
+
     def discard(self, ref: pb.BulkRef) -> None:
         """Drops the payload `ref` names without reading it (a refused request, an unknown
         session), so the client's transfer can end. Does not block."""

@@ -62,6 +62,9 @@ class Server:
               timeout_s: float) -> None:
         raise ChannelBrokenError("this session uses inline gRPC; it has no bulk regions")
 
+    def declines(self, session: int) -> str:
+        return ""
+
     def discard(self, ref: pb.BulkRef) -> None:
         return None
 

@@ -342,6 +342,9 @@ class Server:
               timeout_s: float) -> None:
         fill(self._view(ref, nbytes))
 
+    def declines(self, session: int) -> str:
+        return ""
+
     def discard(self, ref: pb.BulkRef) -> None:
         return None  # the bytes stay in the client's segment; nothing is in flight
 

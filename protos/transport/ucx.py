@@ -225,6 +225,18 @@ def is_rdma(lane: str) -> bool:
     return lane.split("/", 1)[0].startswith(_RDMA)
 
 
+def auto_declines(lanes: list[str]) -> str:
+    """Why `auto` should not use a UCX endpoint with these lanes, or "" to use it. Pure.
+
+    UCX over TCP measured slower than gRPC here (see the README's figures), so only RDMA
+    or shared-memory lanes are worth it; unknown lanes are not taken either.
+    """
+    if lanes and not all(lane.startswith("tcp/") for lane in lanes):
+        return ""
+    return (f"UCX would run over {', '.join(lanes) or 'unknown UCX transports'} only, "
+            "no faster than gRPC; force --transport ucx to use it anyway")
+
+
 # ---- one UCX worker and its progress thread ----------------------------------------------
 
 
@@ -767,6 +779,9 @@ class Server:
         finally:
             self._pool.give(buffer, requests)
 
+    def declines(self, session: int) -> str:
+        return auto_declines(self.lanes(session))
+
     def discard(self, ref: pb.BulkRef) -> None:
         if ref.length and ref.tag:
             self._engine.discard(ref.tag)
@@ -801,4 +816,5 @@ class Server:
         self._pool.clear()
 
 
-__all__ = ["Client", "Server", "UcxRegion", "endpoint_lanes", "is_rdma", "probe", "ucx_version"]
+__all__ = ["Client", "Server", "UcxRegion", "auto_declines", "endpoint_lanes", "is_rdma", "probe",
+           "ucx_version"]

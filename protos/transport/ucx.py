@@ -74,6 +74,7 @@ _SCRATCH = memoryview(bytearray(1))
 # UCX build does not use (UCX_MEMTYPE_CACHE) on every context unless told not to.
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
+
 class _Loaded:
     """ucxx's modules once imported, or why they could not be."""
 

@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -46,18 +47,28 @@ def memfd_maps(pid: int) -> list[str]:
     return [line for line in text.splitlines() if "/memfd:pstrain-" in line]
 
 
-@pytest.mark.skipif(UCX_OK, reason="ucx works here; this test needs a host without it")
-def test_forced_but_unavailable_transport_is_a_clear_error(procs: Procs) -> None:
+def test_forced_but_unavailable_transport_is_a_clear_error(procs: Procs, tmp_path: Path
+                                                           ) -> None:
+    # Processes that cannot load UCX (here or not: a stub makes importing ucxx fail).
+    env = without_ucx(tmp_path)
     server = procs.server()
-    with pytest.raises(TransportChoiceError) as err:
-        PSClient([server.address], transport="ucx")
-    assert "transport 'ucx' is forced" in str(err.value)
-    assert UCX_WHY in str(err.value)
+    client = procs.spawn([sys.executable, "-c", textwrap.dedent(f"""
+        from worker.bulk import TransportChoiceError
+        from worker.client import PSClient
+        try:
+            PSClient([{server.address!r}], transport="ucx")
+        except TransportChoiceError as exc:
+            print("refused:", exc)
+    """)], "client-no-ucx", env)
+    assert client.popen.wait(timeout=60) == 0, client.log()
+    assert "refused: transport 'ucx' is forced" in client.log()
+    assert "no UCX on this host (test stub)" in client.log()
     # A server forced to a transport it lacks refuses to start, naming it.
     bad = procs.spawn([sys.executable, "-m", "ps", "--bind", "127.0.0.1:0", "--transport",
-                       "ucx"], "server-ucx")
+                       "ucx"], "server-ucx", env)
     assert bad.popen.wait(timeout=60) == 2
     assert "--transport ucx is forced but not available on this server" in bad.log()
+    assert "no UCX on this host (test stub)" in bad.log()
 
 
 def test_unknown_transport_name_is_refused(procs: Procs) -> None:

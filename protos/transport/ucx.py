@@ -125,15 +125,17 @@ def _tag() -> int:
     return secrets.randbits(64) or 1
 
 
-def _wait(requests: list[Any], timeout_s: float) -> bool:
-    """Whether every request completed within `timeout_s`. Polls: this ucxx build has no
-    blocking wait without an asyncio loop; the progress thread does the work."""
+def _wait(requests: list[Any], timeout_s: float, stop: threading.Event | None = None
+          ) -> bool:
+    """Whether every request completed within `timeout_s` (False at once when `stop` is
+    set). Polls: this ucxx build has no blocking wait without an asyncio loop; the progress
+    thread does the work."""
     deadline = time.monotonic() + timeout_s
     delay = 0.0
     while True:
         if all(r.completed for r in requests):
             return True
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
             return False
         time.sleep(delay)
         delay = min(1e-3, delay * 2 or 2e-5)
@@ -260,6 +262,8 @@ class _Engine:
                 "environment variables (UCX_TLS)"
             ) from exc
         self.address = bytes(self.worker.address)
+        # Set when closing starts: transfers still waiting give up at once.
+        self.stopping = threading.Event()
         # Guards _error_handling, _closed, _endpoints, _closing, _discards.
         self._lock = threading.Lock()
         # None: not known yet; False: the transports allowed cannot detect a failed peer.
@@ -348,6 +352,12 @@ class _Engine:
         with self._lock:
             self._closing.append((ep, request))
 
+    def broken(self, what: str, timeout_s: float) -> ChannelBrokenError:
+        """The error for a transfer that did not complete: closing, or a timeout."""
+        if self.stopping.is_set():
+            return ChannelBrokenError(f"ucx: {what}: the ucx channel is closing")
+        return ChannelBrokenError(f"ucx: {what} did not finish within {timeout_s:.0f} s")
+
     def close(self, keep: object = None) -> None:
         """Closes every endpoint and stops the progress thread. Idempotent; blocks up to
         2 s.
@@ -356,6 +366,7 @@ class _Engine:
         this call for the rest of the process: ucxx's worker destructor waits forever for
         a send nobody receives, so such a worker is never destroyed.
         """
+        self.stopping.set()
         with self._lock:
             if self._closed:
                 return
@@ -554,11 +565,9 @@ class UcxRegion:
 
     def complete(self, timeout_s: float) -> None:
         requests = self._requests()
-        if not _wait(requests, timeout_s):
-            raise ChannelBrokenError(
-                f"ucx: a transfer of session {self._session} did not finish within "
-                f"{timeout_s:.0f} s"
-            )
+        engine = self._client._engine
+        if not _wait(requests, timeout_s, engine.stopping):
+            raise engine.broken(f"a transfer of session {self._session}", timeout_s)
         _check(requests, f"a transfer of session {self._session}")
 
     def abort(self) -> None:
@@ -674,10 +683,11 @@ class Server:
     def __init__(self, cache_bytes: int = SERVER_CACHE_BYTES) -> None:
         self._engine = _Engine("server")
         self._pool = _Pool(capacity_bytes=1 << 62, cache_bytes=cache_bytes)
-        # Guards _sessions and _closed.
+        # Guards _sessions, _closed and _waiting.
         self._lock = threading.Lock()
         self._sessions: dict[int, _Session] = {}
         self._closed = False
+        self._waiting = 0  # transfers being waited for now
 
     def offer(self) -> pb.TransportOffer:
         return pb.TransportOffer(name=self.name, available=True, address=self._engine.address,
@@ -736,12 +746,12 @@ class Server:
                                                           _lib().UCXXTag(ref.tag))))
             except Exception as exc:
                 raise ChannelBrokenError(f"ucx: posting a receive failed: {exc}") from exc
-            if not _wait(requests, timeout_s):
+            with self._active():
+                arrived = _wait(requests, timeout_s, self._engine.stopping)
+            if not arrived:
                 self._engine.settle_receive(ref.tag, requests[0])
-                raise ChannelBrokenError(
-                    f"ucx: the payload from worker {state.worker} did not arrive within "
-                    f"{timeout_s:.0f} s"
-                )
+                raise self._engine.broken(f"the payload from worker {state.worker}",
+                                          timeout_s)
             _check(requests, f"receiving from worker {state.worker}")
             yield view.toreadonly()
         finally:
@@ -771,14 +781,24 @@ class Server:
                                                           _lib().UCXXTag(ref.tag))))
             except Exception as exc:
                 raise ChannelBrokenError(f"ucx: posting a send failed: {exc}") from exc
-            if not _wait(requests, timeout_s):
-                raise ChannelBrokenError(
-                    f"ucx: worker {state.worker} did not take the answer within "
-                    f"{timeout_s:.0f} s"
-                )
+            with self._active():
+                taken = _wait(requests, timeout_s, self._engine.stopping)
+            if not taken:
+                raise self._engine.broken(f"the answer to worker {state.worker}", timeout_s)
             _check(requests, f"sending to worker {state.worker}")
         finally:
             self._pool.give(buffer, requests)
+
+    @contextlib.contextmanager
+    def _active(self) -> Iterator[None]:
+        """Counts a transfer being waited for, so that close() can let it give up first."""
+        with self._lock:
+            self._waiting += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waiting -= 1
 
     def declines(self, session: int) -> str:
         return auto_declines(self.lanes(session))
@@ -813,6 +833,14 @@ class Server:
         with self._lock:
             self._closed = True
             self._sessions.clear()
+        # Transfers still waiting (for a dead peer) give up now, setting their buffers aside.
+        self._engine.stopping.set()
+        deadline = time.monotonic() + _SHORT_WAIT_S
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._waiting:
+                    break
+            time.sleep(0.01)
         self._engine.close(keep=self._pool.stuck())
         self._pool.clear()
 

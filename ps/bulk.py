@@ -94,6 +94,13 @@ class BulkEndpoint:
                 offers = [o if o.name != name else unavailable_offer(name, str(exc))
                           for o in offers]
                 continue
+            declined = "" if request.forced or self.choice.forced else channel.declines(session)
+            if declined:
+                # Usable but no faster than gRPC here: auto takes the next transport.
+                channel.end(session)
+                offers = [o if o.name != name else unavailable_offer(name, declined)
+                          for o in offers]
+                continue
             break
         if name != "grpc":
             with self._lock:
@@ -116,7 +123,28 @@ class BulkEndpoint:
     def read(self, ref: pb.BulkRef, timeout_s: float) -> AbstractContextManager[memoryview]:
         """The payload `ref` names, valid inside the `with` block. ChannelBrokenError when
         it cannot be had."""
-        return self._channel(ref).read(ref, timeout_s)
+        try:
+            channel = self._channel(ref)
+        except ChannelBrokenError:
+            self.discard(ref)
+            raise
+        return channel.read(ref, timeout_s)
+
+    def discard(self, *refs: pb.BulkRef) -> None:
+        """Drops payloads a refused request names, unread, so the client's transfers end
+        (a UCX send waits for its receiver). Does not block."""
+        for ref in refs:
+            if not ref.length:
+                continue
+            with self._lock:
+                name = self._sessions.get(ref.session)
+            # A session this server no longer knows: any channel may hold its bytes.
+            channels = [self._channels[name]] if name else list(self._channels.values())
+            for channel in channels:
+                try:
+                    channel.discard(ref)
+                except TransportError as exc:
+                    log.debug("shard %d: dropping a bulk payload: %s", self.shard, exc)
 
     def write(self, ref: pb.BulkRef, nbytes: int, fill: Callable[[memoryview], None],
               timeout_s: float) -> None:

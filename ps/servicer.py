@@ -6,6 +6,7 @@ domain errors into status codes. Status codes appear nowhere else in the server.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import logging
@@ -391,11 +392,12 @@ class ParameterServerServicer:
             if first is None or not first.msg.HasField("header"):
                 raise InvalidArgumentError("a dense push must start with a chunk carrying a header")
             head = first.msg.header
-            dtype = codec.dtype_from_wire(head.dtype)
-            shape = tuple(head.shape)
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            expected = math.prod(shape) * itemsize
-            self._check_request_size(expected)
+            with self._refused(*([head.bulk] if head.HasField("bulk") else [])):
+                dtype = codec.dtype_from_wire(head.dtype)
+                shape = tuple(head.shape)
+                itemsize = torch.empty((), dtype=dtype).element_size()
+                expected = math.prod(shape) * itemsize
+                self._check_request_size(expected)
             if head.HasField("bulk"):
                 return self._push_dense_bulk(head, chunks, dtype, shape, expected)
 
@@ -466,7 +468,9 @@ class ParameterServerServicer:
                     "a sparse push must start with a chunk carrying a header"
                 )
             head = first.msg.header
-            dtype = codec.dtype_from_wire(head.dtype)
+            bulk_refs = [head.bulk_keys, head.bulk] if head.HasField("bulk") else []
+            with self._refused(*bulk_refs):
+                dtype = codec.dtype_from_wire(head.dtype)
             if head.HasField("bulk"):
                 return self._push_sparse_bulk(head, chunks, dtype)
             key_parts = [first.payload("keys")]
@@ -509,13 +513,16 @@ class ParameterServerServicer:
         self, head: pb.PushDenseHeader, more: Iterator[Frame[pb.PushDenseChunk]],
         dtype: torch.dtype, shape: tuple[int, ...], expected: int,
     ) -> bytes:
-        if next(more, None) is not None:
-            raise InvalidArgumentError("a dense push with a bulk reference has one chunk only")
-        if head.bulk.length != expected:
-            raise InvalidArgumentError(
-                f"dense push names {head.bulk.length} bulk bytes but shape {list(shape)} of "
-                f"{codec.dtype_name(head.dtype)} needs {expected}"
-            )
+        with self._refused(head.bulk):
+            if next(more, None) is not None:
+                raise InvalidArgumentError(
+                    "a dense push with a bulk reference has one chunk only"
+                )
+            if head.bulk.length != expected:
+                raise InvalidArgumentError(
+                    f"dense push names {head.bulk.length} bulk bytes but shape {list(shape)} "
+                    f"of {codec.dtype_name(head.dtype)} needs {expected}"
+                )
         itemsize = torch.empty((), dtype=dtype).element_size()
         with self._bulk().read(head.bulk, BULK_TIMEOUT_S) as view:
             self.bytes.add(received=view.nbytes)
@@ -558,12 +565,17 @@ class ParameterServerServicer:
         self, head: pb.PushSparseHeader, more: Iterator[Frame[pb.PushSparseChunk]],
         dtype: torch.dtype,
     ) -> bytes:
-        if next(more, None) is not None:
-            raise InvalidArgumentError("a sparse push with a bulk reference has one chunk only")
-        self._check_request_size(head.bulk.length + head.bulk_keys.length)
+        with self._refused(head.bulk_keys, head.bulk):
+            if next(more, None) is not None:
+                raise InvalidArgumentError(
+                    "a sparse push with a bulk reference has one chunk only"
+                )
+            self._check_request_size(head.bulk.length + head.bulk_keys.length)
         bulk = self._bulk()
-        with bulk.read(head.bulk_keys, BULK_TIMEOUT_S) as key_view, \
-                bulk.read(head.bulk, BULK_TIMEOUT_S) as values:
+        with contextlib.ExitStack() as stack:
+            with self._refused(head.bulk):  # the values, if the keys cannot be had
+                key_view = stack.enter_context(bulk.read(head.bulk_keys, BULK_TIMEOUT_S))
+            values = stack.enter_context(bulk.read(head.bulk, BULK_TIMEOUT_S))
             self.bytes.add(received=key_view.nbytes + values.nbytes)
             keys = codec.keys_from_bytes(key_view)
             outcome = self.shard.push_sparse(head.table, _meta(head), dtype, head.dim, keys,
@@ -590,7 +602,8 @@ class ParameterServerServicer:
     def _exchange_bulk(self, msg: pb.ExchangeRequest) -> bytes:
         """An exchange whose payload, and answer, lie in the client's bulk region."""
         bulk = self._bulk()
-        self._check_request_size(msg.bulk.length)
+        with self._refused(msg.bulk):
+            self._check_request_size(msg.bulk.length)
         with bulk.read(msg.bulk, BULK_TIMEOUT_S) as payload:
             self.bytes.add(received=payload.nbytes)
             exchange = exchange_from_proto(msg, payload)
@@ -637,6 +650,18 @@ class ParameterServerServicer:
                 observe(time.perf_counter() - start)
 
         return unary
+
+    @contextlib.contextmanager
+    def _refused(self, *refs: pb.BulkRef) -> Iterator[None]:
+        """Drops the payloads `refs` name, unread, when the block raises: a request refused
+        before its payload was read would otherwise leave the client's transfer waiting
+        (a UCX send ends only when the server takes it)."""
+        try:
+            yield
+        except BaseException:
+            if refs and self.bulk is not None:
+                self.bulk.discard(*refs)
+            raise
 
     def _check_request_size(self, nbytes: int) -> None:
         if nbytes > self.limits.max_request_bytes:

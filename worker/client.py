@@ -337,10 +337,19 @@ class PSClient:
         except TransportError as exc:
             raise PSClientError(f"transport: {exc}") from exc
         self._bulk = BulkClient(choice, worker, self.incarnation)
-        self._shards = [
-            self._connect(i, address, len(addresses), options, connect_timeout_s)
-            for i, address in enumerate(addresses)
-        ]
+        self._shards: list[_Shard] = []
+        try:
+            for i, address in enumerate(addresses):
+                self._shards.append(
+                    self._connect(i, address, len(addresses), options, connect_timeout_s)
+                )
+        except BaseException:
+            # Nothing half-made outlives a failed constructor (sessions, UCX workers).
+            for shard in self._shards:
+                self._bulk.end(shard.bulk, shard.methods["Handshake"])
+                shard.channel.close()
+            self._bulk.close()
+            raise
         self._pool = ThreadPoolExecutor(
             max_workers=max(1, 2 * len(self._shards)), thread_name_prefix="psclient"
         )
@@ -551,6 +560,12 @@ class PSClient:
     def transports(self) -> list[str]:
         """The bulk transport each shard uses now, in shard order. Thread-safe."""
         return [s.bulk.transport for s in self._shards]
+
+    def transport_details(self) -> list[str]:
+        """Each shard's transport and, where it says, what it runs over ("ucx (tcp/eth0)",
+        "ucx (rc_mlx5/mlx5_0:1)" for RDMA), in shard order. Thread-safe."""
+        return [f"{s.bulk.transport} ({s.bulk.over})" if s.bulk.over else s.bulk.transport
+                for s in self._shards]
 
     # ---- clocks ----------------------------------------------------------------------------
 

@@ -92,6 +92,16 @@ class ClientChannel(Protocol):
         the payload should travel inline (over the pool's capacity). Does not block."""
         ...
 
+    def describe(self, session: int) -> str:
+        """What the session runs over, for logs (the UCX transports in use); may be empty.
+        Does not block."""
+        ...
+
+    def end(self, session: int) -> None:
+        """Forgets a session and frees what it held (an endpoint). Idempotent; blocks
+        briefly."""
+        ...
+
     def close(self) -> None:
         """Frees every resource. Idempotent."""
         ...
@@ -119,6 +129,16 @@ class ServerChannel(Protocol):
               timeout_s: float) -> None:
         """Calls `fill` with a writable buffer of `nbytes` that reaches the client at `ref`.
         Blocks until the bytes are delivered (up to `timeout_s`)."""
+        ...
+
+    def declines(self, session: int) -> str:
+        """Why `auto` should not use this accepted session (it would be no faster than
+        gRPC), or "" to use it. A forced transport is used regardless. Does not block."""
+        ...
+
+    def discard(self, ref: pb.BulkRef) -> None:
+        """Drops the payload `ref` names without reading it (a refused request, an unknown
+        session), so the client's transfer can end. Does not block."""
         ...
 
     def end(self, session: int) -> None:

@@ -34,6 +34,12 @@ class Client:
     def lease(self, nbytes: int, session: int) -> Region | None:
         return None
 
+    def describe(self, session: int) -> str:
+        return ""
+
+    def end(self, session: int) -> None:
+        return None
+
     def close(self) -> None:
         return None
 
@@ -55,6 +61,12 @@ class Server:
     def write(self, ref: pb.BulkRef, nbytes: int, fill: Callable[[memoryview], None],
               timeout_s: float) -> None:
         raise ChannelBrokenError("this session uses inline gRPC; it has no bulk regions")
+
+    def declines(self, session: int) -> str:
+        return ""
+
+    def discard(self, ref: pb.BulkRef) -> None:
+        return None
 
     def end(self, session: int) -> None:
         return None

@@ -205,6 +205,12 @@ class Client:
                 return
         segment.close()
 
+    def describe(self, session: int) -> str:
+        return ""
+
+    def end(self, session: int) -> None:
+        return None  # segments belong to the pool, not to a session
+
     def segments(self) -> list[tuple[int, int]]:
         """(fd, size) of every segment, for inspection. Thread-safe."""
         with self._lock:
@@ -335,6 +341,12 @@ class Server:
     def write(self, ref: pb.BulkRef, nbytes: int, fill: Callable[[memoryview], None],
               timeout_s: float) -> None:
         fill(self._view(ref, nbytes))
+
+    def declines(self, session: int) -> str:
+        return ""
+
+    def discard(self, ref: pb.BulkRef) -> None:
+        return None  # the bytes stay in the client's segment; nothing is in flight
 
     def sessions(self) -> int:
         """How many client sessions are open. Thread-safe."""

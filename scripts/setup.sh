@@ -20,7 +20,9 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
-if [ ! -x .venv/bin/python ]; then
+# A venv left half-made by an interrupted run has no pip: make it again.
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+  rm -rf .venv
   python3 -m venv .venv
 fi
 py=.venv/bin/python

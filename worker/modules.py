@@ -171,7 +171,7 @@ class _Pulled:
     rows: torch.Tensor
 
 
-@dataclass
+@dataclass(eq=False)  # tickets are told apart by identity, never by their tensors
 class _Ticket:
     """A pull a module will need at step `clock`: of sparse rows for `ids`, or (ids None)
     of a dense table. It waits in the pipeline until an exchange carries it; `future` then
@@ -310,7 +310,8 @@ class _Pipeline:
             return
         if box is not None:
             self.outbox = None
-        self._waiting = [t for t in self._waiting if t not in tickets]
+        chosen = {id(t) for t in tickets}
+        self._waiting = [t for t in self._waiting if id(t) not in chosen]
         clocks = sorted({t.clock for t in tickets})
         # Pulls for different steps wait for different clocks: one exchange per step.
         groups = [[t for t in tickets if t.clock == c] for c in clocks] or [[]]

@@ -209,6 +209,32 @@ def test_overlapped_steps_push_every_gradient_exactly_once(client: PSClient, dep
     assert bias_after.item() == pytest.approx(dense_before[-1].item() - 2.0 * steps, abs=1e-5)
 
 
+def test_two_prefetched_lookups_of_one_table_in_a_step(client: PSClient) -> None:
+    """A step may look a table up twice (two id fields sharing one table), each prefetched;
+    both lookups get their own rows and both gradients land, summed."""
+    steps = 4
+    emb = PSEmbedding(client, fresh("twice"), 2, optimizer="sgd", lr=1.0,
+                      init=("zeros", 0, 0))
+    firsts = [torch.tensor([1, 2, 3]) for _ in range(steps)]
+    seconds = [torch.tensor([4, 2, 6]) for _ in range(steps)]
+    with PSOptimizer(emb) as ps:
+        assert ps.overlap
+        batches = list(zip(firsts, seconds, strict=True))
+        for (a, b), upcoming in lookahead(batches):
+            if upcoming is not None:
+                emb.prefetch(upcoming[0])
+                emb.prefetch(upcoming[1])
+            loss = emb(a).sum() + emb(b).sum()
+            ps.zero_grad()
+            loss.backward()
+            ps.step()
+        ps.flush()
+    # d loss / d row = occurrences per step: id 2 twice, the others once; SGD at lr 1.
+    rows = client.pull_sparse(emb.table, torch.tensor([1, 2, 3, 4, 6, 5]))
+    expected = torch.tensor([1.0, 2, 1, 1, 1, 0]).unsqueeze(1) * -steps
+    torch.testing.assert_close(rows, expected.expand(6, 2), atol=1e-6, rtol=0)
+
+
 def table_stat(client: PSClient, table: str, field: str) -> int:
     return sum(int(getattr(t, field)) for s in client.stats() for t in s.tables if t.name == table)
 

@@ -199,6 +199,13 @@ class Payload:
         self.nbytes += view.nbytes
         return span
 
+    def copy_into(self, view: memoryview) -> None:
+        """Writes the parts back to back at the start of `view` (at least `nbytes` long)."""
+        pos = 0
+        for part in self.parts:
+            view[pos : pos + part.nbytes] = part
+            pos += part.nbytes
+
 
 def span_of(payload: memoryview, span: pb.Span, what: str) -> memoryview:
     """The bytes `span` names in `payload`; WireError when it reaches past the end."""

@@ -615,13 +615,7 @@ class ParameterServerServicer:
                 f"needs {out.nbytes}"
             )
 
-        def fill(view: memoryview) -> None:
-            pos = 0
-            for part in out.parts:
-                view[pos : pos + part.nbytes] = part
-                pos += part.nbytes
-
-        bulk.write(msg.answer, out.nbytes, fill, BULK_TIMEOUT_S)
+        bulk.write(msg.answer, out.nbytes, out.copy_into, BULK_TIMEOUT_S)
         self.bytes.add(sent=out.nbytes)
         response.in_bulk = True
         return response.SerializeToString()

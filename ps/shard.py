@@ -387,22 +387,27 @@ class Shard:
             else self._prepare_dense(p.table, p.meta, p.dtype, p.shape, ((0, p.values),))
             for p in request.pushes
         ]
+        # Resolved and checked once, here, before anything changes.
+        sources: list[tuple[Table, Policy]] = []
         for pull in request.pulls:
             if pull.keys is None:
-                self._dense(pull.table)
+                sources.append(self._dense(pull.table))
             else:
-                self._sparse(pull.table)[0].check_keys(pull.keys)
+                sparse = self._sparse(pull.table)
+                sparse[0].check_keys(pull.keys)
+                sources.append(sparse)
         outcomes = [self._commit(p) for p in prepared]
         open_clock = None
         if request.end_iteration:
             open_clock = self.tick(worker, request.incarnation, request.push_clock, generation)
-        pulled: list[torch.Tensor | SparseRows] = [
-            self.pull_dense(pull.table, worker, request.pull_clock, request.wait_s, generation)
-            if pull.keys is None
-            else self.pull_sparse(pull.table, worker, request.pull_clock, pull.keys,
-                                  request.wait_s, generation)
-            for pull in request.pulls
-        ]
+        pulled: list[torch.Tensor | SparseRows] = []
+        for pull, (table, policy) in zip(request.pulls, sources, strict=True):
+            self._await_pull(pull.table, policy, worker, request.pull_clock, request.wait_s)
+            if isinstance(table, SparseTable):
+                if pull.keys is not None:  # always, for a sparse table (resolved above)
+                    pulled.append(table.pull(pull.keys))
+            else:
+                pulled.append(table.read())
         return ExchangeResult(outcomes, open_clock, pulled)
 
     def _prepare_dense(

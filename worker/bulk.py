@@ -14,11 +14,12 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 import torch
+from google.protobuf.message import Message
 
 from protos import codec
 from protos import pstrain_pb2 as pb
@@ -37,6 +38,8 @@ from protos.transport.registry import unavailable_offer
 from worker.errors import PSClientError
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # Trailing metadata a server sets when a bulk transfer failed (the wire contract).
 BULK_FAILED_KEY = "pstrain-bulk-failed"
@@ -192,20 +195,32 @@ def _run(region: Region, call: Callable[[], Any], timeout_s: float) -> Any:
         result = call()
         region.complete(timeout_s)
         return result
-    except grpc.RpcError as exc:
+    except BaseException as exc:
         region.abort()
         region.release()
-        if _failed(exc):
+        if isinstance(exc, grpc.RpcError) and _failed(exc):
             raise ChannelBrokenError(exc.details() or "the server's bulk transfer failed") from exc
+        if isinstance(exc, TransportError):
+            raise ChannelBrokenError(str(exc)) from exc
         raise
-    except TransportError as exc:
-        region.abort()
-        region.release()
-        raise ChannelBrokenError(str(exc)) from exc
+
+
+def _named(region: Region, build: Callable[[], T]) -> T:
+    """`build()`, which fills the region and names it in a request; on any failure the
+    transfers already posted are settled and the region goes back to its pool."""
+    try:
+        return build()
     except BaseException:
         region.abort()
         region.release()
         raise
+
+
+def _answered_in_bulk(method: Callable[..., Any], request: Message, timeout_s: float) -> None:
+    """Sends a pull whose answer the server writes into the region (one streamed frame)."""
+    frames = list(method(request.SerializeToString(), timeout=timeout_s))
+    if len(frames) != 1 or not frames[0].msg.in_bulk:
+        raise ChannelBrokenError("the server answered a bulk pull inline")
 
 
 def region_tensor(region: Region, offset: int, nbytes: int, dtype: torch.dtype,
@@ -223,21 +238,15 @@ def pull_dense(peer: Peer, method: Callable[..., Any], msg: pb.PullDenseRequest,
     region = _lease(peer, nbytes)
     if region is None:
         return None
-    try:
+
+    def build() -> pb.PullDenseRequest:
         request = pb.PullDenseRequest()
         request.CopyFrom(msg)
         request.bulk.CopyFrom(region.recv_ref(0, nbytes))
-    except BaseException:
-        region.abort()
-        region.release()
-        raise
+        return request
 
-    def call() -> None:
-        frames = list(method(request.SerializeToString(), timeout=timeout_s))
-        if len(frames) != 1 or not frames[0].msg.in_bulk:
-            raise ChannelBrokenError("the server answered a bulk pull inline")
-
-    _run(region, call, timeout_s)
+    request = _named(region, build)
+    _run(region, lambda: _answered_in_bulk(method, request, timeout_s), timeout_s)
     return region
 
 
@@ -247,14 +256,15 @@ def push_dense(peer: Peer, method: Callable[..., Any], header: pb.PushDenseHeade
     region = _lease(peer, data.nbytes)
     if region is None:
         return None
-    try:
+
+    def build() -> pb.PushDenseChunk:
         region.view[: data.nbytes] = data.cast("B")
         msg = pb.PushDenseChunk(offset=0)
         msg.header.CopyFrom(header)
         msg.header.bulk.CopyFrom(region.send_ref(0, data.nbytes))
-    except BaseException:
-        region.release()
-        raise
+        return msg
+
+    msg = _named(region, build)
     frame: Frame[pb.PushResponse] = _run(
         region, lambda: method(iter([msg.SerializeToString()]), timeout=timeout_s), timeout_s
     )
@@ -271,22 +281,17 @@ def pull_sparse(peer: Peer, method: Callable[..., Any], msg: pb.PullSparseReques
     region = _lease(peer, key_bytes.nbytes + nbytes)
     if region is None:
         return None
-    try:
+
+    def build() -> pb.PullSparseRequest:
         region.view[: key_bytes.nbytes] = key_bytes
         request = pb.PullSparseRequest()
         request.CopyFrom(msg)
         request.bulk_keys.CopyFrom(region.send_ref(0, key_bytes.nbytes))
         request.bulk.CopyFrom(region.recv_ref(key_bytes.nbytes, nbytes))
-    except BaseException:
-        region.release()
-        raise
+        return request
 
-    def call() -> None:
-        frames = list(method(request.SerializeToString(), timeout=timeout_s))
-        if len(frames) != 1 or not frames[0].msg.in_bulk:
-            raise ChannelBrokenError("the server answered a bulk pull inline")
-
-    _run(region, call, timeout_s)
+    request = _named(region, build)
+    _run(region, lambda: _answered_in_bulk(method, request, timeout_s), timeout_s)
     return region
 
 
@@ -299,7 +304,8 @@ def push_sparse(peer: Peer, method: Callable[..., Any], header: pb.PushSparseHea
     region = _lease(peer, key_bytes.nbytes + values.nbytes)
     if region is None:
         return None
-    try:
+
+    def build() -> pb.PushSparseChunk:
         view = region.view
         view[: key_bytes.nbytes] = key_bytes
         view[key_bytes.nbytes : key_bytes.nbytes + values.nbytes] = values
@@ -307,9 +313,9 @@ def push_sparse(peer: Peer, method: Callable[..., Any], header: pb.PushSparseHea
         msg.header.CopyFrom(header)
         msg.header.bulk_keys.CopyFrom(region.send_ref(0, key_bytes.nbytes))
         msg.header.bulk.CopyFrom(region.send_ref(key_bytes.nbytes, values.nbytes))
-    except BaseException:
-        region.release()
-        raise
+        return msg
+
+    msg = _named(region, build)
     frame: Frame[pb.PushResponse] = _run(
         region, lambda: method(iter([msg.SerializeToString()]), timeout=timeout_s), timeout_s
     )
@@ -318,29 +324,27 @@ def push_sparse(peer: Peer, method: Callable[..., Any], header: pb.PushSparseHea
 
 
 def exchange(peer: Peer, method: Callable[..., Any], msg: pb.ExchangeRequest,
-             parts: list[memoryview], nbytes: int, answer_bytes: int, timeout_s: float
+             payload: codec.Payload, answer_bytes: int, timeout_s: float
              ) -> tuple[Frame[pb.ExchangeResponse], Region] | None:
-    """Sends an exchange whose payload (`parts`, `nbytes` in all) goes through a region and
-    whose answer's payload comes back into it, from byte `nbytes` on; the caller releases
-    the region. None: go inline."""
+    """Sends an exchange whose payload goes through a region and whose answer's payload
+    comes back into it, from byte `payload.nbytes` on; the caller releases the region.
+    None: go inline."""
+    nbytes = payload.nbytes
     if not nbytes and not answer_bytes:
         return None  # nothing bulk: a plain message is cheaper
     region = _lease(peer, nbytes + answer_bytes)
     if region is None:
         return None
-    try:
-        view = region.view
-        pos = 0
-        for part in parts:
-            view[pos : pos + part.nbytes] = part
-            pos += part.nbytes
+
+    def build() -> pb.ExchangeRequest:
+        payload.copy_into(region.view)
         request = pb.ExchangeRequest()
         request.CopyFrom(msg)
         request.bulk.CopyFrom(region.send_ref(0, nbytes))
         request.answer.CopyFrom(region.recv_ref(nbytes, answer_bytes))
-    except BaseException:
-        region.release()
-        raise
+        return request
+
+    request = _named(region, build)
 
     def call() -> Frame[pb.ExchangeResponse]:
         frame: Frame[pb.ExchangeResponse] = method(request.SerializeToString(),

@@ -154,24 +154,12 @@ class _ExchangePlan:
         client = self.client
         if push.keys is None:
             table = client._table(push.table, "dense")
-            if tuple(push.grad.shape) != table.shape:
-                raise PSClientError(
-                    f"table {push.table!r} has shape {list(table.shape)}; got "
-                    f"{list(push.grad.shape)}"
-                )
-            values = push.grad.detach().to("cpu").contiguous()
-            flat = values.view(-1) if values.dim() else values.view(1)
-            width = math.prod(table.shape[1:]) if table.shape else 1
-            dtype = client._wire_dtype(values.dtype)
-            for r in table.placement:
-                if not r.rows and table.shape:
-                    continue
+            dtype = client._wire_dtype(push.grad.dtype)
+            for r, shape, block in client._dense_blocks(table, push.grad):
                 msg, payload = self._request(r.shard)
-                block = flat[r.start * width : r.end * width]
                 msg.pushes.append(pb.ExchangePush(
                     table=push.table, seq=next(client._seq), dtype=dtype, dense=True,
-                    shape=[r.rows, *table.shape[1:]] if table.shape else [],
-                    values=payload.add(codec.tensor_bytes(block)),
+                    shape=shape, values=payload.add(codec.tensor_bytes(block)),
                 ))
             return
         table = client._table(push.table, "sparse")
@@ -588,14 +576,15 @@ class PSClient:
             [(s, partial(self._unary, s, "Tick", request)) for s in self._shards],
             f"end iteration {clock}",
         )
-        return self._ended(clock, frames if follow_open_clock else [])
+        open_clocks = [f.msg.open_clock for f in frames] if follow_open_clock else []
+        return self._ended(clock, open_clocks)
 
-    def _ended(self, clock: int, frames: Sequence[Frame[Any]]) -> int:
-        """Moves the clock past iteration `clock`, and on to the oldest open sync clock the
-        shards answered in `frames` (none: no jump). Only forward; thread-safe."""
+    def _ended(self, clock: int, open_clocks: Sequence[int]) -> int:
+        """Moves the clock past iteration `clock`, and on to the oldest of the shards' open
+        sync clocks (none given: no jump). Only forward; thread-safe."""
         ended = clock + 1
-        if frames:
-            ended = max(ended, min(int(f.msg.open_clock) for f in frames))
+        if open_clocks:
+            ended = max(ended, min(open_clocks))
         with self._count_lock:
             self.clock = max(self.clock, ended)
             return self.clock
@@ -643,8 +632,8 @@ class PSClient:
         )
         return {c.worker: c.clock for c in frames[0].msg.clocks}
 
-    def _count_push(self, frame: Frame[pb.PushResponse]) -> None:
-        if frame.msg.dropped:
+    def _count_push(self, msg: pb.PushResponse) -> None:
+        if msg.dropped:
             with self._count_lock:
                 self.dropped_pushes += 1
 
@@ -821,25 +810,14 @@ class PSClient:
         self, name: str, values: torch.Tensor, clock: int, kind: pb.PushKind
     ) -> None:
         table = self._table(name, "dense")
-        if tuple(values.shape) != table.shape:
-            raise PSClientError(
-                f"table {name!r} has shape {list(table.shape)}; got {list(values.shape)}"
-            )
-        values = values.detach().to("cpu").contiguous()
-        flat = values.view(-1) if values.dim() else values.view(1)
-        width = math.prod(table.shape[1:]) if table.shape else 1
         wire_dtype = self._wire_dtype(values.dtype)
         itemsize = values.element_size()
         jobs = []
-        for r in table.placement:
-            if not r.rows and table.shape:
-                continue
+        for r, shape, block in self._dense_blocks(table, values):
             shard = self._shards[r.shard]
-            block = flat[r.start * width : r.end * width]
             header = pb.PushDenseHeader(
                 table=name, id=self._push_id(), clock=clock, kind=kind, dtype=wire_dtype,
-                shape=[r.rows, *table.shape[1:]] if table.shape else [],
-                wait_ms=self._wait_ms(), generation=self.generation,
+                shape=shape, wait_ms=self._wait_ms(), generation=self.generation,
             )
             payload = codec.tensor_bytes(block)
             frames = partial(self._dense_frames, header, payload, itemsize, shard.chunk_bytes)
@@ -848,6 +826,26 @@ class PSClient:
             jobs.append((shard, partial(self._bulk_or_inline, shard, bulk, inline)))
         self._each(jobs, f"push {name!r}")
 
+    @staticmethod
+    def _dense_blocks(
+        table: _Table, values: torch.Tensor
+    ) -> list[tuple[RowRange, list[int], torch.Tensor]]:
+        """(placement, block shape, flat block) of each shard's rows of dense `values`;
+        PSClientError when the shape is not the table's."""
+        if tuple(values.shape) != table.shape:
+            raise PSClientError(
+                f"table {table.name!r} has shape {list(table.shape)}; got {list(values.shape)}"
+            )
+        values = values.detach().to("cpu").contiguous()
+        flat = values.view(-1) if values.dim() else values.view(1)
+        width = math.prod(table.shape[1:]) if table.shape else 1
+        return [
+            (r, [r.rows, *table.shape[1:]] if table.shape else [],
+             flat[r.start * width : r.end * width])
+            for r in table.placement
+            if r.rows or not table.shape
+        ]
+
     def _push_dense_bulk(
         self, shard: _Shard, header: pb.PushDenseHeader, data: memoryview, peer: Peer
     ) -> bool | None:
@@ -855,7 +853,7 @@ class PSClient:
                                    self.timeout_s)
         if frame is None:
             return None
-        self._count_push(frame)
+        self._count_push(frame.msg)
         return True
 
     @staticmethod
@@ -872,7 +870,7 @@ class PSClient:
     def _send(self, shard: _Shard, method: str, frames: Callable[[], Iterator[bytes]]) -> None:
         # gRPC encodes lazily on its own thread while earlier chunks are on the wire; each
         # attempt (the first and every retry) starts a fresh iterator.
-        self._count_push(shard.methods[method](frames(), timeout=self.timeout_s))
+        self._count_push(shard.methods[method](frames(), timeout=self.timeout_s).msg)
 
     # ---- sparse ----------------------------------------------------------------------------
 
@@ -1023,7 +1021,7 @@ class PSClient:
                                     codec.tensor_bytes(grads), self.timeout_s)
         if frame is None:
             return None
-        self._count_push(frame)
+        self._count_push(frame.msg)
         return True
 
     def _coalesce(
@@ -1130,10 +1128,9 @@ class PSClient:
         answers = self._each(jobs, f"exchange {push_clock}")
         for answer in answers:
             for result in answer.pushes:
-                self._count_push(Frame(result, {}))
+                self._count_push(result)
         if end_iteration:
-            self._ended(push_clock,
-                        [Frame(a, {}) for a in answers] if follow_open_clock else [])
+            self._ended(push_clock, [a.open_clock for a in answers] if follow_open_clock else [])
         return [plan.finish(i, out) for i, out in enumerate(outputs)]
 
     def _exchange_inline(
@@ -1149,8 +1146,8 @@ class PSClient:
         self, plan: _ExchangePlan, shard: _Shard, msg: pb.ExchangeRequest,
         payload: codec.Payload, answer_bytes: int, peer: Peer,
     ) -> pb.ExchangeResponse | None:
-        sent = bulk_io.exchange(peer, shard.methods["Exchange"], msg, payload.parts,
-                                payload.nbytes, answer_bytes, self.timeout_s)
+        sent = bulk_io.exchange(peer, shard.methods["Exchange"], msg, payload, answer_bytes,
+                                self.timeout_s)
         if sent is None:
             return None
         frame, region = sent

@@ -23,6 +23,11 @@ class FailedPreconditionError(PSError):
     """The request is well formed but the server's state forbids it (stale incarnation...)."""
 
 
+class RolledBackError(FailedPreconditionError):
+    """The worker joined before the job's last rollback: its progress past the checkpoint is
+    void, so it must restart and rejoin (the servicer marks the answer for the client)."""
+
+
 class ResourceExhaustedError(PSError):
     """The request is over a size limit."""
 

@@ -35,6 +35,7 @@ from ps.errors import (
     NotFoundError,
     PSError,
     ResourceExhaustedError,
+    RolledBackError,
 )
 from ps.initializers import InitSpec
 from ps.shard import (
@@ -76,6 +77,8 @@ class WireLimits:
 CLOCK_WAIT_KEY = "pstrain-clock-wait"
 # Trailing metadata when a bulk transport failed: the client retries the request over gRPC.
 BULK_FAILED_KEY = "pstrain-bulk-failed"
+# Trailing metadata when the worker joined before the job's last rollback: it must restart.
+ROLLED_BACK_KEY = "pstrain-rolled-back"
 # Longest a bulk transfer of one request may take once the server starts it.
 BULK_TIMEOUT_S = 30.0
 
@@ -83,6 +86,8 @@ BULK_TIMEOUT_S = 30.0
 def _abort(context: grpc.ServicerContext, exc: Exception) -> NoReturn:
     if isinstance(exc, ClockWaitTimeoutError):
         context.set_trailing_metadata(((CLOCK_WAIT_KEY, "1"),))
+    if isinstance(exc, RolledBackError):
+        context.set_trailing_metadata(((ROLLED_BACK_KEY, "1"),))
     if isinstance(exc, TransportError):
         context.set_trailing_metadata(((BULK_FAILED_KEY, "1"),))
         code = grpc.StatusCode.FAILED_PRECONDITION

@@ -32,6 +32,7 @@ from ps.errors import (
     InvalidArgumentError,
     NotFoundError,
     PSError,
+    RolledBackError,
 )
 from ps.ledger import Admission, LedgerEntry, PushLedger
 from ps.tables import (
@@ -264,9 +265,9 @@ class Shard:
     # ---- pulls -----------------------------------------------------------------------------
 
     def check_generation(self, worker: int, generation: int) -> None:
-        """FailedPreconditionError for a worker from before the job's last rollback."""
+        """RolledBackError for a worker from before the job's last rollback."""
         if generation < self.generation:
-            raise FailedPreconditionError(
+            raise RolledBackError(
                 f"worker {worker} joined under generation {generation}, but the job has rolled "
                 f"back to a checkpoint since (generation {self.generation}); this process must "
                 "restart and rejoin"

@@ -40,7 +40,13 @@ from protos.runtime import tune_malloc
 from protos.transport import ENV_VAR, ChannelBrokenError, TransportError, parse_choice
 from worker import bulk as bulk_io
 from worker.bulk import BulkClient, Peer
-from worker.errors import ClusterMismatchError, PSClientError, RemoteError, UnknownTableError
+from worker.errors import (
+    ClusterMismatchError,
+    PSClientError,
+    RemoteError,
+    RolledBackError,
+    UnknownTableError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +58,8 @@ MiB = 1024 * 1024
 _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 # Trailing metadata key a server sets on a clock-wait timeout (the wire contract).
 _CLOCK_WAIT_KEY = "pstrain-clock-wait"
+# Marks a refusal of a worker that joined before the job's last rollback.
+_ROLLED_BACK_KEY = "pstrain-rolled-back"
 KeysLike = np.ndarray | torch.Tensor | Sequence[int]
 
 
@@ -299,6 +307,10 @@ class PSClient:
         self.clock = 0
         # The job's rollback count this process joined under (worker.init sets it).
         self.generation = 0
+        # Called (from whichever thread made the call) when a server refuses this process
+        # because the job rolled back since it joined, before RolledBackError is raised.
+        # worker.init sets it to exit the script for its supervisor to start it again.
+        self.on_rolled_back: Callable[[], None] | None = None
         # Guards dropped_pushes, and the clock where exchanges may end iterations in parallel.
         self._count_lock = threading.Lock()
         self.dropped_pushes = 0
@@ -449,7 +461,13 @@ class PSClient:
                     self._follow(shard)
                 # A server that waited out its clock limit marks the answer; asking again
                 # would only wait again.
-                waited = any(k == _CLOCK_WAIT_KEY for k, _ in (exc.trailing_metadata() or ()))
+                marks = {k for k, _ in (exc.trailing_metadata() or ())}
+                if _ROLLED_BACK_KEY in marks:
+                    if self.on_rolled_back is not None:
+                        self.on_rolled_back()
+                    raise RolledBackError(code, exc.details() or "", shard.index,
+                                          shard.address) from exc
+                waited = _CLOCK_WAIT_KEY in marks
                 if code in _RETRYABLE and not waited and attempt + 1 < self.retry.attempts:
                     delay = self.retry.delay_s(attempt)
                     log.warning(

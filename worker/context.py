@@ -169,13 +169,19 @@ def init(*, timeout_s: float = 120.0, env: Mapping[str, str] | None = None) -> W
     generation = ride_out("generation", store.generation, 0)
     client.generation = generation
 
-    def watch_rollback() -> None:
+    def restart() -> None:
         # A sync job rolled back to a checkpoint: this process's progress past it is void.
-        # Its supervisor (pstrain up, systemd) starts it again and it rejoins at the
-        # checkpoint's clock.
+        # Its supervisor (pstrain up, pstrain worker, systemd) starts it again and it rejoins
+        # at the checkpoint's clock.
+        log.warning("worker %d: job %r rolled back; exiting to be restarted", rank, job)
+        os._exit(RESTART_EXIT_CODE)
+
+    def watch_rollback() -> None:
         if ride_out("generation", store.generation, 0) > generation:
-            log.warning("worker %d: job %r rolled back; exiting to be restarted", rank, job)
-            os._exit(RESTART_EXIT_CODE)
+            restart()
+
+    # A restored server may refuse this process before a heartbeat sees the new generation.
+    client.on_rolled_back = restart
 
     ctx.heartbeat = Heartbeat(
         store, "worker", rank, interval_s=spec.heartbeat_interval_s, ttl_s=spec.heartbeat_ttl_s,

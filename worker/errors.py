@@ -20,6 +20,11 @@ class RemoteError(PSClientError):
         self.address = address
 
 
+class RolledBackError(RemoteError):
+    """The job rolled back to a checkpoint after this process joined: its progress past the
+    checkpoint is void, and it must restart and rejoin. Never retried."""
+
+
 class ClusterMismatchError(PSClientError):
     """The servers reached are not the shards the client expects (wrong order or count)."""
 

@@ -15,8 +15,9 @@ from procs import Procs
 from protos import codec
 from protos import pstrain_pb2 as pb
 from protos.partition import shard_of_keys
+from scheduler.admin import ServerAdmin
 from worker.client import PSClient, Pull, Push
-from worker.errors import ClusterMismatchError, RemoteError
+from worker.errors import ClusterMismatchError, RemoteError, RolledBackError
 
 pytestmark = pytest.mark.usefixtures("transport")
 
@@ -149,6 +150,26 @@ def test_stale_incarnation_is_refused(two_shards: PSClient) -> None:
     assert err.value.code.name == "FAILED_PRECONDITION"
     assert "incarnation 2 has since joined" in err.value.details
     torch.testing.assert_close(client.pull_dense("b"), -torch.ones(4))
+
+
+def test_a_worker_from_before_a_rollback_is_told_to_restart(two_shards: PSClient) -> None:
+    client = two_shards
+    client.declare_dense("r", (4,), optimizer="sgd", lr=1.0)
+    client.push_dense("r", torch.ones(4))
+    told: list[int] = []
+    client.on_rolled_back = lambda: told.append(client.clock)
+    admin = ServerAdmin()
+    try:  # The job rolls back to an empty checkpoint: generation 1.
+        for shard in client._shards:
+            admin.restore(shard.address, "", "", "", generation=1)
+    finally:
+        admin.close()
+    with pytest.raises(RolledBackError) as err:
+        client.push_dense("r", torch.ones(4))
+    assert err.value.code.name == "FAILED_PRECONDITION" and "must restart" in err.value.details
+    assert told == [0]  # told once, before the error, and not retried
+    client.generation = 1  # a process that joined after the rollback is served
+    client.push_dense("r", torch.ones(4))
 
 
 def test_servers_listed_out_of_order_are_refused(procs: Procs) -> None:

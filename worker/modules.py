@@ -279,9 +279,12 @@ class _Pipeline:
         return ticket.future.result()[ticket.index]
 
     def forward_started(self) -> None:
-        """A PS module's forward is about to run. With overlap, the first of a step sends
-        the previous step's gradients with the pulls asked for the next step."""
+        """A PS module's forward is about to run. With overlap, the first of a step waits
+        for the exchanges in flight but the newest depth - 1 (raising their error), then
+        sends the previous step's gradients with the pulls asked for the steps ahead."""
         if self.overlap:
+            if self.outbox is not None:
+                self.settle()
             self.ask_dense(self.step_clock + self.depth)
             # Pulls further ahead wait for their turn: sent now, they could wait on this
             # worker's own iterations still to come.
@@ -336,6 +339,20 @@ class _Pipeline:
         )
         # Staging in pinned memory here keeps that copy off the training thread.
         return [_staged(rows, t.device) for rows, t in zip(pulled, tickets, strict=True)]
+
+    def settle(self) -> None:
+        """Overlap: waits for the exchanges sent so far but the newest depth - 1, then
+        follows a clock the servers moved on (the outbox, not sent yet, moves with it)."""
+        self.drain(self.depth - 1)
+        jumped = self.client.clock
+        box = self.outbox
+        first = box.clock if box is not None else self.step_clock
+        if jumped > first:
+            # The servers moved this worker on (it fell behind closed clocks); follow them.
+            log.info("worker %d: clock jumped from %d to %d", self.client.worker, first, jumped)
+            if box is not None:
+                box.clock = jumped
+            self.step_clock = jumped + (1 if box is not None else 0)
 
     def drain(self, keep: int = 0) -> None:
         """Blocks until every exchange sent so far but the newest `keep` is done; raises the
@@ -794,8 +811,6 @@ class PSOptimizer:
         self.prefetch_depth = prefetch_depth
         dense = [m for m in modules if isinstance(m, PSDense)]
         self._pipeline = _Pipeline(self.client, self.overlap, dense, prefetch_depth)
-        # The exchange that carries the previous step's gradients (overlap mode).
-        self._inflight: Future[list[torch.Tensor]] | None = None
         for m in modules:
             m._attach(self._pipeline)
         log.info("worker %d: PSOptimizer over %d tables, overlap %s", self.client.worker,
@@ -827,9 +842,10 @@ class PSOptimizer:
         """Pushes this step's gradients and ends the iteration on every shard.
 
         Without overlap it blocks until both are done (and the next step's pulls with
-        them). With overlap it first waits for the exchange carrying the previous step's
-        gradients (raising its error, if any), then returns: this step's gradients leave
-        with the next forward, or with `flush()`.
+        them). With overlap it returns at once: this step's gradients leave with the next
+        forward, or with `flush()`, each of which first waits for the exchange before it
+        (raising its error, if any), so the round trip also hides behind the loading of
+        the next batch.
         """
         grads = [g for m in self._modules for g in m._take_gradients()]
         event = None
@@ -845,29 +861,25 @@ class PSOptimizer:
             pipeline.dispatch(outbox=True, up_to=clock + 1)
             pipeline.drain()
             return
-        self._wait_inflight(keep=pipeline.depth - 1)
+        if pipeline.outbox is not None:
+            # No PS forward ran in this step to send the last one's gradients: send them.
+            pipeline.forward_started()
         clock = pipeline.step_clock
         pipeline.outbox = _Outbox(clock, pushes, event)
         pipeline.step_clock = clock + 1
-
-    def _wait_inflight(self, keep: int = 0) -> None:
-        """Waits for the exchanges sent so far but the newest `keep`; follows a clock the
-        servers moved on."""
-        pipeline = self._pipeline
-        pipeline.drain(keep)
-        if self.client.clock > pipeline.step_clock:
-            # The servers moved this worker on (it fell behind closed clocks); follow them.
-            log.info("worker %d: clock jumped from %d to %d", self.client.worker,
-                     pipeline.step_clock, self.client.clock)
-            pipeline.step_clock = self.client.clock
 
     def flush(self) -> None:
         """Blocks until every pushed gradient has been applied and its iteration ended.
 
         Call it before evaluating or saving. Raises the error of a failed exchange.
         """
-        self._pipeline.dispatch(outbox=True, up_to=-1)
-        self._wait_inflight()
+        pipeline = self._pipeline
+        if pipeline.outbox is not None:
+            pipeline.settle()
+        pipeline.dispatch(outbox=True, up_to=-1)
+        pipeline.drain()
+        if self.overlap:
+            pipeline.settle()
         for m in self._modules:
             if isinstance(m, PSDense):
                 # Pulled while the last gradients travelled: the next forward pulls afresh.

@@ -367,6 +367,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _depth(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {text!r}")
+    return int(text)
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--local", action="store_true", help="train in plain single-process PyTorch")
@@ -384,9 +392,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="distributed: overlap pulls/pushes with compute (auto: where the "
                         "tables' consistency mode allows it)")
-    p.add_argument("--prefetch-depth", type=int, default=1,
+    p.add_argument("--prefetch-depth", type=_depth, default="auto",
                    help="distributed, with overlap: pull this many steps ahead, with as many "
-                        "exchanges in flight (reads up to this many steps stale)")
+                        "exchanges in flight (reads up to this many steps stale); auto: 2 "
+                        "where the tables' modes allow it, else 1")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = p.parse_args(argv)
     if not 0 <= args.rank < args.world_size:

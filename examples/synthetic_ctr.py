@@ -224,7 +224,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     train_start = time.monotonic()
     losses: list[float] = []
     step = 0
-    for (keys, dense, labels), upcoming in lookahead(stream_batches()):
+    ahead = ps.prefetch_depth if ps is not None else 1
+    for (keys, dense, labels), upcoming in lookahead(stream_batches(), ahead):
         if upcoming is not None:
             model.prefetch(upcoming[0])
         loss = F.binary_cross_entropy_with_logits(model(keys, dense), labels)

@@ -345,6 +345,14 @@ def test_prefetch_depth_stays_within_the_staleness_bound(client: PSClient) -> No
     with pytest.raises(PSModuleError, match="prefetch_depth must be 1, or more with overlap"):
         PSOptimizer(exact, prefetch_depth=2)
     PSOptimizer(ssp, prefetch_depth=1).close()
+    # "auto": as deep as AUTO_PREFETCH_DEPTH where every bound allows it, else shallower.
+    for table, depth in ((ssp, 1), (exact, 1),
+                         (PSEmbedding(client, fresh("deep"), 2, consistency="ssp:3"), 2),
+                         (PSEmbedding(client, fresh("deep"), 2, consistency="async"), 2)):
+        with PSOptimizer(table, prefetch_depth="auto") as ps:
+            assert ps.prefetch_depth == depth, table.consistency
+    with pytest.raises(PSModuleError, match="an int or 'auto'"):
+        PSOptimizer(ssp, prefetch_depth="deep")  # type: ignore[arg-type]
 
 
 def test_sync_tables_refuse_overlap(client: PSClient) -> None:

@@ -9,8 +9,9 @@ Runs the examples as a user does (`--local`, and under `pstrain up`), in one run
 - speed: samples/s of 1 server + 1 worker (async, overlapped) against single-process
   PyTorch on the same model, at batch 128 and 1024, over --speed-epochs epochs (the rate
   a longer job sees; one epoch at batch 1024 is 79 steps, mostly start-up), with the
-  example's default prefetch depth ("auto": 2 under async) and with depth 1; each the
-  ratio of the medians of --repeats alternated runs. For reference also over 1 epoch.
+  example's default prefetch depth ("auto": 2 under async for batches under 512, else 1)
+  and with the other of 1 and 2; each the ratio of the medians of --repeats alternated
+  runs. For reference also over 1 epoch.
   Goals: >= 0.6x and >= 0.8x.
 - growth: examples/synthetic_ctr.py on 2 servers until the tables hold --growth-rows rows:
   samples/s at the end against the start (goal >= 0.8x), and server memory per row against
@@ -86,13 +87,17 @@ def bench_speed(batch: int, depth: str, repeats: int, epochs: int) -> dict[str, 
     args = ["--batch-size", str(batch), "--epochs", str(epochs)]
     local: list[float] = []
     distributed: list[float] = []
+    resolved: set[object] = set()
     for _ in range(repeats):
         local.append(run_local(args)["samples_per_s"])
-        distributed.append(run_up(1, 1, MODES["async"],
-                                  [*args, "--prefetch-depth", str(depth)])["samples_per_s"])
+        run = run_up(1, 1, MODES["async"], [*args, "--prefetch-depth", depth])
+        distributed.append(run["samples_per_s"])
+        resolved.add(run["prefetch_depth"])
     lm, dm = statistics.median(local), statistics.median(distributed)
+    (used,) = resolved
     return {"local": lm, "distributed": dm, "ratio": dm / lm, "local_runs": local,
-            "distributed_runs": distributed, "epochs": epochs, "prefetch_depth": depth}
+            "distributed_runs": distributed, "epochs": epochs, "prefetch_depth": depth,
+            "depth_used": used}
 
 
 _PROGRESS = re.compile(r"step (\d+): loss [\d.]+, (\d+) samples/s, (\d+) rows")
@@ -166,13 +171,19 @@ def main() -> None:
     auc = {m: statistics.mean(r["test_auc"] for r in rs) for m, rs in runs.items()}
     print("speed, 1 server + 1 worker against single-process ...", flush=True)
     speed: dict[str, dict[str, object]] = {}
-    for name, depth, epochs in (("", "auto", speed_epochs), ("_depth1", "1", speed_epochs),
-                                ("_1epoch", "auto", 1)):
-        for b in (128, 1024):
-            s = speed[f"b{b}{name}"] = bench_speed(b, depth, a.repeats, epochs)
-            print(f"  batch {b}, prefetch depth {depth}, {epochs} epoch(s): local "
-                  f"{s['local']:.0f}, distributed {s['distributed']:.0f} samples/s (medians "
-                  f"of {a.repeats}): {s['ratio']:.2f}x", flush=True)
+    for b in (128, 1024):
+        # The example's default depth ("auto": 2 for small batches, else 1), then the other.
+        auto = speed[f"b{b}"] = bench_speed(b, "auto", a.repeats, speed_epochs)
+        other = 3 - int(str(auto["depth_used"]))
+        speed[f"b{b}_depth{auto['depth_used']}"] = auto
+        speed[f"b{b}_depth{other}"] = bench_speed(b, str(other), a.repeats, speed_epochs)
+        speed[f"b{b}_1epoch"] = bench_speed(b, "auto", a.repeats, 1)
+        for name in ("", f"_depth{other}", "_1epoch"):
+            s = speed[f"b{b}{name}"]
+            print(f"  batch {b}, prefetch depth {s['prefetch_depth']} ({s['depth_used']}), "
+                  f"{s['epochs']} epoch(s): local {s['local']:.0f}, distributed "
+                  f"{s['distributed']:.0f} samples/s (medians of {a.repeats}): "
+                  f"{s['ratio']:.2f}x", flush=True)
     print(f"growth: synthetic_ctr on 2 servers to {growth_rows:,} rows ...", flush=True)
     growth = bench_growth(growth_rows, 4096, 16)
 
@@ -187,6 +198,8 @@ def main() -> None:
         "speed_ratio_b1024": speed["b1024"]["ratio"],
         "speed_ratio_b128_depth1": speed["b128_depth1"]["ratio"],
         "speed_ratio_b1024_depth1": speed["b1024_depth1"]["ratio"],
+        "speed_ratio_b128_depth2": speed["b128_depth2"]["ratio"],
+        "speed_ratio_b1024_depth2": speed["b1024_depth2"]["ratio"],
         "speed_ratio_b128_1epoch": speed["b128_1epoch"]["ratio"],
         "speed_ratio_b1024_1epoch": speed["b1024_1epoch"]["ratio"],
         "speed": speed,
@@ -198,6 +211,7 @@ def main() -> None:
         print(f"  AUC {m:<6} {v:.4f}{delta}")
     for name, what in (("", f"prefetch depth auto, {speed_epochs} epochs"),
                        ("_depth1", f"prefetch depth 1, {speed_epochs} epochs"),
+                       ("_depth2", f"prefetch depth 2, {speed_epochs} epochs"),
                        ("_1epoch", "prefetch depth auto, 1 epoch")):
         print(f"  speed 1+1 vs local, {what}: batch 128 "
               f"{speed[f'b128{name}']['ratio']:.2f}x (goal 0.6), batch 1024 "

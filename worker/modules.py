@@ -76,8 +76,10 @@ Init = tuple[str, float, float]
 # How often a worker that does not initialise a PSDense table looks for the initial values.
 _INIT_POLL_S = 0.05
 # prefetch_depth="auto" with overlap: two exchanges in flight hide a round trip longer than
-# a step of compute (measured: MovieLens at batch 128 on 2 cores, 1.1-1.3x the samples/s
-# of depth 1), at the price of reads one step staler.
+# a step of compute (measured: MovieLens at batch 128 on 2 cores, 1.2-1.3x the samples/s
+# of depth 1), at the price of reads one step staler. Where a step's compute already hides
+# the round trip the second exchange only adds contention (the same model at batch 1024:
+# depth 1 was 1.15x faster), so scripts with large batches may prefer 1.
 AUTO_PREFETCH_DEPTH = 2
 _BAG_MODES = ("sum", "mean", "max")
 

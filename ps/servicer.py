@@ -21,7 +21,7 @@ import grpc
 import torch
 from prometheus_client import Histogram
 
-from protos import codec
+from protos import codec, marks
 from protos import pstrain_pb2 as pb
 from protos.codec import Frame, WireError
 from protos.transport import TransportError
@@ -73,23 +73,17 @@ class WireLimits:
     max_request_bytes: int
 
 
-# Trailing metadata on a clock-wait timeout: the client must not retry it.
-CLOCK_WAIT_KEY = "pstrain-clock-wait"
-# Trailing metadata when a bulk transport failed: the client retries the request over gRPC.
-BULK_FAILED_KEY = "pstrain-bulk-failed"
-# Trailing metadata when the worker joined before the job's last rollback: it must restart.
-ROLLED_BACK_KEY = "pstrain-rolled-back"
 # Longest a bulk transfer of one request may take once the server starts it.
 BULK_TIMEOUT_S = 30.0
 
 
 def _abort(context: grpc.ServicerContext, exc: Exception) -> NoReturn:
     if isinstance(exc, ClockWaitTimeoutError):
-        context.set_trailing_metadata(((CLOCK_WAIT_KEY, "1"),))
+        context.set_trailing_metadata(((marks.CLOCK_WAIT, "1"),))
     if isinstance(exc, RolledBackError):
-        context.set_trailing_metadata(((ROLLED_BACK_KEY, "1"),))
+        context.set_trailing_metadata(((marks.ROLLED_BACK, "1"),))
     if isinstance(exc, TransportError):
-        context.set_trailing_metadata(((BULK_FAILED_KEY, "1"),))
+        context.set_trailing_metadata(((marks.BULK_FAILED, "1"),))
         code = grpc.StatusCode.FAILED_PRECONDITION
     elif isinstance(exc, WireError):
         code = grpc.StatusCode.INVALID_ARGUMENT

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
@@ -388,27 +389,25 @@ class Shard:
             else self._prepare_dense(p.table, p.meta, p.dtype, p.shape, ((0, p.values),))
             for p in request.pushes
         ]
-        # Resolved and checked once, here, before anything changes.
-        sources: list[tuple[Table, Policy]] = []
+        # Resolved and checked once, here, before anything changes: each pull's policy and
+        # how to read it once its clock allows.
+        reads: list[tuple[Policy, Callable[[], torch.Tensor | SparseRows]]] = []
         for pull in request.pulls:
             if pull.keys is None:
-                sources.append(self._dense(pull.table))
+                dense, policy = self._dense(pull.table)
+                reads.append((policy, dense.read))
             else:
-                sparse = self._sparse(pull.table)
-                sparse[0].check_keys(pull.keys)
-                sources.append(sparse)
+                sparse, policy = self._sparse(pull.table)
+                sparse.check_keys(pull.keys)
+                reads.append((policy, partial(sparse.pull, pull.keys)))
         outcomes = [self._commit(p) for p in prepared]
         open_clock = None
         if request.end_iteration:
             open_clock = self.tick(worker, request.incarnation, request.push_clock, generation)
         pulled: list[torch.Tensor | SparseRows] = []
-        for pull, (table, policy) in zip(request.pulls, sources, strict=True):
+        for pull, (policy, read) in zip(request.pulls, reads, strict=True):
             self._await_pull(pull.table, policy, worker, request.pull_clock, request.wait_s)
-            if isinstance(table, SparseTable):
-                if pull.keys is not None:  # always, for a sparse table (resolved above)
-                    pulled.append(table.pull(pull.keys))
-            else:
-                pulled.append(table.read())
+            pulled.append(read())
         return ExchangeResult(outcomes, open_clock, pulled)
 
     def _prepare_dense(

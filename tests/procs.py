@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -145,6 +146,26 @@ def wait_until(predicate: Callable[[], object], timeout_s: float, what: str) -> 
             return value
         time.sleep(0.05)
     raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def run_in_threads(target: Callable[[int], None], count: int, timeout_s: float = 60.0) -> None:
+    """Runs target(0) .. target(count - 1) on as many threads at once and joins them; fails
+    the test with the errors they raised, or when one is still running after `timeout_s`."""
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            target(k)
+        except BaseException as exc:  # handed to the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout_s)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads)
 
 
 def wait_ready(proc: Proc, ready: Path, timeout_s: float) -> dict[str, object]:

@@ -21,9 +21,10 @@ import numpy as np
 import torch
 from google.protobuf.message import Message
 
-from protos import codec
+from protos import codec, marks
 from protos import pstrain_pb2 as pb
 from protos.codec import Frame
+from protos.marks import marks_of
 from protos.transport import (
     PREFERENCE,
     ChannelBrokenError,
@@ -40,10 +41,6 @@ from worker.errors import PSClientError
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# Trailing metadata a server sets when a bulk transfer failed (the wire contract).
-BULK_FAILED_KEY = "pstrain-bulk-failed"
-
 
 class TransportChoiceError(PSClientError):
     """A forced transport cannot be used (here, or with a server); the message says why."""
@@ -186,7 +183,7 @@ def _lease(peer: Peer, nbytes: int) -> Region | None:
 
 
 def _failed(exc: grpc.RpcError) -> bool:
-    return any(k == BULK_FAILED_KEY for k, _ in (exc.trailing_metadata() or ()))
+    return marks.BULK_FAILED in marks_of(exc.trailing_metadata())
 
 
 def _run(region: Region, call: Callable[[], Any], timeout_s: float) -> Any:

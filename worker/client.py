@@ -32,9 +32,10 @@ import grpc
 import numpy as np
 import torch
 
-from protos import codec
+from protos import codec, marks
 from protos import pstrain_pb2 as pb
 from protos.codec import Frame
+from protos.marks import marks_of
 from protos.partition import RowRange, dense_placement, shard_of_keys
 from protos.runtime import tune_malloc
 from protos.transport import ENV_VAR, ChannelBrokenError, TransportError, parse_choice
@@ -56,10 +57,6 @@ _SERVICE = "/pstrain.v1.ParameterServer/"
 MiB = 1024 * 1024
 # Status codes after which a call is tried again: the request may not have been applied.
 _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-# Trailing metadata key a server sets on a clock-wait timeout (the wire contract).
-_CLOCK_WAIT_KEY = "pstrain-clock-wait"
-# Marks a refusal of a worker that joined before the job's last rollback.
-_ROLLED_BACK_KEY = "pstrain-rolled-back"
 KeysLike = np.ndarray | torch.Tensor | Sequence[int]
 
 
@@ -345,10 +342,7 @@ class PSClient:
                 )
         except BaseException:
             # Nothing half-made outlives a failed constructor (sessions, UCX workers).
-            for shard in self._shards:
-                self._bulk.end(shard.bulk, shard.methods["Handshake"])
-                shard.channel.close()
-            self._bulk.close()
+            self._disconnect()
             raise
         self._pool = ThreadPoolExecutor(
             max_workers=max(1, 2 * len(self._shards)), thread_name_prefix="psclient"
@@ -427,6 +421,10 @@ class PSClient:
     def close(self) -> None:
         """Closes every channel. Idempotent."""
         self._pool.shutdown(wait=True)
+        self._disconnect()
+
+    def _disconnect(self) -> None:
+        """Ends every shard's bulk session and closes its channel, then the transports."""
         for shard in self._shards:
             self._bulk.end(shard.bulk, shard.methods["Handshake"])
             shard.channel.close()
@@ -461,13 +459,13 @@ class PSClient:
                     self._follow(shard)
                 # A server that waited out its clock limit marks the answer; asking again
                 # would only wait again.
-                marks = {k for k, _ in (exc.trailing_metadata() or ())}
-                if _ROLLED_BACK_KEY in marks:
+                marked = marks_of(exc.trailing_metadata())
+                if marks.ROLLED_BACK in marked:
                     if self.on_rolled_back is not None:
                         self.on_rolled_back()
                     raise RolledBackError(code, exc.details() or "", shard.index,
                                           shard.address) from exc
-                waited = _CLOCK_WAIT_KEY in marks
+                waited = marks.CLOCK_WAIT in marked
                 if code in _RETRYABLE and not waited and attempt + 1 < self.retry.attempts:
                     delay = self.retry.delay_s(attempt)
                     log.warning(

@@ -494,19 +494,70 @@ class _Pool:
 
 
 @dataclass
-class _Link:
-    """A client's endpoint to one server session."""
+class _Endpoint:
+    """A UCX endpoint to one peer: a client's to a server session, a server's to a worker."""
 
     ep: Any
     error_handling: bool
     lanes: list[str]
+    worker: int = -1  # the server side's peer
+
+
+class _Side:
+    """What a client and a server hold alike: a UCX worker, a buffer pool, and an endpoint
+    per session. Thread-safe."""
+
+    name = "ucx"
+
+    def __init__(self, role: str, capacity_bytes: int, cache_bytes: int) -> None:
+        self._engine = _Engine(role)
+        self._pool = _Pool(capacity_bytes, cache_bytes)
+        # Guards _endpoints and _closed (and a subclass's own counters).
+        self._lock = threading.Lock()
+        self._endpoints: dict[int, _Endpoint] = {}
+        self._closed = False
+
+    def offer(self) -> pb.TransportOffer:
+        return pb.TransportOffer(name=self.name, available=True, address=self._engine.address,
+                                 host=host_identity(), pid=os.getpid(),
+                                 detail=f"UCX {ucx_version()}")
+
+    def _open(self, session: int, address: bytes, worker: int = -1) -> _Endpoint:
+        """Makes and keeps the endpoint of `session` to the peer at `address`.
+        TransportUnavailableError when the channel is closed. Blocks briefly."""
+        ep, error_handling = self._engine.endpoint(address)
+        endpoint = _Endpoint(ep, error_handling, endpoint_lanes(ep.handle), worker)
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._endpoints[session] = endpoint
+        if closed:
+            self._engine.close_endpoint(ep)
+            raise TransportUnavailableError("the ucx channel is closed")
+        return endpoint
+
+    def lanes(self, session: int) -> list[str]:
+        """The UCX transports the endpoint of `session` uses ("tcp/lo"). Thread-safe."""
+        with self._lock:
+            endpoint = self._endpoints.get(session)
+        return list(endpoint.lanes) if endpoint is not None else []
+
+    def held_bytes(self) -> int:
+        """Bytes of buffers set aside until UCX finishes with them. Thread-safe."""
+        return self._pool.held_bytes()
+
+    def end(self, session: int) -> None:
+        with self._lock:
+            endpoint = self._endpoints.pop(session, None)
+        if endpoint is not None:
+            self._engine.close_endpoint(endpoint.ep)
 
 
 class UcxRegion:
     """A leased buffer and the transfers one request posted on it. Not thread-safe: one
     request at a time uses it."""
 
-    def __init__(self, client: Client, buffer: _Buffer, session: int, link: _Link) -> None:
+    def __init__(self, client: Client, buffer: _Buffer, session: int, link: _Endpoint) -> None:
         self._client = client
         self._buffer = buffer
         self._session = session
@@ -584,25 +635,13 @@ class UcxRegion:
             self._sends, self._recvs = [], []
 
 
-class Client:
+class Client(_Side):
     """A client's UCX worker, its endpoints to servers, and its buffer pool. Thread-safe."""
-
-    name = "ucx"
 
     def __init__(self, capacity_bytes: int = DEFAULT_CAPACITY_BYTES) -> None:
         if capacity_bytes < _MIN_BUFFER:
             raise ValueError(f"capacity_bytes must be >= {_MIN_BUFFER}, got {capacity_bytes}")
-        self._engine = _Engine("client")
-        self._pool = _Pool(capacity_bytes, capacity_bytes)
-        # Guards _links and _closed.
-        self._lock = threading.Lock()
-        self._links: dict[int, _Link] = {}
-        self._closed = False
-
-    def offer(self) -> pb.TransportOffer:
-        return pb.TransportOffer(name=self.name, available=True, address=self._engine.address,
-                                 host=host_identity(), pid=os.getpid(),
-                                 detail=f"UCX {ucx_version()}")
+        super().__init__("client", capacity_bytes, capacity_bytes)
 
     def token(self) -> str:
         return ""
@@ -612,31 +651,17 @@ class Client:
         cannot reach it. Blocks briefly."""
         if not peer.address:
             raise TransportUnavailableError("the server sent no UCX worker address")
-        ep, error_handling = self._engine.endpoint(peer.address)
-        link = _Link(ep, error_handling, endpoint_lanes(ep.handle))
-        with self._lock:
-            if self._closed:
-                self._engine.close_endpoint(ep)
-                raise TransportUnavailableError("the ucx channel is closed")
-            self._links[session] = link
+        link = self._open(session, peer.address)
         log.info("ucx: session %d runs over UCX transports %s%s", session,
                  ", ".join(link.lanes) or "(unknown)",
-                 "" if error_handling else " (peer failures detected by timeout only)")
+                 "" if link.error_handling else " (peer failures detected by timeout only)")
 
     def describe(self, session: int) -> str:
-        with self._lock:
-            link = self._links.get(session)
-        return ", ".join(link.lanes) if link is not None else ""
-
-    def lanes(self, session: int) -> list[str]:
-        """The UCX transports the endpoint of `session` uses ("tcp/lo"). Thread-safe."""
-        with self._lock:
-            link = self._links.get(session)
-        return list(link.lanes) if link is not None else []
+        return ", ".join(self.lanes(session))
 
     def lease(self, nbytes: int, session: int) -> UcxRegion | None:
         with self._lock:
-            link = None if self._closed else self._links.get(session)
+            link = None if self._closed else self._endpoints.get(session)
         if link is None:
             return None
         buffer = self._pool.take(nbytes, strict=True)
@@ -644,22 +669,12 @@ class Client:
             return None
         return UcxRegion(self, buffer, session, link)
 
-    def held_bytes(self) -> int:
-        """Bytes of buffers set aside until UCX finishes with them. Thread-safe."""
-        return self._pool.held_bytes()
-
-    def end(self, session: int) -> None:
-        with self._lock:
-            link = self._links.pop(session, None)
-        if link is not None:
-            self._engine.close_endpoint(link.ep)
-
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._links.clear()
+            self._endpoints.clear()
         self._engine.close(keep=self._pool.stuck())
         self._pool.clear()
 
@@ -667,54 +682,26 @@ class Client:
 # ---- server ------------------------------------------------------------------------------
 
 
-@dataclass
-class _Session:
-    worker: int
-    ep: Any
-    error_handling: bool
-    lanes: list[str]
-
-
-class Server:
+class Server(_Side):
     """A server's UCX worker and its endpoints to the clients it serves. Thread-safe."""
 
-    name = "ucx"
-
     def __init__(self, cache_bytes: int = SERVER_CACHE_BYTES) -> None:
-        self._engine = _Engine("server")
-        self._pool = _Pool(capacity_bytes=1 << 62, cache_bytes=cache_bytes)
-        # Guards _sessions, _closed and _waiting.
-        self._lock = threading.Lock()
-        self._sessions: dict[int, _Session] = {}
-        self._closed = False
-        self._waiting = 0  # transfers being waited for now
-
-    def offer(self) -> pb.TransportOffer:
-        return pb.TransportOffer(name=self.name, available=True, address=self._engine.address,
-                                 host=host_identity(), pid=os.getpid(),
-                                 detail=f"UCX {ucx_version()}")
+        super().__init__("server", capacity_bytes=1 << 62, cache_bytes=cache_bytes)
+        self._waiting = 0  # transfers being waited for now; guarded by _lock
 
     def accept(self, request: pb.HandshakeRequest, peer: pb.TransportOffer) -> int:
         if not peer.address:
             raise TransportUnavailableError("the client sent no UCX worker address")
-        ep, error_handling = self._engine.endpoint(peer.address)
         session = secrets.randbits(62) + 1
-        state = _Session(int(request.worker), ep, error_handling, endpoint_lanes(ep.handle))
-        with self._lock:
-            closed = self._closed
-            if not closed:
-                self._sessions[session] = state
-        if closed:
-            self._engine.close_endpoint(ep)
-            raise TransportUnavailableError("the ucx channel is closed")
+        state = self._open(session, peer.address, int(request.worker))
         log.info("ucx: worker %d (session %d) runs over UCX transports %s%s", request.worker,
                  session, ", ".join(state.lanes) or "(unknown)",
-                 "" if error_handling else " (peer failures detected by timeout only)")
+                 "" if state.error_handling else " (peer failures detected by timeout only)")
         return session
 
-    def _session(self, ref: pb.BulkRef) -> _Session:
+    def _session(self, ref: pb.BulkRef) -> _Endpoint:
         with self._lock:
-            state = self._sessions.get(ref.session)
+            state = self._endpoints.get(ref.session)
         if state is None:
             raise ChannelBrokenError(f"unknown ucx session {ref.session}")
         if not state.ep.alive:
@@ -810,29 +797,16 @@ class Server:
     def sessions(self) -> int:
         """How many client sessions are open. Thread-safe."""
         with self._lock:
-            return len(self._sessions)
-
-    def lanes(self, session: int) -> list[str]:
-        """The UCX transports the endpoint of `session` uses. Thread-safe."""
-        with self._lock:
-            state = self._sessions.get(session)
-        return list(state.lanes) if state is not None else []
-
-    def held_bytes(self) -> int:
-        """Bytes of buffers set aside until UCX finishes with them. Thread-safe."""
-        return self._pool.held_bytes()
+            return len(self._endpoints)
 
     def end(self, session: int) -> None:
-        with self._lock:
-            state = self._sessions.pop(session, None)
-        if state is not None:
-            self._engine.close_endpoint(state.ep)
+        super().end(session)
         self._pool.sweep()
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._sessions.clear()
+            self._endpoints.clear()
         # Transfers still waiting (for a dead peer) give up now, setting their buffers aside.
         self._engine.stopping.set()
         deadline = time.monotonic() + _SHORT_WAIT_S

@@ -6,12 +6,12 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from procs import run_in_threads
 
 from protos import pstrain_pb2 as pb
 from protos.transport import ChannelBrokenError, TransportUnavailableError, available
@@ -103,37 +103,27 @@ def test_empty_refs_move_nothing(pair: tuple[ucx.Client, ucx.Server, int]) -> No
 def test_requests_from_many_threads_do_not_mix(pair: tuple[ucx.Client, ucx.Server, int]
                                                ) -> None:
     client, server, session = pair
-    errors: list[BaseException] = []
 
     def run(seed: int) -> None:
-        try:
-            for i in range(15):
-                nbytes = (100, 20_000, 600_000)[(seed + i) % 3]
-                data = _pattern(nbytes, seed * 100 + i)[:nbytes]
-                region = client.lease(2 * nbytes, session)
-                assert region is not None
-                region.view[:nbytes] = data
-                push, pull = region.send_ref(0, nbytes), region.recv_ref(nbytes, nbytes)
-                with server.read(push, timeout_s=10) as got:
-                    echoed = bytes(got)
+        for i in range(15):
+            nbytes = (100, 20_000, 600_000)[(seed + i) % 3]
+            data = _pattern(nbytes, seed * 100 + i)[:nbytes]
+            region = client.lease(2 * nbytes, session)
+            assert region is not None
+            region.view[:nbytes] = data
+            push, pull = region.send_ref(0, nbytes), region.recv_ref(nbytes, nbytes)
+            with server.read(push, timeout_s=10) as got:
+                echoed = bytes(got)
 
-                def fill(view: memoryview, echoed: bytes = echoed) -> None:
-                    view[:] = echoed
+            def fill(view: memoryview, echoed: bytes = echoed) -> None:
+                view[:] = echoed
 
-                server.write(pull, nbytes, fill, timeout_s=10)
-                region.complete(10)
-                assert bytes(region.view[nbytes : 2 * nbytes]) == data
-                region.release()
-        except BaseException as exc:
-            errors.append(exc)
+            server.write(pull, nbytes, fill, timeout_s=10)
+            region.complete(10)
+            assert bytes(region.view[nbytes : 2 * nbytes]) == data
+            region.release()
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
-    assert not any(t.is_alive() for t in threads)
+    run_in_threads(run, 4)
 
 
 def test_an_unanswered_receive_is_settled_by_abort(pair: tuple[ucx.Client, ucx.Server, int]

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from itertools import count
 
 import numpy as np
 import pytest
 import torch
-from procs import Procs
+from procs import Procs, run_in_threads
 from torch import nn
 
 from worker.client import PSClient
@@ -255,40 +254,30 @@ def test_two_sync_workers_change_exactly_the_rows_they_touch(procs: Procs) -> No
         declare(c)
         before = c.pull_sparse("two", probe)
 
-    errors: list[BaseException] = []
     initial: dict[int, torch.Tensor] = {}
 
     def work(rank: int) -> None:
-        try:
-            with PSClient(servers, worker=rank) as c:
-                torch.manual_seed(rank)  # different local initial values: worker 0's win
-                linear = nn.Linear(3, 2)
-                initial[rank] = torch.cat([linear.weight.detach().reshape(-1),
-                                           linear.bias.detach()])
-                model = nn.ModuleDict({
-                    "emb": PSEmbedding(c, "two", dim, optimizer="sgd", lr=1.0,
-                                       init=("uniform", -1.0, 1.0)),
-                    "dense": PSDense(c, linear, "two.dense", optimizer="sgd", lr=1.0),
-                })
-                with PSOptimizer(model) as ps:
-                    assert not ps.overlap  # sync is exact: nothing overlaps
-                    for _ in range(steps):
-                        ps.zero_grad()
-                        # d/d row = its number of occurrences; d/d dense = sums of the inputs.
-                        loss = model["emb"](batches[rank]).sum() + model["dense"](
-                            inputs[rank]).sum()
-                        loss.backward()
-                        ps.step()
-        except BaseException as exc:  # handed to the test thread
-            errors.append(exc)
+        with PSClient(servers, worker=rank) as c:
+            torch.manual_seed(rank)  # different local initial values: worker 0's win
+            linear = nn.Linear(3, 2)
+            initial[rank] = torch.cat([linear.weight.detach().reshape(-1),
+                                       linear.bias.detach()])
+            model = nn.ModuleDict({
+                "emb": PSEmbedding(c, "two", dim, optimizer="sgd", lr=1.0,
+                                   init=("uniform", -1.0, 1.0)),
+                "dense": PSDense(c, linear, "two.dense", optimizer="sgd", lr=1.0),
+            })
+            with PSOptimizer(model) as ps:
+                assert not ps.overlap  # sync is exact: nothing overlaps
+                for _ in range(steps):
+                    ps.zero_grad()
+                    # d/d row = its number of occurrences; d/d dense = sums of the inputs.
+                    loss = model["emb"](batches[rank]).sum() + model["dense"](
+                        inputs[rank]).sum()
+                    loss.backward()
+                    ps.step()
 
-    threads = [threading.Thread(target=work, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
-    assert not any(t.is_alive() for t in threads)
+    run_in_threads(work, 2)
     with PSClient(servers, worker=0) as c:
         declare(c)
         c.declare_dense("two.dense", (8,), optimizer="sgd", lr=1.0)

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+
 class TransportChoiceError(PSClientError):
     """A forced transport cannot be used (here, or with a server); the message says why."""
 

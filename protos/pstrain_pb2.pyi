@@ -507,16 +507,18 @@ class HandshakeRequest(_message.Message):
     def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., offers: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ..., forced: _Optional[str] = ..., token: _Optional[str] = ..., end_session: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("transport", "session", "offers", "note")
+    __slots__ = ("transport", "session", "offers", "note", "lane")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     OFFERS_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     transport: str
     session: int
     offers: _containers.RepeatedCompositeFieldContainer[TransportOffer]
     note: str
-    def __init__(self, transport: _Optional[str] = ..., session: _Optional[int] = ..., offers: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ..., note: _Optional[str] = ...) -> None: ...
+    lane: str
+    def __init__(self, transport: _Optional[str] = ..., session: _Optional[int] = ..., offers: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ..., note: _Optional[str] = ..., lane: _Optional[str] = ...) -> None: ...
 
 class BulkRef(_message.Message):
     __slots__ = ("session", "segment", "fd", "segment_bytes", "offset", "length", "tag")
@@ -625,3 +627,21 @@ class ExchangeResponse(_message.Message):
     payload: bytes
     in_bulk: bool
     def __init__(self, pushes: _Optional[_Iterable[_Union[PushResponse, _Mapping]]] = ..., open_clock: _Optional[int] = ..., pulled: _Optional[_Iterable[_Union[ExchangePulled, _Mapping]]] = ..., payload: _Optional[bytes] = ..., in_bulk: _Optional[bool] = ...) -> None: ...
+
+class LaneHello(_message.Message):
+    __slots__ = ("session", "token")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    session: int
+    token: str
+    def __init__(self, session: _Optional[int] = ..., token: _Optional[str] = ...) -> None: ...
+
+class LaneStatus(_message.Message):
+    __slots__ = ("code", "details", "marks")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    MARKS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    marks: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., marks: _Optional[_Iterable[str]] = ...) -> None: ...

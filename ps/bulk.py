@@ -22,8 +22,10 @@ from protos.transport import (
     TransportUnavailableError,
     select,
     server_channel,
+    shm,
 )
 from protos.transport.base import ChannelBrokenError
+from protos.transport.lane import Handler, LaneServer
 from protos.transport.registry import available, unavailable_offer
 from ps.errors import FailedPreconditionError, InvalidArgumentError
 
@@ -36,6 +38,7 @@ class BulkEndpoint:
     def __init__(self, choice: Choice, shard: int) -> None:
         self.choice = choice
         self.shard = shard
+        self._lane: LaneServer | None = None
         self._channels: dict[str, ServerChannel] = {}
         self._offers: list[pb.TransportOffer] = []
         for name in PREFERENCE:
@@ -68,6 +71,30 @@ class BulkEndpoint:
     @property
     def offers(self) -> list[pb.TransportOffer]:
         return list(self._offers)
+
+    def serve_lane(self, handle: Handler, max_frame_bytes: int) -> None:
+        """Opens the exchange lane for shm clients (see protos.transport.lane), when this
+        server offers shm. A lane that cannot open is logged; clients then use gRPC."""
+        if "shm" not in self._channels or self._lane is not None:
+            return
+        try:
+            self._lane = LaneServer(handle, self._lane_peer, max_frame_bytes,
+                                    name=f"lane{self.shard}")
+        except OSError as exc:
+            log.warning("shard %d: no exchange lane (%s); shm clients exchange over gRPC",
+                        self.shard, exc)
+
+    @property
+    def lane(self) -> LaneServer | None:
+        return self._lane
+
+    def _lane_peer(self, session: int, token: str, pid: int) -> str:
+        with self._lock:
+            name = self._sessions.get(session)
+        channel = self._channels.get("shm")
+        if name != "shm" or not isinstance(channel, shm.Server):
+            return f"session {session} is not an open shm session of this server"
+        return channel.owns(session, token, pid)
 
     def handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeResponse:
         """Picks a transport for a client and opens its session. Blocks briefly."""
@@ -107,8 +134,9 @@ class BulkEndpoint:
                 self._sessions[session] = name
         log.info("shard %d: worker %d uses transport %s%s", self.shard, request.worker, name,
                  f" ({'; '.join(notes)})" if notes else "")
+        lane = self._lane.address if name == "shm" and self._lane is not None else ""
         return pb.HandshakeResponse(transport=name, session=session, offers=self._offers,
-                                    note="; ".join(notes))
+                                    note="; ".join(notes), lane=lane)
 
     def _channel(self, ref: pb.BulkRef) -> ServerChannel:
         with self._lock:
@@ -161,6 +189,8 @@ class BulkEndpoint:
         return self._channels.get(name)
 
     def close(self) -> None:
-        """Closes every channel. Idempotent."""
+        """Closes the lane and every channel. Idempotent."""
+        if self._lane is not None:
+            self._lane.close()
         for channel in self._channels.values():
             channel.close()

@@ -125,6 +125,7 @@ class ParameterServer:
                 lambda table, clocks: self.metrics.staleness.labels(table).observe(clocks)
             )
         self._grpc.add_generic_rpc_handlers((self.servicer.handler(),))
+        self.bulk.serve_lane(self.servicer.lane_handler(), config.max_message_bytes)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         self.port = 0

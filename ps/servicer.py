@@ -25,6 +25,7 @@ from protos import codec, marks
 from protos import pstrain_pb2 as pb
 from protos.codec import Frame, WireError
 from protos.transport import TransportError
+from protos.transport.lane import LaneContext
 from ps.bulk import BulkEndpoint
 from ps.checkpoint import read_shard
 from ps.errors import (
@@ -77,7 +78,7 @@ class WireLimits:
 BULK_TIMEOUT_S = 30.0
 
 
-def _abort(context: grpc.ServicerContext, exc: Exception) -> NoReturn:
+def _abort(context: grpc.ServicerContext | LaneContext, exc: Exception) -> NoReturn:
     if isinstance(exc, ClockWaitTimeoutError):
         context.set_trailing_metadata(((marks.CLOCK_WAIT, "1"),))
     if isinstance(exc, RolledBackError):
@@ -618,6 +619,21 @@ class ParameterServerServicer:
         self.bytes.add(sent=out.nbytes)
         response.in_bulk = True
         return response.SerializeToString()
+
+    def lane_handler(self) -> Callable[[bytes, LaneContext], bytes]:
+        """The Exchange RPC for the shm exchange lane: the same handler, timed the same way,
+        with its refusals carried as the RPC's status would be."""
+        exchange = self._timed("Exchange", self.Exchange)
+
+        def handle(data: bytes, context: LaneContext) -> bytes:
+            try:
+                request = codec.decode(pb.ExchangeRequest, data)
+            except WireError as exc:
+                _abort(context, exc)
+            answer: bytes = exchange(request, context)
+            return answer
+
+        return handle
 
     def _timed(self, method: str, handler: Callable[..., Any]) -> Callable[..., Any]:
         """`handler`, observing its duration (a whole stream's, for streamed answers)."""

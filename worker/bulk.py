@@ -10,6 +10,7 @@ peer and sends the same request (the same push id) inline over gRPC.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -35,12 +36,24 @@ from protos.transport import (
     available,
     client_channel,
 )
+from protos.transport.lane import LaneClient
 from protos.transport.registry import unavailable_offer
 from worker.errors import PSClientError
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+LANE_ENV_VAR = "PSTRAIN_SHM_LANE"
+
+
+def lane_wanted(environ: dict[str, str] | None = None) -> bool:
+    """Whether to send bulk exchanges over a server's exchange lane (PSTRAIN_SHM_LANE: 1,
+    the default, or 0). TransportChoiceError names any other value."""
+    value = (os.environ if environ is None else environ).get(LANE_ENV_VAR, "1").strip()
+    if value not in ("0", "1"):
+        raise TransportChoiceError(f"{LANE_ENV_VAR} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 class TransportChoiceError(PSClientError):
@@ -56,6 +69,7 @@ class Peer:
     channel: ClientChannel | None = None
     note: str = ""
     over: str = ""  # what the transport runs over, when it says (UCX: "tcp/eth0")
+    lane: LaneClient | None = None  # shm: the server's exchange lane, when it has one
 
 
 class BulkClient:
@@ -65,6 +79,7 @@ class BulkClient:
         self.choice = choice
         self.worker = worker
         self.incarnation = incarnation
+        self.lanes = lane_wanted()
         self._channels: dict[str, ClientChannel] = {}
         self._offers: list[pb.TransportOffer] = []
         for name in PREFERENCE:
@@ -138,10 +153,29 @@ class BulkClient:
             self.end(Peer(name, answer.session, channel), handshake)
             return Peer(note=f"{name}: {exc}")
         over = channel.describe(answer.session)
+        lane = self._open_lane(index, address, answer, timeout_s) if name == "shm" else None
         detail = "".join(f", {d}" for d in (server_offer.detail, over) if d)
-        log.info("worker %d: shard %d (%s) uses transport %s%s%s", self.worker, index, address,
-                 name, detail, f" ({answer.note})" if answer.note else "")
-        return Peer(name, answer.session, channel, answer.note, over)
+        log.info("worker %d: shard %d (%s) uses transport %s%s%s%s", self.worker, index,
+                 address, name, detail, " with its exchange lane" if lane else "",
+                 f" ({answer.note})" if answer.note else "")
+        return Peer(name, answer.session, channel, answer.note, over, lane)
+
+    def _open_lane(self, index: int, address: str, answer: pb.HandshakeResponse,
+                   timeout_s: float) -> LaneClient | None:
+        """The server's exchange lane, connected once to be sure; None when it has none,
+        this worker does not want it, or it does not answer (exchanges then use gRPC)."""
+        shm = self._channels.get("shm")
+        if not answer.lane or not self.lanes or shm is None:
+            return None
+        lane = LaneClient(answer.lane, answer.session, shm.token())
+        try:
+            lane.check(timeout_s)
+        except ChannelBrokenError as exc:
+            lane.close()
+            log.warning("worker %d: shard %d (%s): %s; exchanging over gRPC", self.worker,
+                        index, address, exc)
+            return None
+        return lane
 
     def broken(self, peer: Peer, index: int, reason: str) -> None:
         """Marks a peer's transport as failed: its requests go inline from now on."""
@@ -151,12 +185,17 @@ class BulkClient:
             was = peer.transport
             peer.transport, peer.channel, peer.over = "grpc", None, ""
             peer.note = f"{was} failed: {reason}"
+            lane, peer.lane = peer.lane, None
+        if lane is not None:
+            lane.close()
         log.warning("worker %d: transport %s to shard %d failed (%s); retrying the request and "
                     "sending everything after it over grpc", self.worker, was, index, reason)
 
     def end(self, peer: Peer, handshake: Callable[..., Any]) -> None:
         """Tells the server the session is over (best effort, short timeout) and frees what
         this side held for it."""
+        if peer.lane is not None:
+            peer.lane.close()
         if not peer.session:
             return
         for channel in self._channels.values():
@@ -344,9 +383,19 @@ def exchange(peer: Peer, method: Callable[..., Any], msg: pb.ExchangeRequest,
 
     request = _named(region, build)
 
+    lane = peer.lane
+
     def call() -> Frame[pb.ExchangeResponse]:
-        frame: Frame[pb.ExchangeResponse] = method(request.SerializeToString(),
-                                                   timeout=timeout_s)
+        data = request.SerializeToString()
+        frame: Frame[pb.ExchangeResponse]
+        if lane is None:
+            frame = method(data, timeout=timeout_s)
+        else:
+            try:
+                frame = codec.decode(pb.ExchangeResponse, lane.call(data, timeout_s))
+            except codec.WireError as exc:
+                raise ChannelBrokenError(f"an unreadable answer on the exchange lane: {exc}") \
+                    from exc
         if not frame.msg.in_bulk:
             raise ChannelBrokenError("the server answered a bulk exchange inline")
         return frame

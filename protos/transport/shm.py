@@ -283,6 +283,18 @@ class Server:
             self._sessions[session] = _Session(int(peer.pid), started, token)
         return session
 
+    def owns(self, session: int, token: str, pid: int) -> str:
+        """"" when process `pid`, holding `token`, is the client of `session`; else why not."""
+        with self._lock:
+            known = self._sessions.get(session)
+        if known is None:
+            return f"shared-memory session {session} is not open here"
+        if not secrets.compare_digest(known.token, token):
+            return f"the token does not match shared-memory session {session}"
+        if known.pid != pid:
+            return f"session {session} belongs to process {known.pid}, not {pid}"
+        return ""
+
     def _map(self, ref: pb.BulkRef) -> mmap.mmap:
         with self._lock:
             session = self._sessions.get(ref.session)

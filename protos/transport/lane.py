@@ -1,0 +1,388 @@
+"""The exchange lane of the shm transport: bulk exchanges without gRPC's per-call cost.
+
+Where a worker and a server share the shm transport (one host, one pid namespace, one user),
+the server also listens on a Unix stream socket in the abstract namespace and names it in
+the handshake. The worker then sends its bulk exchanges there: the Exchange RPC's request,
+whose payload and answer already lie in shared memory, in one frame, and the answer in
+another. One blocking send and one blocking receive per call, on the caller's own thread.
+A Python gRPC unary call costs both processes together about half a millisecond of CPU
+(thread hand-offs, HTTP/2, completion queues); a training step makes one exchange per server,
+so on a small machine that cost is a large part of a step.
+
+Nothing else changes: the server runs the Exchange RPC's own handler, and a refusal carries
+the status code, message and trailing-metadata marks the RPC would have ended with, so the
+client handles it the same way (`LaneError` is a `grpc.RpcError`). A lane that fails (the
+server went away, a malformed frame) raises ChannelBrokenError, and the caller sends the
+same request, with the same push ids, over gRPC.
+
+The framing is described beside `LaneHello` in pstrain.proto. Who may connect: the first
+frame names the shm session and carries its secret token; the server checks both, and that
+the peer process (SO_PEERCRED) is the session's client and runs as the same user. Abstract
+sockets have no file: a process that dies leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from protos import pstrain_pb2 as pb
+from protos.transport.base import ChannelBrokenError
+
+log = logging.getLogger(__name__)
+
+HELLO, REQUEST, ANSWER, REFUSAL = 1, 2, 3, 4
+_HEAD = struct.Struct("<IB")
+_CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+HELLO_TIMEOUT_S = 5.0
+MAX_ANSWER_BYTES = 256 * 1024 * 1024  # answers carry headers only; their rows are in shm
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class LaneProtocolError(Exception):
+    """A frame broke the lane's framing; the connection is closed."""
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    """Exactly `n` bytes, or None when the peer closed the connection before the first."""
+    if not n:
+        return b""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            if got:
+                raise LaneProtocolError(f"the connection closed inside a frame ({got} of {n})")
+            return None
+        got += k
+    return bytes(buf)
+
+
+def read_frame(sock: socket.socket, max_bytes: int) -> tuple[int, bytes] | None:
+    """(kind, body) of the next frame; None when the peer closed the connection."""
+    head = _recv_exact(sock, _HEAD.size)
+    if head is None:
+        return None
+    length, kind = _HEAD.unpack(head)
+    if kind not in (HELLO, REQUEST, ANSWER, REFUSAL):
+        raise LaneProtocolError(f"unknown frame kind {kind}")
+    if length > max_bytes:
+        raise LaneProtocolError(f"a frame of {length} bytes is over the limit of {max_bytes}")
+    body = _recv_exact(sock, length)
+    if body is None:
+        raise LaneProtocolError("the connection closed after a frame header")
+    return kind, body
+
+
+def write_frame(sock: socket.socket, kind: int, body: bytes) -> None:
+    sock.sendall(_HEAD.pack(len(body), kind) + body)
+
+
+def _status(code: grpc.StatusCode, details: str, marks: Iterable[str] = ()) -> bytes:
+    return pb.LaneStatus(code=code.value[0], details=details, marks=list(marks)).SerializeToString()
+
+
+# ---- the server's side ------------------------------------------------------------------------
+
+
+class LaneAbort(Exception):
+    """A handler ended its call with a status (LaneContext.abort)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, marks: tuple[str, ...]) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+        self.marks = marks
+
+
+class LaneContext:
+    """What a handler sees of a lane call: the part of grpc.ServicerContext that the Exchange
+    handler uses (trailing metadata, abort)."""
+
+    def __init__(self) -> None:
+        self._marks: tuple[str, ...] = ()
+
+    def set_trailing_metadata(self, metadata: Iterable[tuple[str, Any]]) -> None:
+        self._marks = tuple(key for key, _ in metadata)
+
+    def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
+        raise LaneAbort(code, details, self._marks)
+
+
+Handler = Callable[[bytes, LaneContext], bytes]
+# (session, token, peer pid) -> "" when that peer may use the session, else why not.
+Verifier = Callable[[int, str, int], str]
+
+
+class LaneServer:
+    """Listens on an abstract Unix socket; one thread per connection runs its requests in
+    order through `handle`. Thread-safe."""
+
+    def __init__(self, handle: Handler, verify: Verifier, max_frame_bytes: int,
+                 name: str = "lane") -> None:
+        self._handle = handle
+        self._verify = verify
+        self._max = max_frame_bytes
+        self._name = name
+        self.address = f"pstrain-lane-{os.getpid()}-{secrets.token_hex(8)}"
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            self._listener.bind("\0" + self.address)
+            self._listener.listen(128)
+        except OSError:
+            self._listener.close()
+            raise
+        # Guards _conns and _closed.
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._closed = False
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"{name}-accept",
+                                          daemon=True)
+        self._acceptor.start()
+
+    def connections(self) -> int:
+        """Connections open now. Thread-safe."""
+        with self._lock:
+            return len(self._conns)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            if not self._welcome(conn):
+                return
+            while True:
+                frame = read_frame(conn, self._max)
+                if frame is None:
+                    return
+                kind, body = frame
+                if kind != REQUEST:
+                    write_frame(conn, REFUSAL, _status(
+                        grpc.StatusCode.INVALID_ARGUMENT, f"expected a request frame, got {kind}"))
+                    return
+                write_frame(conn, *self._answer(body))
+        except LaneProtocolError as exc:
+            log.warning("%s: closing a connection: %s", self._name, exc)
+            with contextlib.suppress(OSError):
+                write_frame(conn, REFUSAL, _status(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
+        except OSError as exc:
+            log.debug("%s: connection ended: %s", self._name, exc)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _welcome(self, conn: socket.socket) -> bool:
+        """Checks the hello; answers it with an empty answer frame, or a refusal."""
+        pid, uid, _ = _CREDS.unpack(
+            conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
+        conn.settimeout(HELLO_TIMEOUT_S)
+        try:
+            frame = read_frame(conn, 4096)
+        except TimeoutError:
+            return False
+        conn.settimeout(None)
+        if frame is None:
+            return False
+        kind, body = frame
+        reason = ""
+        if kind != HELLO:
+            reason = f"the first frame must be a hello, got kind {kind}"
+        elif uid != os.getuid():
+            reason = f"the peer runs as uid {uid}, this server as uid {os.getuid()}"
+        else:
+            try:
+                hello = pb.LaneHello.FromString(body)
+            except DecodeError as exc:
+                reason = f"cannot parse the hello: {exc}"
+            else:
+                reason = self._verify(hello.session, hello.token, pid)
+        if reason:
+            log.warning("%s: refused a connection from pid %d: %s", self._name, pid, reason)
+            write_frame(conn, REFUSAL, _status(grpc.StatusCode.PERMISSION_DENIED, reason))
+            return False
+        write_frame(conn, ANSWER, b"")
+        return True
+
+    def _answer(self, body: bytes) -> tuple[int, bytes]:
+        context = LaneContext()
+        try:
+            return ANSWER, self._handle(body, context)
+        except LaneAbort as exc:
+            return REFUSAL, _status(exc.code, exc.details, exc.marks)
+        except Exception as exc:  # a bug in the handler: the caller still gets an answer
+            log.exception("%s: the handler failed", self._name)
+            return REFUSAL, _status(grpc.StatusCode.UNKNOWN, f"the server failed: {exc!r}")
+
+    def close(self) -> None:
+        """Stops accepting and ends every connection (a call in progress gets no answer, as
+        when the process stops). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns = list(self._conns)
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+        self._listener.close()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        self._acceptor.join(timeout=2.0)
+
+
+# ---- the client's side ------------------------------------------------------------------------
+
+
+class LaneError(grpc.RpcError):  # type: ignore[misc]  # grpc ships no stubs
+    """The server refused a lane call: the status the Exchange RPC would have ended with."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, marks: Iterable[str] = ()) -> None:
+        super().__init__(details)
+        self._code = code
+        self._details = details
+        self._marks = tuple(marks)
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return tuple((mark, "1") for mark in self._marks)
+
+    def __str__(self) -> str:
+        return f"{self._code.name}: {self._details}"
+
+
+def _refusal(body: bytes) -> LaneError:
+    try:
+        status = pb.LaneStatus.FromString(body)
+    except DecodeError as exc:
+        raise ChannelBrokenError(f"exchange lane: unreadable refusal ({exc})") from exc
+    return LaneError(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.details,
+                     status.marks)
+
+
+class LaneClient:
+    """A client's connections to one server's lane: one per call in flight, kept for the
+    next call. Thread-safe."""
+
+    def __init__(self, address: str, session: int, token: str) -> None:
+        self.address = address
+        self._hello = pb.LaneHello(session=session, token=token).SerializeToString()
+        # Guards _idle, _closed and calls.
+        self._lock = threading.Lock()
+        self._idle: list[socket.socket] = []
+        self._closed = False
+        self.calls = 0  # requests sent, answered or refused
+
+    def _connect(self, timeout_s: float) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.settimeout(min(timeout_s, HELLO_TIMEOUT_S))
+            sock.connect("\0" + self.address)
+            write_frame(sock, HELLO, self._hello)
+            frame = read_frame(sock, MAX_ANSWER_BYTES)
+            if frame is None:
+                raise ChannelBrokenError("the server closed the exchange lane at the hello")
+            kind, body = frame
+            if kind == REFUSAL:
+                raise ChannelBrokenError(f"the server refused the exchange lane: {_refusal(body)}")
+            if kind != ANSWER:
+                raise ChannelBrokenError(f"unexpected frame kind {kind} after the hello")
+        except (OSError, LaneProtocolError) as exc:
+            sock.close()
+            raise ChannelBrokenError(f"cannot open the exchange lane: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def check(self, timeout_s: float) -> None:
+        """Opens one connection now (kept for the first call). ChannelBrokenError if the
+        server does not take it."""
+        self._give_back(self._connect(timeout_s))
+
+    def _take(self, timeout_s: float) -> socket.socket:
+        with self._lock:
+            if self._closed:
+                raise ChannelBrokenError("the exchange lane is closed")
+            if self._idle:
+                return self._idle.pop()
+        return self._connect(timeout_s)
+
+    def _give_back(self, sock: socket.socket) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+    def call(self, request: bytes, timeout_s: float) -> bytes:
+        """Sends one request and returns the answer's bytes. Blocks up to `timeout_s`.
+
+        LaneError (a grpc.RpcError) when the server refused it, DEADLINE_EXCEEDED when no
+        answer came in time; ChannelBrokenError when the lane itself failed.
+        """
+        sock = self._take(timeout_s)
+        try:
+            sock.settimeout(timeout_s)
+            write_frame(sock, REQUEST, request)
+            frame = read_frame(sock, MAX_ANSWER_BYTES)
+        except TimeoutError as exc:
+            sock.close()  # a late answer must not reach the next call
+            raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"no answer on the exchange lane within {timeout_s:g} s") from exc
+        except (OSError, LaneProtocolError) as exc:
+            sock.close()
+            raise ChannelBrokenError(f"the exchange lane failed: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        if frame is None:
+            sock.close()
+            raise ChannelBrokenError("the server closed the exchange lane")
+        kind, body = frame
+        if kind in (ANSWER, REFUSAL):
+            with self._lock:
+                self.calls += 1
+            self._give_back(sock)
+            if kind == REFUSAL:
+                raise _refusal(body)
+            return body
+        sock.close()
+        raise ChannelBrokenError(f"unexpected frame kind {kind} on the exchange lane")
+
+    def close(self) -> None:
+        """Closes idle connections; those in use close when their call ends. Idempotent."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()

@@ -1,0 +1,242 @@
+"""The shm transport's exchange lane: exchanges over a Unix socket instead of gRPC calls.
+
+Real server processes serve the lane; the lane module's framing, refusals, deadlines and
+failures are also tested against an in-process LaneServer with small handlers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from procs import Procs
+
+from protos import marks
+from protos import pstrain_pb2 as pb
+from protos.transport import ChannelBrokenError, available
+from protos.transport.lane import LaneClient, LaneContext, LaneError, LaneServer
+from scheduler.admin import ServerAdmin
+from worker.bulk import LANE_ENV_VAR, TransportChoiceError
+from worker.client import PSClient, Pull, Push
+from worker.errors import RemoteError, RolledBackError
+
+SHM_OK, SHM_WHY = available("shm")
+pytestmark = pytest.mark.skipif(not SHM_OK, reason=f"shm is not available here: {SHM_WHY}")
+
+
+def steps(client: PSClient, n: int) -> list[torch.Tensor]:
+    """`n` exchanges of a sparse and a dense push, ending iterations; the last pulls."""
+    keys = np.array([3, 1_000_000_007, -5, 42], dtype=np.int64)
+    out: list[torch.Tensor] = []
+    for step in range(n):
+        g = torch.full((4, 8), float(step + 1))
+        out = client.exchange([Push("e", g, keys), Push("w", torch.ones(6, 3))],
+                              end_iteration=True, pulls=[Pull("e", keys), Pull("w")])
+    return out
+
+
+def declare(client: PSClient) -> None:
+    client.declare_sparse("e", 8, optimizer="adagrad", lr=0.1)
+    client.declare_dense("w", (6, 3), optimizer="sgd", lr=0.5, init=("zeros", 0, 0))
+
+
+def test_exchanges_take_the_lane_and_answer_as_over_grpc(
+    procs: Procs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = procs.server(), procs.server()
+    with PSClient([a.address], worker=0) as laned:
+        monkeypatch.setenv(LANE_ENV_VAR, "0")
+        with PSClient([b.address], worker=0) as plain:
+            for client in (laned, plain):
+                declare(client)
+            got_lane, got_plain = steps(laned, 5), steps(plain, 5)
+            lane = laned._shards[0].bulk.lane
+            assert lane is not None and lane.calls == 5
+            assert plain._shards[0].bulk.lane is None
+            assert laned.transports() == plain.transports() == ["shm"]
+    for x, y in zip(got_lane, got_plain, strict=True):
+        torch.testing.assert_close(x, y, atol=0, rtol=0)
+    torch.testing.assert_close(got_lane[1], torch.full((6, 3), -2.5))
+
+
+def test_a_refusal_on_the_lane_is_the_rpcs_and_changes_nothing(procs: Procs) -> None:
+    server = procs.server()
+    with PSClient([server.address], worker=0) as client:
+        declare(client)
+        before = steps(client, 1)
+        keys = np.array([3, 7], dtype=np.int64)
+        bad = torch.ones(2, 8)
+        bad[1, 5] = float("nan")
+        with pytest.raises(RemoteError) as err:
+            client.exchange([Push("e", bad, keys)], end_iteration=True, pulls=[Pull("w")])
+        assert err.value.code.name == "INVALID_ARGUMENT"
+        assert "non-finite value (nan)" in err.value.details and "'e'" in err.value.details
+        lane = client._shards[0].bulk.lane
+        assert lane is not None and lane.calls == 2
+        # Nothing applied, no iteration ended; the same connection serves the next call.
+        (rows,) = client.exchange(pulls=[Pull("e", [3, 1_000_000_007, -5, 42])])
+        torch.testing.assert_close(rows, before[0], atol=0, rtol=0)
+        assert client.stats()[0].tables[0].pushes_rejected == 1
+        assert lane.calls == 3 and client.transports() == ["shm"]
+
+
+def test_a_worker_from_before_a_rollback_is_told_on_the_lane(procs: Procs) -> None:
+    server = procs.server()
+    with PSClient([server.address], worker=0) as client:
+        declare(client)
+        steps(client, 1)
+        told: list[int] = []
+        client.on_rolled_back = lambda: told.append(1)
+        admin = ServerAdmin()
+        try:
+            admin.restore(server.address, "", "", "", generation=1)
+        finally:
+            admin.close()
+        with pytest.raises(RolledBackError) as err:
+            steps(client, 1)
+        assert "must restart" in err.value.details and told == [1]
+        lane = client._shards[0].bulk.lane
+        assert lane is not None and lane.calls == 2  # refused on the lane, not retried
+
+
+def test_a_lost_session_falls_back_to_grpc_without_repeating_a_push(
+    procs: Procs, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = procs.server()
+    with PSClient([server.address], worker=0) as client:
+        client.declare_sparse("e", 8, optimizer="sgd", lr=1.0, init=("zeros", 0, 0))
+        keys = np.arange(100, dtype=np.int64)
+        g = torch.ones(100, 8)
+        for _ in range(2):
+            client.exchange([Push("e", g, keys)])
+        # The server forgets the session (as after losing its state): the next exchange
+        # is refused on the lane as a failed bulk transfer and sent again over gRPC.
+        peer = client._shards[0].bulk
+        lane = peer.lane
+        assert lane is not None
+        channel = grpc.insecure_channel(server.address)
+        end = pb.HandshakeRequest(worker=0, end_session=peer.session).SerializeToString()
+        channel.unary_unary("/pstrain.v1.ParameterServer/Handshake")(end, timeout=10)
+        channel.close()
+        with caplog.at_level(logging.WARNING, logger="worker.bulk"):
+            (rows,) = client.exchange([Push("e", g, keys)], pulls=[Pull("e", keys)])
+        assert any("transport shm to shard 0 failed" in r.getMessage() for r in caplog.records)
+        assert client.transports() == ["grpc"] and peer.lane is None
+        torch.testing.assert_close(rows, -3 * g, atol=0, rtol=0)
+        (table,) = client.stats()[0].tables
+        assert table.pushes_applied == 3 and table.pushes_duplicate == 0
+
+
+def test_the_lane_refuses_strangers(procs: Procs) -> None:
+    server = procs.server()
+    with PSClient([server.address], worker=0) as client:
+        peer = client._shards[0].bulk
+        assert peer.lane is not None
+        token = client._bulk.channel("shm").token()  # type: ignore[union-attr]
+        with pytest.raises(ChannelBrokenError, match="does not match"):
+            LaneClient(peer.lane.address, peer.session, "0" * 24).check(5.0)
+        with pytest.raises(ChannelBrokenError, match="not an open shm session"):
+            LaneClient(peer.lane.address, peer.session + 1, token).check(5.0)
+        # The right session and token, from another process: SO_PEERCRED tells them apart.
+        other = procs.spawn([sys.executable, "-c", textwrap.dedent(f"""
+            from protos.transport import ChannelBrokenError
+            from protos.transport.lane import LaneClient
+            try:
+                LaneClient({peer.lane.address!r}, {peer.session}, {token!r}).check(5.0)
+            except ChannelBrokenError as exc:
+                print("refused:", exc)
+        """)], "stranger")
+        assert other.popen.wait(timeout=60) == 0, other.log()
+        assert f"belongs to process {os.getpid()}" in other.log()
+        # The worker's own lane still works.
+        client.declare_dense("w", (2,), optimizer="sgd", lr=1.0)
+        client.exchange([Push("w", torch.ones(2))], pulls=[Pull("w")])
+        assert peer.lane.calls == 1
+
+
+def test_a_bad_lane_setting_is_named(procs: Procs, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = procs.server()
+    monkeypatch.setenv(LANE_ENV_VAR, "yes")
+    with pytest.raises(TransportChoiceError, match=f"{LANE_ENV_VAR} must be 0 or 1, got 'yes'"):
+        PSClient([server.address])
+
+
+# ---- the lane module against an in-process server -------------------------------------------
+
+
+@pytest.fixture
+def lane_server() -> Iterator[tuple[LaneServer, LaneClient]]:
+    def handle(data: bytes, context: LaneContext) -> bytes:
+        if data == b"slow":
+            time.sleep(1.0)
+        if data == b"refuse":
+            context.set_trailing_metadata(((marks.CLOCK_WAIT, "1"),))
+            context.abort(grpc.StatusCode.ABORTED, "waited out")
+        if data == b"bug":
+            raise KeyError("oops")
+        return data[::-1]
+
+    server = LaneServer(handle, lambda session, token, pid: "" if token == "t" else "no",
+                        max_frame_bytes=1 << 20)
+    client = LaneClient(server.address, 1, "t")
+    try:
+        yield server, client
+    finally:
+        client.close()
+        server.close()
+
+
+def test_lane_calls_answer_in_order_from_many_threads(
+    lane_server: tuple[LaneServer, LaneClient]
+) -> None:
+    server, client = lane_server
+    answers: dict[int, bytes] = {}
+
+    def run(i: int) -> None:
+        for k in range(50):
+            answers[i * 100 + k] = client.call(f"{i}-{k}".encode(), 5.0)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(answers) == 200 and client.calls == 200
+    assert all(v == f"{k // 100}-{k % 100}".encode()[::-1] for k, v in answers.items())
+    assert 1 <= server.connections() <= 4  # one per call in flight, kept for the next
+
+
+def test_lane_refusals_deadlines_and_bugs(lane_server: tuple[LaneServer, LaneClient]) -> None:
+    server, client = lane_server
+    with pytest.raises(LaneError) as err:
+        client.call(b"refuse", 5.0)
+    assert err.value.code() == grpc.StatusCode.ABORTED and err.value.details() == "waited out"
+    assert marks.marks_of(err.value.trailing_metadata()) == {marks.CLOCK_WAIT}
+    with pytest.raises(LaneError) as err:
+        client.call(b"slow", 0.2)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    with pytest.raises(LaneError) as err:
+        client.call(b"bug", 5.0)
+    assert err.value.code() == grpc.StatusCode.UNKNOWN and "KeyError" in err.value.details()
+    assert client.call(b"abc", 5.0) == b"cba"
+    with pytest.raises(ChannelBrokenError, match="refused"):
+        LaneClient(server.address, 1, "wrong").check(5.0)
+
+
+def test_a_closed_lane_breaks_the_channel(lane_server: tuple[LaneServer, LaneClient]) -> None:
+    server, client = lane_server
+    assert client.call(b"x", 5.0) == b"x"
+    server.close()
+    with pytest.raises(ChannelBrokenError):
+        client.call(b"y", 5.0)
+    with pytest.raises(ChannelBrokenError):
+        LaneClient(server.address, 1, "t").check(1.0)

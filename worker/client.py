@@ -571,6 +571,11 @@ class PSClient:
         return [f"{s.bulk.transport} ({s.bulk.over})" if s.bulk.over else s.bulk.transport
                 for s in self._shards]
 
+    def exchange_lanes(self) -> list[bool]:
+        """Whether each shard's exchanges take the shm exchange lane now (a round trip of a
+        fraction of a millisecond on one host), in shard order. Thread-safe."""
+        return [s.bulk.lane is not None for s in self._shards]
+
     # ---- clocks ----------------------------------------------------------------------------
 
     def end_iteration(self) -> int:

@@ -76,10 +76,11 @@ Init = tuple[str, float, float]
 # How often a worker that does not initialise a PSDense table looks for the initial values.
 _INIT_POLL_S = 0.05
 # prefetch_depth="auto" with overlap: two exchanges in flight hide a round trip longer than
-# a step of compute (measured: MovieLens at batch 128 on 2 cores, 1.2-1.3x the samples/s
-# of depth 1), at the price of reads one step staler. Where a step's compute already hides
-# the round trip the second exchange only adds contention (the same model at batch 1024:
-# depth 1 was 1.15x faster), so scripts with large batches may prefer 1.
+# a step of compute (measured: MovieLens at batch 128 on 2 cores over gRPC, 1.2-1.3x the
+# samples/s of depth 1), at the price of reads one step staler. Where a step's compute
+# already hides the round trip, the second exchange only adds contention: at batch 1024, and
+# at batch 128 too once every server is reached over the shm exchange lane (depth 1 was
+# 1.16x faster there), so "auto" stays at 1 when every shard has that lane.
 AUTO_PREFETCH_DEPTH = 2
 _BAG_MODES = ("sum", "mean", "max")
 
@@ -773,8 +774,9 @@ class PSOptimizer:
     travel at once, so a round trip longer than a step of compute still hides behind
     compute; reads are then up to d steps stale, so every ssp table's bound must be at
     least d. Feed `prefetch()` the batch d steps ahead (`lookahead(batches,
-    ps.prefetch_depth)`). `prefetch_depth="auto"` picks 2 where overlap is on and every
-    ssp bound allows it, else 1 (AUTO_PREFETCH_DEPTH).
+    ps.prefetch_depth)`). `prefetch_depth="auto"` picks 2 (AUTO_PREFETCH_DEPTH) where
+    overlap is on, every ssp bound allows it and some server is reached without the shm
+    exchange lane (round trips of a millisecond or more); else 1.
 
     Construction may ask the servers for their default mode (blocks briefly). Methods are
     meant for the training thread and are not thread-safe; the exchange thread they start
@@ -808,7 +810,9 @@ class PSOptimizer:
         self.overlap = not exact if overlap is None else overlap
         bounds = [b for b in staleness.values() if b is not None]
         if prefetch_depth == "auto":
-            prefetch_depth = min([AUTO_PREFETCH_DEPTH, *bounds]) if self.overlap else 1
+            short = all(self.client.exchange_lanes())
+            prefetch_depth = (min([AUTO_PREFETCH_DEPTH, *bounds])
+                              if self.overlap and not short else 1)
         if not isinstance(prefetch_depth, int):
             raise PSModuleError(f"prefetch_depth must be an int or 'auto', got {prefetch_depth!r}")
         if prefetch_depth < 1 or (prefetch_depth > 1 and not self.overlap):

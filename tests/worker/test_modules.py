@@ -11,6 +11,7 @@ import torch
 from procs import Procs, run_in_threads
 from torch import nn
 
+from protos.transport import available
 from worker.client import PSClient
 from worker.modules import (
     InitializationTimeoutError,
@@ -326,7 +327,9 @@ def test_sync_prefetch_rides_in_the_step_and_stays_exact(procs: Procs) -> None:
         assert table_stat(c, emb.table, "pulls") == 2 * steps
 
 
-def test_prefetch_depth_stays_within_the_staleness_bound(client: PSClient) -> None:
+def test_prefetch_depth_stays_within_the_staleness_bound(
+    client: PSClient, servers: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ssp = PSEmbedding(client, fresh("deep"), 2, consistency="ssp:1")
     with pytest.raises(PSModuleError, match="past the staleness bound 1"):
         PSOptimizer(ssp, prefetch_depth=2)
@@ -334,14 +337,21 @@ def test_prefetch_depth_stays_within_the_staleness_bound(client: PSClient) -> No
     with pytest.raises(PSModuleError, match="prefetch_depth must be 1, or more with overlap"):
         PSOptimizer(exact, prefetch_depth=2)
     PSOptimizer(ssp, prefetch_depth=1).close()
-    # "auto": as deep as AUTO_PREFETCH_DEPTH where every bound allows it, else shallower.
-    for table, depth in ((ssp, 1), (exact, 1),
-                         (PSEmbedding(client, fresh("deep"), 2, consistency="ssp:3"), 2),
-                         (PSEmbedding(client, fresh("deep"), 2, consistency="async"), 2)):
-        with PSOptimizer(table, prefetch_depth="auto") as ps:
-            assert ps.prefetch_depth == depth, table.consistency
     with pytest.raises(PSModuleError, match="an int or 'auto'"):
         PSOptimizer(ssp, prefetch_depth="deep")  # type: ignore[arg-type]
+    # "auto": as deep as AUTO_PREFETCH_DEPTH where every bound allows it, else shallower;
+    # 1 where every server answers over the shm exchange lane (short round trips).
+    assert all(client.exchange_lanes()) == available("shm")[0]
+    monkeypatch.setenv("PSTRAIN_SHM_LANE", "0")
+    with connect(servers) as plain:
+        assert not any(plain.exchange_lanes())
+        for name, consistency, depth in (("ssp1", "ssp:1", 1), ("sync", "sync", 1),
+                                         ("ssp3", "ssp:3", 2), ("async", "async", 2)):
+            for c, expected in ((plain, depth), (client, 1 if all(client.exchange_lanes())
+                                                 else depth)):
+                table = PSEmbedding(c, fresh(name), 2, consistency=consistency)
+                with PSOptimizer(table, prefetch_depth="auto") as ps:
+                    assert ps.prefetch_depth == expected, (consistency, c.exchange_lanes())
 
 
 def test_sync_tables_refuse_overlap(client: PSClient) -> None:

@@ -3,9 +3,10 @@
 Control messages (headers, acks, errors) travel on gRPC; the one exception is the exchange
 lane of `shm` (`lane`), which carries a training step's Exchange request and answer over a
 Unix socket on one host. Bulk payloads (dense blocks, sparse keys and rows) go through the
-transport chosen per peer when a client first meets a server (see `registry.select`): `shm` (shared memory between processes on one host), `ucx`
-(UCX: RDMA where the host's UCX and hardware have it, else TCP or shared memory), or `grpc`
-(inline in the gRPC messages; always available).
+transport chosen per peer when a client first meets a server (see `registry.select`): `shm`
+(shared memory between processes on one host), `ucx` (UCX: RDMA where the host's UCX and
+hardware have it, else TCP or shared memory), or `grpc` (inline in the gRPC messages; always
+available).
 
 A transport is a narrow pair of interfaces (`base.ClientChannel`, `base.ServerChannel`), a
 factory, and a registry by name with lazy imports (`registry`). Both sides of the wire use

@@ -75,26 +75,15 @@ class BulkEndpoint:
     def serve_lane(self, handle: Handler, max_frame_bytes: int) -> None:
         """Opens the exchange lane for shm clients (see protos.transport.lane), when this
         server offers shm. A lane that cannot open is logged; clients then use gRPC."""
-        if "shm" not in self._channels or self._lane is not None:
+        channel = self._channels.get("shm")
+        if not isinstance(channel, shm.Server) or self._lane is not None:
             return
         try:
-            self._lane = LaneServer(handle, self._lane_peer, max_frame_bytes,
+            self._lane = LaneServer(handle, channel.owns, max_frame_bytes,
                                     name=f"lane{self.shard}")
         except OSError as exc:
             log.warning("shard %d: no exchange lane (%s); shm clients exchange over gRPC",
                         self.shard, exc)
-
-    @property
-    def lane(self) -> LaneServer | None:
-        return self._lane
-
-    def _lane_peer(self, session: int, token: str, pid: int) -> str:
-        with self._lock:
-            name = self._sessions.get(session)
-        channel = self._channels.get("shm")
-        if name != "shm" or not isinstance(channel, shm.Server):
-            return f"session {session} is not an open shm session of this server"
-        return channel.owns(session, token, pid)
 
     def handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeResponse:
         """Picks a transport for a client and opens its session. Blocks briefly."""

@@ -47,10 +47,10 @@ T = TypeVar("T")
 LANE_ENV_VAR = "PSTRAIN_SHM_LANE"
 
 
-def lane_wanted(environ: dict[str, str] | None = None) -> bool:
+def lane_wanted() -> bool:
     """Whether to send bulk exchanges over a server's exchange lane (PSTRAIN_SHM_LANE: 1,
     the default, or 0). TransportChoiceError names any other value."""
-    value = (os.environ if environ is None else environ).get(LANE_ENV_VAR, "1").strip()
+    value = os.environ.get(LANE_ENV_VAR, "1").strip()
     if value not in ("0", "1"):
         raise TransportChoiceError(f"{LANE_ENV_VAR} must be 0 or 1, got {value!r}")
     return value == "1"

@@ -280,6 +280,15 @@ class LaneError(grpc.RpcError):  # type: ignore[misc]  # grpc ships no stubs
         return f"{self._code.name}: {self._details}"
 
 
+def _round_trip(sock: socket.socket, kind: int, body: bytes) -> tuple[int, bytes]:
+    """Sends one frame and reads the server's; LaneProtocolError when it closed instead."""
+    write_frame(sock, kind, body)
+    frame = read_frame(sock, MAX_ANSWER_BYTES)
+    if frame is None:
+        raise LaneProtocolError("the server closed the connection")
+    return frame
+
+
 def _refusal(body: bytes) -> LaneError:
     try:
         status = pb.LaneStatus.FromString(body)
@@ -307,21 +316,17 @@ class LaneClient:
         try:
             sock.settimeout(min(timeout_s, HELLO_TIMEOUT_S))
             sock.connect("\0" + self.address)
-            write_frame(sock, HELLO, self._hello)
-            frame = read_frame(sock, MAX_ANSWER_BYTES)
-            if frame is None:
-                raise ChannelBrokenError("the server closed the exchange lane at the hello")
-            kind, body = frame
-            if kind == REFUSAL:
-                raise ChannelBrokenError(f"the server refused the exchange lane: {_refusal(body)}")
-            if kind != ANSWER:
-                raise ChannelBrokenError(f"unexpected frame kind {kind} after the hello")
-        except (OSError, LaneProtocolError) as exc:
+            kind, body = _round_trip(sock, HELLO, self._hello)
+        except BaseException as exc:
             sock.close()
-            raise ChannelBrokenError(f"cannot open the exchange lane: {exc}") from exc
-        except BaseException:
-            sock.close()
+            if isinstance(exc, OSError | LaneProtocolError):
+                raise ChannelBrokenError(f"cannot open the exchange lane: {exc}") from exc
             raise
+        if kind != ANSWER:
+            sock.close()
+            raise ChannelBrokenError(f"the server refused the exchange lane: {_refusal(body)}"
+                                     if kind == REFUSAL else
+                                     f"unexpected frame kind {kind} after the hello")
         return sock
 
     def check(self, timeout_s: float) -> None:
@@ -353,31 +358,24 @@ class LaneClient:
         sock = self._take(timeout_s)
         try:
             sock.settimeout(timeout_s)
-            write_frame(sock, REQUEST, request)
-            frame = read_frame(sock, MAX_ANSWER_BYTES)
-        except TimeoutError as exc:
+            kind, body = _round_trip(sock, REQUEST, request)
+        except BaseException as exc:
             sock.close()  # a late answer must not reach the next call
-            raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"no answer on the exchange lane within {timeout_s:g} s") from exc
-        except (OSError, LaneProtocolError) as exc:
-            sock.close()
-            raise ChannelBrokenError(f"the exchange lane failed: {exc}") from exc
-        except BaseException:
-            sock.close()
+            if isinstance(exc, TimeoutError):
+                raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no answer on the exchange lane within {timeout_s:g} s") from exc
+            if isinstance(exc, OSError | LaneProtocolError):
+                raise ChannelBrokenError(f"the exchange lane failed: {exc}") from exc
             raise
-        if frame is None:
+        if kind not in (ANSWER, REFUSAL):
             sock.close()
-            raise ChannelBrokenError("the server closed the exchange lane")
-        kind, body = frame
-        if kind in (ANSWER, REFUSAL):
-            with self._lock:
-                self.calls += 1
-            self._give_back(sock)
-            if kind == REFUSAL:
-                raise _refusal(body)
-            return body
-        sock.close()
-        raise ChannelBrokenError(f"unexpected frame kind {kind} on the exchange lane")
+            raise ChannelBrokenError(f"unexpected frame kind {kind} on the exchange lane")
+        with self._lock:
+            self.calls += 1
+        self._give_back(sock)
+        if kind == REFUSAL:
+            raise _refusal(body)
+        return body
 
     def close(self) -> None:
         """Closes idle connections; those in use close when their call ends. Idempotent."""

@@ -288,7 +288,7 @@ class Server:
         with self._lock:
             known = self._sessions.get(session)
         if known is None:
-            return f"shared-memory session {session} is not open here"
+            return f"session {session} is not an open shm session of this server"
         if not secrets.compare_digest(known.token, token):
             return f"the token does not match shared-memory session {session}"
         if known.pid != pid:

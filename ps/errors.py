@@ -39,3 +39,8 @@ class DeadlineExceededError(PSError):
 class ClockWaitTimeoutError(DeadlineExceededError):
     """A pull or push waited out its limit for other workers' clocks. Asking again would only
     wait again, so clients do not retry it (the servicer marks it for them)."""
+
+
+class ApplyFailedError(PSError):
+    """An acknowledged push failed to apply; its table is unusable until a restore. Reported
+    as INTERNAL: it is the server's fault, not the request's."""

@@ -428,7 +428,9 @@ class ParameterServerServicer:
                         f"{codec.dtype_name(head.dtype)} needs {expected}"
                     )
 
-            outcome = self.shard.push_dense(head.table, _meta(head), dtype, shape, parts())
+            # The parts are views of the request's own bytes, which they keep alive.
+            outcome = self.shard.push_dense(head.table, _meta(head), dtype, shape, parts(),
+                                            owned=True)
             return _push_response(outcome, expected // itemsize)
 
         return _guard(push, context)
@@ -485,7 +487,7 @@ class ParameterServerServicer:
             keys = codec.keys_from_bytes(_join(key_parts))
             values = _join(value_parts)
             outcome = self.shard.push_sparse(
-                head.table, _meta(head), dtype, head.dim, keys, values
+                head.table, _meta(head), dtype, head.dim, keys, values, owned=True
             )
             return _push_response(outcome, len(keys) * head.dim)
 

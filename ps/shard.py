@@ -24,6 +24,7 @@ import torch
 from protos.codec import tensor_from_bytes
 from protos.partition import RowRange, dense_placement
 from ps.aggregate import Aggregate, DenseSum, SparseSum
+from ps.behind import WriteBehind
 from ps.checkpoint import ShardState, TableState
 from ps.clocks import ClockBoard, Quorum
 from ps.consistency import ClockView, Decision, Policy, SSPPolicy, SyncPolicy, make_policy
@@ -68,6 +69,9 @@ class ShardConfig:
     max_wait_s: float = 300.0
     # How long a retried push waits for its first attempt, still being applied, to finish.
     inflight_wait_s: float = 30.0
+    # Answer pushes streamed over gRPC (async and ssp tables) once checked, and apply them
+    # right after on the shard's applier thread (ps/behind.py).
+    write_behind: bool = True
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -198,6 +202,7 @@ class Shard:
         # Called with (table, clocks behind the slowest live worker) for each served ssp or
         # sync pull: the metrics' staleness histogram.
         self.observe_staleness: Callable[[str, int], None] | None = None
+        self._behind = WriteBehind(f"shard{config.shard}-apply")
 
     # ---- tables ----------------------------------------------------------------------------
 
@@ -303,6 +308,7 @@ class Shard:
     def _await_pull(
         self, name: str, policy: Policy, worker: int, clock: int, wait_s: float
     ) -> None:
+        self._behind.settle(name)
         if isinstance(policy, SSPPolicy | SyncPolicy):
             with self._clocks:
                 view = self._wait_for(
@@ -353,25 +359,30 @@ class Shard:
 
     def push_dense(
         self, name: str, meta: PushMeta, dtype: torch.dtype, shape: tuple[int, ...],
-        parts: Iterable[tuple[int, torch.Tensor]],
+        parts: Iterable[tuple[int, torch.Tensor]], owned: bool = False,
     ) -> PushOutcome:
         """Applies a dense push once, as the table's mode says.
 
         `parts` yields (flat element offset, values) slices covering the block exactly once,
         typically as they come off the wire: each is checked on arrival, so validation
         overlaps the transfer, and nothing is applied until every part has passed.
+        `owned`: the parts' memory stays valid after this returns (not a buffer the sender
+        reuses), so an async or ssp table may apply it after answering (write_behind).
         """
-        return self._commit(self._prepare_dense(name, meta, dtype, shape, parts))
+        behind = owned and self.config.write_behind
+        return self._commit(self._prepare_dense(name, meta, dtype, shape, parts), behind)
 
     def push_sparse(
         self, name: str, meta: PushMeta, dtype: torch.dtype, dim: int, keys: np.ndarray,
-        values: memoryview,
+        values: memoryview, owned: bool = False,
     ) -> PushOutcome:
         """Applies a sparse push once, as the table's mode says.
 
-        `values` are the raw row bytes in key order, checked against the keys here.
+        `values` are the raw row bytes in key order, checked against the keys here. `owned`
+        as in push_dense.
         """
-        return self._commit(self._prepare_sparse(name, meta, dtype, dim, keys, values))
+        behind = owned and self.config.write_behind
+        return self._commit(self._prepare_sparse(name, meta, dtype, dim, keys, values), behind)
 
     def exchange(self, request: Exchange) -> ExchangeResult:
         """A worker's step in one call: its pushes, the end of its iteration, its pulls.
@@ -453,12 +464,12 @@ class Shard:
             aggregate=lambda: self._sum(name, SparseSum).add(keys, rows),
         )
 
-    def _commit(self, p: _Prepared) -> PushOutcome:
-        return self._push(p.name, p.table, p.policy, p.meta, p.apply, p.aggregate)
+    def _commit(self, p: _Prepared, behind: bool = False) -> PushOutcome:
+        return self._push(p.name, p.table, p.policy, p.meta, p.apply, p.aggregate, behind)
 
     def _push(
         self, name: str, table: Table, policy: Policy, meta: PushMeta,
-        apply: Callable[[], None], aggregate: Callable[[], None],
+        apply: Callable[[], None], aggregate: Callable[[], None], behind: bool = False,
     ) -> PushOutcome:
         self.check_generation(meta.worker, meta.generation)
         admission = self.ledger.admit(
@@ -468,7 +479,7 @@ class Shard:
             table.count(pushes_duplicate=1)
             return PushOutcome.DUPLICATE
         try:
-            outcome = self._run_push(name, table, policy, meta, apply, aggregate)
+            outcome = self._run_push(name, table, policy, meta, apply, aggregate, behind)
         except BaseException:
             self.ledger.abandon(meta.worker, meta.incarnation, meta.seq)
             raise
@@ -477,14 +488,18 @@ class Shard:
 
     def _run_push(
         self, name: str, table: Table, policy: Policy, meta: PushMeta,
-        apply: Callable[[], None], aggregate: Callable[[], None],
+        apply: Callable[[], None], aggregate: Callable[[], None], behind: bool,
     ) -> PushOutcome:
+        self._behind.settle(name)  # the pushes before this one apply first
         if meta.assign:
             apply()
             return PushOutcome.APPLIED
         if not policy.aggregates:
             with self._clocks:
                 self.board.report(meta.worker, meta.clock)
+                if behind:  # queued under the lock that restores and snapshots take
+                    self._behind.submit(name, apply)
+                    return PushOutcome.APPLIED
             # Async and ssp apply at once; the table serialises whole pushes.
             apply()
             return PushOutcome.APPLIED
@@ -633,6 +648,7 @@ class Shard:
 
     def _snapshot(self, checkpoint_id: str) -> ShardState:
         """Caller holds self._clocks."""
+        self._behind.settle_all()
         with self._lock:
             tables = list(self._tables.items())
         board = self.board
@@ -668,6 +684,7 @@ class Shard:
         with self._clocks:
             if generation is not None:
                 self.generation = max(self.generation, generation)
+            self._behind.forget()
             with self._lock:
                 self._tables.clear()
                 self._policies.clear()
@@ -698,7 +715,8 @@ class Shard:
     # ---- introspection ---------------------------------------------------------------------
 
     def stats(self) -> list[tuple[TableStats, str]]:
-        """Each table's stats with its mode's name."""
+        """Each table's stats with its mode's name, counting every acknowledged push."""
+        self._behind.wait()
         with self._lock:
             tables = [(t, self._policies[n].name) for n, t in self._tables.items()]
         return [(t.stats(), mode) for t, mode in tables]

@@ -1,4 +1,5 @@
-"""Builds the one C extension (the server's int64 key index); the rest is in pyproject.toml."""
+"""Builds the C extensions (the server's int64 key index and its row loops); the rest is in
+pyproject.toml."""
 
 from setuptools import Extension, setup
 
@@ -8,6 +9,12 @@ setup(
             "ps._index",
             sources=["ps/_index.c"],
             extra_compile_args=["-O3", "-std=c11"],
-        )
+        ),
+        Extension(
+            "ps._rows",
+            sources=["ps/_rows.c"],
+            # No FMA contraction: row updates must round as torch's separate ops do.
+            extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off"],
+        ),
     ]
 )

@@ -34,6 +34,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 
 from ps.errors import InvalidArgumentError
+from ps.rows import add_ as rows_add
+from ps.rows import gather, scatter_
 
 __all__ = [
     "OPTIMIZERS",
@@ -397,11 +399,6 @@ def _count_rows(step: torch.Tensor | None, rows: torch.Tensor) -> None:
         step.index_add_(0, rows, torch.ones(rows.shape, dtype=step.dtype, device=step.device))
 
 
-def _scaled(grad: torch.Tensor, owned: bool, factor: float) -> torch.Tensor:
-    """``factor * grad``; in place when the buffer is this call's own, never the caller's."""
-    return grad.mul_(factor) if owned else grad.mul(factor)
-
-
 class SGD(Optimizer[SGDConfig]):
     """Plain stochastic gradient descent: ``param -= lr * (grad + weight_decay * param)``.
 
@@ -441,16 +438,12 @@ class SGD(Optimizer[SGDConfig]):
         cfg = self._config
         for block in _blocks(rows.shape[0], param.shape[1]):
             block_rows, block_grad = rows[block], grad[block]
-            owned = False
             if cfg.weight_decay != 0.0:
-                gathered = param.index_select(0, block_rows)
+                gathered = gather(param, block_rows)
                 block_grad = torch.add(block_grad, gathered, alpha=cfg.weight_decay, out=gathered)
-                owned = True
-            # Scaling first and adding with alpha=1 is deliberate: index_add_ with any other
-            # alpha takes a per-row path about 3x slower on CPU (measured, torch 2.13), which
-            # dwarfs the extra pass. The result differs from torch.optim.SGD's fused
-            # multiply-add by at most one rounding of lr * grad.
-            param.index_add_(0, block_rows, _scaled(block_grad, owned, -cfg.lr))
+            # param + (-lr * grad), rounded once per op: the result differs from
+            # torch.optim.SGD's fused multiply-add by at most one rounding of lr * grad.
+            rows_add(param, block_rows, block_grad, -cfg.lr)
         _count_rows(step, rows)
 
 
@@ -506,14 +499,14 @@ class Adagrad(Optimizer[AdagradConfig]):
             block_grad = grad.index_select(0, order[block])
             if cfg.weight_decay != 0.0:
                 block_grad.add_(param.index_select(0, block_rows), alpha=cfg.weight_decay)
-            acc = state_sum.index_select(0, block_rows)
+            acc = gather(state_sum, block_rows)
             acc.addcmul_(block_grad, block_grad, value=1)
-            state_sum.index_copy_(0, block_rows, acc)
+            scatter_(state_sum, block_rows, acc)
             # The accumulator is saved, so its buffer can become the denominator.
             std = acc.sqrt_().add_(cfg.eps)
             # (-lr * grad) / std, added with alpha=1, is exactly what addcdiv_(grad, std,
             # value=-lr) computes, so rows match torch.optim.Adagrad bit for bit.
-            param.index_add_(0, block_rows, block_grad.mul_(-cfg.lr).div_(std))
+            rows_add(param, block_rows, block_grad.mul_(-cfg.lr).div_(std))
         _count_rows(step, rows)
 
 
@@ -571,8 +564,8 @@ class Adam(Optimizer[AdamConfig]):
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         rows, order = _in_address_order(rows)
 
-        counts = step.index_select(0, rows).add_(1)
-        step.index_copy_(0, rows, counts)
+        counts = gather(step, rows).add_(1)
+        scatter_(step, rows, counts)
         # Bias corrections per row in float64, rounded to the parameter dtype only at the
         # end, as torch.optim.Adam does with its Python-float scalars.
         t = counts.to(torch.float64)
@@ -591,18 +584,18 @@ class Adam(Optimizer[AdamConfig]):
             block_grad = grad.index_select(0, order[block])
             if cfg.weight_decay != 0.0:
                 block_grad.add_(param.index_select(0, block_rows), alpha=cfg.weight_decay)
-            m = exp_avg.index_select(0, block_rows)
+            m = gather(exp_avg, block_rows)
             m.lerp_(block_grad, 1 - cfg.beta1)
-            exp_avg.index_copy_(0, block_rows, m)
-            v = exp_avg_sq.index_select(0, block_rows)
+            scatter_(exp_avg, block_rows, m)
+            v = gather(exp_avg_sq, block_rows)
             v.mul_(cfg.beta2).addcmul_(block_grad, block_grad, value=1 - cfg.beta2)
-            exp_avg_sq.index_copy_(0, block_rows, v)
+            scatter_(exp_avg_sq, block_rows, v)
             # m and v are saved, so their buffers become the update. torch.optim.Adam computes
             # param + (-step_size * m) / (sqrt(v) / sqrt(bc2) + eps); so does this, one
             # elementwise op at a time in the same order, with per-row columns for scalars.
             denom = v.sqrt_().div_(bias_correction2_sqrt[block]).add_(cfg.eps)
             update = m.mul_(neg_step_size[block]).div_(denom)
-            param.index_add_(0, block_rows, update)
+            rows_add(param, block_rows, update)
 
 
 OPTIMIZERS: Mapping[str, type[Optimizer[Any]]] = MappingProxyType(

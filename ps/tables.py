@@ -25,6 +25,8 @@ from ps.index import KeyIndex
 from ps.initializers import InitSpec, init_rows
 from ps.locks import RWLock
 from ps.optim import Optimizer, make_optimizer
+from ps.rows import gather as rows_gather
+from ps.rows import scatter_ as rows_scatter_
 
 AnyOptimizer = Optimizer[Any]
 
@@ -390,9 +392,7 @@ class SparseTable(_Counted):
         """Copies rows `rows` (row ids from the index) into `out` (default: a new tensor).
         Thread-safe."""
         with self._storage.shared():
-            if out is None:
-                return self.value.index_select(0, rows)
-            return torch.index_select(self.value, 0, rows, out=out)
+            return rows_gather(self.value, rows, out)
 
     def apply(
         self, keys: np.ndarray, values: torch.Tensor, assign: bool,
@@ -409,7 +409,7 @@ class SparseTable(_Counted):
             rows = self._rows(keys)
         with self._storage.shared(), self._update_lock:
             if assign:
-                self.value.index_copy_(0, rows, values)
+                rows_scatter_(self.value, rows, values)
             else:
                 self.optimizer.apply_rows(self.value, rows, values, self.state, self.step,
                                           trusted=True)
@@ -435,9 +435,9 @@ class SparseTable(_Counted):
         with self._storage.shared():
             # New rows are invisible to other requests until the index lock is released,
             # so writing them needs no update lock.
-            self.value.index_copy_(0, new_rows, init)
+            rows_scatter_(self.value, new_rows, init)
             for name, slot in self.state.items():
-                slot.index_copy_(0, new_rows, self.optimizer.init_slot(name, init))
+                rows_scatter_(slot, new_rows, self.optimizer.init_slot(name, init))
             if self.step is not None:
                 self.step.index_fill_(0, new_rows, 0)
 

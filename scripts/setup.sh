@@ -30,13 +30,14 @@ py=.venv/bin/python
 if ! $py -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null; then
   $py -m pip install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
 fi
-# Reinstall the project when its metadata or the C extension source changed.
+# Reinstall the project when its metadata or a C extension source changed.
 stamp=.venv/.pstrain-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
-   || [ ps/_index.c -nt "$stamp" ] || ! $py -c "import ps._index" 2>/dev/null; then
+   || [ ps/_index.c -nt "$stamp" ] || [ ps/_rows.c -nt "$stamp" ] \
+   || ! $py -c "import ps._index, ps._rows" 2>/dev/null; then
   $py -m pip install -q "setuptools>=68" wheel 2>&1 | grep -v "^WARNING: Location" || true
   $py -m pip install -q --no-build-isolation -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
-  $py -c "import ps._index, worker.client, torch; print('setup: pstrain installed, torch', torch.__version__)"
+  $py -c "import ps._index, ps._rows, worker.client, torch; print('setup: pstrain installed, torch', torch.__version__)"
   touch "$stamp"
 fi
 # The ucx transport's optional extra (pstrain[ucx]: ucxx-cu12 with its UCX, about 350 MB), so

@@ -76,7 +76,7 @@ def test_the_build_context_holds_the_sources_and_nothing_built() -> None:
     for copied in re.findall(r"^COPY (?!--from)(.+) \S+$", DOCKERFILE.read_text(), flags=re.M):
         for source in copied.split():
             assert any(f == source or f.startswith(source + "/") for f in sent), source
-    assert "ps/_index.c" in sent and "examples/movielens.py" in sent
+    assert {"ps/_index.c", "ps/_rows.c", "examples/movielens.py"} <= set(sent)
     for built in (".venv/", ".git/", "build/", "__pycache__/", ".mypy_cache/", "tests/"):
         assert not any(f.startswith(built) or f"/{built}" in f for f in sent), built
     assert not any(f.endswith((".so", ".pyc")) for f in sent)
@@ -124,7 +124,8 @@ def test_the_image_installs_every_package_the_examples_import() -> None:
 
 def test_the_build_context_builds_pstrain_with_its_extension(tmp_path: Path) -> None:
     if shutil.which("gcc") is None and shutil.which("cc") is None:
-        pytest.skip("no C compiler here to build ps._index (the image's build stage has gcc)")
+        pytest.skip("no C compiler here to build ps._index and ps._rows (the image's build stage "
+                    "has gcc)")
     context = tmp_path / "context"
     for relative in build_context():
         target = context / relative
@@ -140,7 +141,8 @@ def test_the_build_context_builds_pstrain_with_its_extension(tmp_path: Path) -> 
     built = list(wheels.glob("pstrain-*.whl"))
     assert len(built) == 1, built
     names = zipfile.ZipFile(built[0]).namelist()
-    assert any(re.fullmatch(r"ps/_index\.[\w.-]+\.so", n) for n in names), names
+    for extension in ("_index", "_rows"):
+        assert any(re.fullmatch(rf"ps/{extension}\.[\w.-]+\.so", n) for n in names), names
     for module in ("ps/__main__.py", "worker/context.py", "scheduler/runner.py",
                    "protos/pstrain_pb2.py"):
         assert module in names, module

@@ -1,0 +1,24 @@
+"""Type stub for the C extension ``ps._rows`` (see ps/_rows.c).
+
+Buffers are C-contiguous; ``rows`` holds native int64 row ids. Each call checks every row id
+before writing anything (ValueError), then releases the GIL.
+"""
+
+from typing import TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+from typing_extensions import Buffer
+
+# numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12, so name it explicitly.
+_Buffer: TypeAlias = Buffer | npt.NDArray[np.generic]
+
+def gather(table: _Buffer, row_bytes: int, rows: _Buffer, out: _Buffer, /) -> None:
+    """``out[i] = table[rows[i]]``, rows of ``row_bytes`` bytes."""
+
+def scatter(table: _Buffer, row_bytes: int, rows: _Buffer, src: _Buffer, /) -> None:
+    """``table[rows[i]] = src[i]`` for distinct ``rows``."""
+
+def add(table: _Buffer, dim: int, rows: _Buffer, src: _Buffer, alpha: float, double: bool,
+        /) -> None:
+    """``table[rows[i]] += alpha * src[i]`` over float32 rows (float64 if ``double``)."""

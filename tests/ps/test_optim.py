@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ps.optim
+import ps.rows
 from ps.errors import InvalidArgumentError
 from ps.optim import (
     OPTIMIZERS,
@@ -97,14 +98,19 @@ def test_dense_matches_torch_over_ten_steps(name: str, hp: dict[str, float]) -> 
         torch.testing.assert_close(tensor, ref_opt.state[ref][TORCH_STATE[slot]], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch-ops", "c-loops"])
 @pytest.mark.parametrize("block_elements", [None, 24], ids=["one-block", "3-row-blocks"])
 @pytest.mark.parametrize(("name", "hp"), CASES, ids=CASE_IDS)
 def test_rows_match_torch_stepped_per_row(
-    name: str, hp: dict[str, float], block_elements: int | None, monkeypatch: pytest.MonkeyPatch
+    name: str, hp: dict[str, float], block_elements: int | None, native: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     if block_elements is not None:
         # Small blocks make one push span several, with a ragged last one.
         monkeypatch.setattr(ps.optim, "_ROWS_BLOCK_ELEMENTS", block_elements)
+    # A table this small takes torch's row ops unless ps.rows is told to use its C loops.
+    monkeypatch.setattr(ps.rows, "_MIN_ROWS", 0 if native else 10**9)
+    monkeypatch.setattr(ps.rows, "_MIN_GATHER_ROWS", 0 if native else 10**9)
     gen = torch.Generator().manual_seed(2)
     start = torch.randn(CAPACITY, DIM, generator=gen)
     opt = make_optimizer(name, hp)

@@ -11,6 +11,14 @@ from ps._rows import add, gather, scatter
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 
 
+@pytest.fixture(autouse=True)
+def every_size_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C loops for any row count, so small tables exercise them (one test puts the
+    thresholds back)."""
+    monkeypatch.setattr(rows, "_MIN_ROWS", 0)
+    monkeypatch.setattr(rows, "_MIN_GATHER_ROWS", 0)
+
+
 def _table(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     if dtype.is_floating_point:
@@ -52,7 +60,7 @@ def test_add_matches_scaling_then_index_add(dtype: torch.dtype, alpha: float) ->
 def test_the_c_loops_run_where_they_apply_and_torch_elsewhere(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Strided tensors and other dtypes take torch's ops; the C loops take the rest."""
+    """Strided tensors, other dtypes and few rows take torch's ops; the C loops the rest."""
     calls: list[str] = []
     for name in ("_gather", "_scatter", "_add"):
         real = getattr(rows, name)
@@ -70,6 +78,12 @@ def test_the_c_loops_run_where_they_apply_and_torch_elsewhere(
     rows.scatter_(strided, ids, torch.ones(10, 8))
     rows.add_(table.half(), ids, torch.ones(10, 8).half())
     rows.gather(table, ids.to(torch.int32))
+    assert calls == []
+    monkeypatch.setattr(rows, "_MIN_ROWS", 11)
+    monkeypatch.setattr(rows, "_MIN_GATHER_ROWS", 11)
+    rows.gather(table, ids)
+    rows.scatter_(table, ids, torch.ones(10, 8))
+    rows.add_(table, ids, torch.ones(10, 8), 2.0)
     assert calls == []
 
 

@@ -274,7 +274,7 @@ def tensor_from_bytes(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...
         if dim < 0:
             raise WireError(f"negative dimension in shape {list(shape)}")
         numel *= dim
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if buf.nbytes != numel * itemsize:
         raise WireError(
             f"payload is {buf.nbytes} bytes but shape {list(shape)} of {dtype} needs "

@@ -1,5 +1,6 @@
 /*
- * ps._rows -- row gathers, scatters and adds over a sparse table's [capacity, dim] storage.
+ * ps._rows -- row gathers, scatters and adds over a sparse table's [capacity, dim] storage,
+ * and the NaN/Inf scan of pushed gradients.
  *
  * A push or pull touches tens of thousands of rows scattered over a table far larger than the
  * CPU caches, so every row is a cache miss. torch's CPU index_select / index_copy_ /
@@ -12,6 +13,9 @@
  * ValueError and nothing changed), then releases the GIL for the loop. Buffers come through
  * the buffer protocol, C-contiguous. Rows must not repeat in add() and scatter() (the table's
  * index guarantees it); a repeated row would be written twice, not accumulated.
+ *
+ * first_nonfinite() is the scan every gradient passes before it may apply: one pass over the
+ * raw bits, without the tensor ops (and GIL hand-offs) of a torch check.
  *
  * add() computes table[r] = table[r] + (alpha * src[i]) one rounding at a time, as torch's
  * "scale, then index_add_" does; the build turns off floating-point contraction so the
@@ -204,16 +208,109 @@ static PyObject *add(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+#define FINITE_BLOCK 4096
+/* Scans of this many bytes or more release the GIL; shorter ones (a streamed chunk takes tens
+ * of microseconds) keep it, which costs other threads less than handing it over twice. */
+#define FINITE_GIL_BYTES (4 << 20)
+
+/* The scans are memory-bound with AVX2 and about half as fast with the SSE2 that x86-64
+ * builds assume; where the toolchain can, each is built both ways and the loader picks. */
+#if defined(__x86_64__) && defined(__GLIBC__) && (defined(__GNUC__) || defined(__clang__))
+#define SIMD_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define SIMD_CLONES
+#endif
+
+/* First of `n` elements whose exponent bits (`m`) are all set, i.e. a NaN or an infinity in
+ * IEEE-754 layouts (float16, bfloat16, float32, float64); -1 when there is none. Elements may
+ * be unaligned (they often sit behind a message header), hence the memcpy loads.
+ *
+ * The exponent field ends just below the sign bit, so adding its lowest bit to (v & m) carries
+ * into the sign bit exactly when every exponent bit is set. Blocks of elements are OR-reduced
+ * that way (an and, an add and an or per element: plain SIMD) and only a block whose sign bit
+ * came out set is searched for its first bad element. */
+#define DEFINE_SCAN(name, T)                                                            \
+    SIMD_CLONES static Py_ssize_t name(const char *p, Py_ssize_t n, T m) {              \
+        const T low = (T)(m & (T)(~m + 1)), top = (T)((T)1 << (8 * sizeof(T) - 1));      \
+        for (Py_ssize_t start = 0; start < n; start += FINITE_BLOCK) {                  \
+            const Py_ssize_t end = n - start < FINITE_BLOCK ? n : start + FINITE_BLOCK; \
+            T any = 0;                                                                  \
+            for (Py_ssize_t i = start; i < end; i++) {                                  \
+                T v;                                                                    \
+                memcpy(&v, p + i * (Py_ssize_t)sizeof(T), sizeof(T));                   \
+                any |= (T)((v & m) + low);                                              \
+            }                                                                           \
+            if (!(any & top)) continue;                                                 \
+            for (Py_ssize_t i = start; i < end; i++) {                                  \
+                T v;                                                                    \
+                memcpy(&v, p + i * (Py_ssize_t)sizeof(T), sizeof(T));                   \
+                if ((v & m) == m) return i;                                             \
+            }                                                                           \
+        }                                                                               \
+        return -1;                                                                      \
+    }
+
+DEFINE_SCAN(scan16, uint16_t)
+DEFINE_SCAN(scan32, uint32_t)
+DEFINE_SCAN(scan64, uint64_t)
+
+PyDoc_STRVAR(first_nonfinite_doc,
+"first_nonfinite(buf, width, mask, /) -> int\n\n"
+"Index of the first `width`-byte element of `buf` whose bits under `mask` are all set (the\n"
+"exponent mask of an IEEE-754 format: a NaN or an infinity), or -1.");
+
+static PyObject *first_nonfinite(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *obj;
+    Py_ssize_t width;
+    unsigned long long mask;
+    if (!PyArg_ParseTuple(args, "OnK:first_nonfinite", &obj, &width, &mask)) return NULL;
+    if (width != 2 && width != 4 && width != 8) {
+        PyErr_Format(PyExc_ValueError, "width must be 2, 4 or 8 bytes, got %zd", width);
+        return NULL;
+    }
+    /* An exponent mask: one run of bits that ends just below the sign bit. */
+    const unsigned long long sign = 1ULL << (8 * width - 1);
+    const unsigned long long low = mask & (~mask + 1);
+    if (mask == 0 || mask >= sign || mask + low != sign) {
+        PyErr_Format(PyExc_ValueError, "mask %llu is not an exponent mask of %zd-byte floats",
+                     mask, width);
+        return NULL;
+    }
+    Py_buffer buf;
+    if (PyObject_GetBuffer(obj, &buf, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (buf.len % width) {
+        PyErr_Format(PyExc_ValueError, "buffer of %zd bytes is not a whole number of %zd-byte "
+                     "elements", buf.len, width);
+        PyBuffer_Release(&buf);
+        return NULL;
+    }
+    const char *p = buf.buf;
+    const Py_ssize_t n = buf.len / width;
+    Py_ssize_t found;
+    PyThreadState *saved = buf.len >= FINITE_GIL_BYTES ? PyEval_SaveThread() : NULL;
+    if (width == 2)
+        found = scan16(p, n, (uint16_t)mask);
+    else if (width == 4)
+        found = scan32(p, n, (uint32_t)mask);
+    else
+        found = scan64(p, n, (uint64_t)mask);
+    if (saved) PyEval_RestoreThread(saved);
+    PyBuffer_Release(&buf);
+    return PyLong_FromSsize_t(found);
+}
+
 static PyMethodDef module_methods[] = {
     {"gather", (PyCFunction)gather, METH_VARARGS, gather_doc},
     {"scatter", (PyCFunction)scatter, METH_VARARGS, scatter_doc},
     {"add", (PyCFunction)add, METH_VARARGS, add_doc},
+    {"first_nonfinite", (PyCFunction)first_nonfinite, METH_VARARGS, first_nonfinite_doc},
     {NULL, NULL, 0, NULL},
 };
 
 PyDoc_STRVAR(module_doc,
 "Row gathers, scatters and adds over [capacity, dim] storage by int64 row ids (see ps.rows for\n"
-"the torch wrapper). Each call checks every row id first, then releases the GIL.");
+"the torch wrapper). Each call checks every row id first, then releases the GIL. Also the scan\n"
+"for NaN and infinity that pushes pass before anything applies.");
 
 static struct PyModuleDef rows_module = {
     PyModuleDef_HEAD_INIT,

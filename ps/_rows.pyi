@@ -22,3 +22,6 @@ def scatter(table: _Buffer, row_bytes: int, rows: _Buffer, src: _Buffer, /) -> N
 def add(table: _Buffer, dim: int, rows: _Buffer, src: _Buffer, alpha: float, double: bool,
         /) -> None:
     """``table[rows[i]] += alpha * src[i]`` over float32 rows (float64 if ``double``)."""
+
+def first_nonfinite(buf: _Buffer, width: int, mask: int, /) -> int:
+    """Index of the first ``width``-byte element with every bit of ``mask`` set, or -1."""

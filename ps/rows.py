@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ps._rows import add as _add
+from ps._rows import first_nonfinite as _first_nonfinite
 from ps._rows import gather as _gather
 from ps._rows import scatter as _scatter
 
@@ -79,3 +80,32 @@ def add_(table: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, alpha: floa
         return
     _add(table.numpy(), table.shape[1], rows.numpy(), src.numpy(), alpha,
          table.dtype == torch.float64)
+
+
+# Width in bytes and exponent mask of each IEEE-754 format: all exponent bits set is NaN or Inf.
+_EXPONENT = {
+    torch.float16: (2, 0x7C00),
+    torch.bfloat16: (2, 0x7F80),
+    torch.float32: (4, 0x7F800000),
+    torch.float64: (8, 0x7FF0000000000000),
+}
+
+
+def first_nonfinite(values: torch.Tensor) -> int:
+    """Flat index of the first NaN or infinity in `values`, or -1 when all are finite.
+
+    One pass over the bits for contiguous CPU floating tensors; torch's isfinite otherwise.
+    Integer tensors hold no NaN or infinity.
+    """
+    exponent = _EXPONENT.get(values.dtype)
+    if exponent is None:
+        if values.is_floating_point() or values.is_complex():
+            finite = torch.isfinite(values).reshape(-1)
+            return -1 if bool(finite.all()) else int(torch.argmin(finite.to(torch.uint8)))
+        return -1
+    if values.device.type != "cpu" or not values.is_contiguous() or values.requires_grad:
+        values = values.detach().to("cpu").contiguous()
+    width, mask = exponent
+    return _first_nonfinite(values.view(torch.int16).numpy() if width == 2 else values.numpy(),
+                            width, mask)
+

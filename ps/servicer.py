@@ -174,7 +174,7 @@ def exchange_from_proto(msg: pb.ExchangeRequest, payload: memoryview) -> Exchang
             pushes.append(SparsePush(p.table, meta, dtype, p.dim, keys, values))
             continue
         shape = tuple(p.shape)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         expected = math.prod(shape) * itemsize
         if values.nbytes != expected:
             raise InvalidArgumentError(
@@ -395,7 +395,7 @@ class ParameterServerServicer:
             with self._refused(*([head.bulk] if head.HasField("bulk") else [])):
                 dtype = codec.dtype_from_wire(head.dtype)
                 shape = tuple(head.shape)
-                itemsize = torch.empty((), dtype=dtype).element_size()
+                itemsize = dtype.itemsize
                 expected = math.prod(shape) * itemsize
                 self._check_request_size(expected)
             if head.HasField("bulk"):
@@ -453,7 +453,7 @@ class ParameterServerServicer:
         rows = _guard(pull, context)
         dtype = codec.dtype_to_wire(rows.dtype)
         n, dim = len(rows), rows.dim
-        row_bytes = dim * torch.empty((), dtype=rows.dtype).element_size()
+        row_bytes = dim * rows.dtype.itemsize
         per_chunk = max(1, self.limits.chunk_bytes // row_bytes)
         for start in range(0, max(n, 1), per_chunk):
             count = min(per_chunk, n - start)
@@ -525,7 +525,7 @@ class ParameterServerServicer:
                     f"dense push names {head.bulk.length} bulk bytes but shape {list(shape)} "
                     f"of {codec.dtype_name(head.dtype)} needs {expected}"
                 )
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         with self._bulk().read(head.bulk, BULK_TIMEOUT_S) as view:
             self.bytes.add(received=view.nbytes)
             n = view.nbytes // itemsize
@@ -542,7 +542,7 @@ class ParameterServerServicer:
                 msg.table, msg.worker, msg.clock, keys, msg.wait_ms / 1000, msg.generation
             )
         n, dim = len(rows), rows.dim
-        row_bytes = dim * torch.empty((), dtype=rows.dtype).element_size()
+        row_bytes = dim * rows.dtype.itemsize
         if msg.bulk.length != n * row_bytes:
             raise InvalidArgumentError(
                 f"the pull's bulk region holds {msg.bulk.length} bytes; {n} rows of dim {dim} "

@@ -25,6 +25,7 @@ from ps.index import KeyIndex
 from ps.initializers import InitSpec, init_rows
 from ps.locks import RWLock
 from ps.optim import Optimizer, make_optimizer
+from ps.rows import first_nonfinite as rows_first_nonfinite
 from ps.rows import gather as rows_gather
 from ps.rows import scatter_ as rows_scatter_
 
@@ -93,7 +94,7 @@ class TableSpec:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-ready form, for checkpoints."""
@@ -163,13 +164,8 @@ def check_finite(table: str, values: torch.Tensor, offset: int = 0) -> None:
 
     `offset` is added to element positions in the message (for slices of a larger push).
     """
-    # A NaN or Inf anywhere makes the sum non-finite, and summing allocates nothing; only
-    # then (or when finite values overflow the sum) is the element-wise check run.
-    if values.numel() == 0 or bool(torch.isfinite(values.sum())):
-        return
-    finite = torch.isfinite(values)
-    if not bool(finite.all()):
-        first = int(torch.argmin(finite.reshape(-1).to(torch.uint8)))
+    first = rows_first_nonfinite(values)
+    if first >= 0:
         bad = values.reshape(-1)[first].item()
         raise InvalidArgumentError(
             f"gradient for table {table!r} has a non-finite value ({bad}) at flat element "

@@ -679,7 +679,7 @@ class PSClient:
             mode=mode,
         )
         self._declare(spec)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         placement = tuple(dense_placement(name, tuple(shape), itemsize, self.num_shards))
         with self._lock:
             self._tables[name] = _Table(name, "dense", dtype, tuple(shape), 0, placement)
@@ -795,7 +795,7 @@ class PSClient:
     def _pull_dense_whole(
         self, table: _Table, request: pb.PullDenseRequest, shard: _Shard, name: str
     ) -> torch.Tensor | None:
-        nbytes = math.prod(table.shape) * torch.empty((), dtype=table.dtype).element_size()
+        nbytes = math.prod(table.shape) * table.dtype.itemsize
 
         def bulk(peer: Peer) -> torch.Tensor | None:
             region = bulk_io.pull_dense(peer, shard.methods["PullDense"], request, nbytes,
@@ -939,7 +939,7 @@ class PSClient:
     ) -> torch.Tensor | None:
         """One server: its rows are written where the returned tensor lives (no copy)."""
         shard = self._shards[0]
-        row_bytes = table.dim * torch.empty((), dtype=table.dtype).element_size()
+        row_bytes = table.dim * table.dtype.itemsize
 
         def whole() -> torch.Tensor | None:
             peer = shard.bulk

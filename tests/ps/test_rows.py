@@ -1,4 +1,5 @@
-"""ps.rows agrees with torch's index_select / index_copy_ / index_add_, bit for bit."""
+"""ps.rows agrees with torch's index_select / index_copy_ / index_add_, bit for bit, and its
+NaN/Inf scan with torch.isfinite."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from ps import rows
-from ps._rows import add, gather, scatter
+from ps._rows import add, first_nonfinite, gather, scatter
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 
@@ -121,3 +122,58 @@ def test_no_rows_is_a_no_op() -> None:
     rows.scatter_(table, none, torch.empty(0, 4))
     rows.add_(table, none, torch.empty(0, 4), 2.0)
     assert torch.equal(table, before)
+
+
+FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def _torch_first_bad(values: torch.Tensor) -> int:
+    bad = torch.nonzero(~torch.isfinite(values.reshape(-1)))
+    return int(bad[0]) if len(bad) else -1
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_the_scan_finds_the_first_non_finite_element_as_torch_does(dtype: torch.dtype) -> None:
+    n = 3 * 4096 + 17  # several of the scan's blocks and a ragged end
+    clean = _table(dtype, (n,))
+    clean[::5] = torch.finfo(dtype).max  # the largest finite values are not flagged
+    clean[1::7] = torch.finfo(dtype).tiny / 2  # nor subnormals
+    clean[2::11] = -0.0
+    assert rows.first_nonfinite(clean) == -1 == _torch_first_bad(clean)
+    for where in (0, 1, 4095, 4096, 8191, n - 1):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            values = clean.clone()
+            values[where] = bad
+            values[min(n - 1, where + 3000)] = float("nan")  # a later one does not count
+            assert rows.first_nonfinite(values) == where == _torch_first_bad(values)
+
+
+@pytest.mark.parametrize("offset", [1, 2, 3, 5])
+def test_the_scan_reads_elements_behind_a_header_unaligned(offset: int) -> None:
+    values = torch.ones(1000)
+    values[777] = float("inf")
+    raw = bytearray(offset) + bytearray(values.numpy().tobytes())
+    assert first_nonfinite(memoryview(raw)[offset:], 4, 0x7F800000) == 777
+
+
+def test_the_scan_takes_strided_integer_and_large_tensors() -> None:
+    strided = torch.ones(50, 40).t()  # not contiguous: copied first
+    strided[3, 7] = float("nan")
+    assert rows.first_nonfinite(strided) == _torch_first_bad(strided) == 3 * 50 + 7
+    assert rows.first_nonfinite(torch.arange(10)) == -1  # integers are always finite
+    big = torch.zeros(5 << 20 >> 2)  # past the size where the scan lets go of the GIL
+    big[-1] = float("-inf")
+    assert rows.first_nonfinite(big) == big.numel() - 1
+    assert rows.first_nonfinite(torch.empty(0)) == -1
+
+
+def test_the_scan_refuses_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="width must be 2, 4 or 8 bytes, got 3"):
+        first_nonfinite(bytes(12), 3, 0x7F)
+    with pytest.raises(ValueError, match="is not an exponent mask of 4-byte floats"):
+        first_nonfinite(bytes(8), 4, 0xFF800000)  # takes in the sign bit
+    with pytest.raises(ValueError, match="is not an exponent mask of 2-byte floats"):
+        first_nonfinite(bytes(8), 2, 0x7C01)  # not one run of bits
+    with pytest.raises(ValueError, match="10 bytes is not a whole number of 4-byte elements"):
+        first_nonfinite(bytes(10), 4, 0x7F800000)
+

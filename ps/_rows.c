@@ -108,28 +108,39 @@ fail:
     return -1;
 }
 
+/* gather() and scatter(): whole rows copied out of the table (into `other`) or into it (from
+ * `other`), prefetching the table's rows ahead. */
+static PyObject *copy_rows(PyObject *args, const char *format, int into_table) {
+    PyObject *table, *rows, *other;
+    Py_ssize_t row_bytes;
+    if (!PyArg_ParseTuple(args, format, &table, &row_bytes, &rows, &other)) return NULL;
+    Call c;
+    if (prepare(&c, table, into_table, row_bytes, rows, other, !into_table,
+                into_table ? "src" : "out") < 0)
+        return NULL;
+    const int64_t *r = c.rows.buf;
+    char *t = c.table.buf, *o = c.other.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < c.n; i++) {
+        if (i + PREFETCH_DISTANCE < c.n)
+            prefetch_row(t + r[i + PREFETCH_DISTANCE] * row_bytes, row_bytes, into_table);
+        char *table_row = t + r[i] * row_bytes, *other_row = o + i * row_bytes;
+        if (into_table)
+            memcpy(table_row, other_row, (size_t)row_bytes);
+        else
+            memcpy(other_row, table_row, (size_t)row_bytes);
+    }
+    Py_END_ALLOW_THREADS
+    release(&c);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(gather_doc,
 "gather(table, row_bytes, rows, out)\n\n"
 "out[i] = table[rows[i]] for each int64 row id, rows of row_bytes bytes. Releases the GIL.");
 
 static PyObject *gather(PyObject *Py_UNUSED(module), PyObject *args) {
-    PyObject *table, *rows, *out;
-    Py_ssize_t row_bytes;
-    if (!PyArg_ParseTuple(args, "OnOO:gather", &table, &row_bytes, &rows, &out)) return NULL;
-    Call c;
-    if (prepare(&c, table, 0, row_bytes, rows, out, 1, "out") < 0) return NULL;
-    const int64_t *r = c.rows.buf;
-    const char *t = c.table.buf;
-    char *o = c.other.buf;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < c.n; i++) {
-        if (i + PREFETCH_DISTANCE < c.n)
-            prefetch_row(t + r[i + PREFETCH_DISTANCE] * row_bytes, row_bytes, 0);
-        memcpy(o + i * row_bytes, t + r[i] * row_bytes, (size_t)row_bytes);
-    }
-    Py_END_ALLOW_THREADS
-    release(&c);
-    Py_RETURN_NONE;
+    return copy_rows(args, "OnOO:gather", 0);
 }
 
 PyDoc_STRVAR(scatter_doc,
@@ -138,23 +149,7 @@ PyDoc_STRVAR(scatter_doc,
 "the GIL.");
 
 static PyObject *scatter(PyObject *Py_UNUSED(module), PyObject *args) {
-    PyObject *table, *rows, *src;
-    Py_ssize_t row_bytes;
-    if (!PyArg_ParseTuple(args, "OnOO:scatter", &table, &row_bytes, &rows, &src)) return NULL;
-    Call c;
-    if (prepare(&c, table, 1, row_bytes, rows, src, 0, "src") < 0) return NULL;
-    const int64_t *r = c.rows.buf;
-    char *t = c.table.buf;
-    const char *s = c.other.buf;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < c.n; i++) {
-        if (i + PREFETCH_DISTANCE < c.n)
-            prefetch_row(t + r[i + PREFETCH_DISTANCE] * row_bytes, row_bytes, 1);
-        memcpy(t + r[i] * row_bytes, s + i * row_bytes, (size_t)row_bytes);
-    }
-    Py_END_ALLOW_THREADS
-    release(&c);
-    Py_RETURN_NONE;
+    return copy_rows(args, "OnOO:scatter", 1);
 }
 
 #define ADD_LOOP(T)                                                                            \

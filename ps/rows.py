@@ -106,6 +106,5 @@ def first_nonfinite(values: torch.Tensor) -> int:
     if values.device.type != "cpu" or not values.is_contiguous() or values.requires_grad:
         values = values.detach().to("cpu").contiguous()
     width, mask = exponent
-    return _first_nonfinite(values.view(torch.int16).numpy() if width == 2 else values.numpy(),
-                            width, mask)
+    return _first_nonfinite(_buffer(values), width, mask)
 

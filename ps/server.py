@@ -16,13 +16,14 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from protos import rpc
 from protos.runtime import tune_malloc
 from protos.transport import TransportError, parse_choice
 from ps.bulk import BulkEndpoint
 from ps.clocks import Quorum
 from ps.errors import InvalidArgumentError
 from ps.metrics import ServerMetrics
-from ps.servicer import SERVICE, ParameterServerServicer, WireLimits
+from ps.servicer import ParameterServerServicer, WireLimits
 from ps.shard import Shard, ShardConfig
 
 log = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ class ParameterServer:
             self.metrics.serve(self.config.metrics_port)
             log.info("shard %d: metrics on :%d/metrics", self.config.shard,
                      self.config.metrics_port)
-        for service in ("", SERVICE):
+        for service in ("", rpc.SERVICE):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "shard %d/%d serving on %s (incarnation %d, mode %s)", self.config.shard,

@@ -21,7 +21,7 @@ import grpc
 import torch
 from prometheus_client import Histogram
 
-from protos import codec, marks
+from protos import codec, marks, rpc
 from protos import pstrain_pb2 as pb
 from protos.codec import Frame, WireError
 from protos.transport import TransportError
@@ -53,8 +53,6 @@ from ps.shard import (
 from ps.tables import OptimizerConfig, SparseRows, TableSpec, TableStats
 
 log = logging.getLogger(__name__)
-
-SERVICE = "pstrain.v1.ParameterServer"
 
 _STATUS: dict[type[PSError], grpc.StatusCode] = {
     InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
@@ -684,34 +682,13 @@ class ParameterServerServicer:
     # ---- registration ----------------------------------------------------------------------
 
     def handler(self) -> grpc.GenericRpcHandler:
-        """The generic handler serving every method with the zero-copy codec."""
-
-        def de(cls: type[Any]) -> Callable[[bytes], Frame[Any]]:
-            return lambda data: codec.decode(cls, data)
-
-        unary = grpc.unary_unary_rpc_method_handler
-        streamed_out = grpc.unary_stream_rpc_method_handler
-        streamed_in = grpc.stream_unary_rpc_method_handler
-        table: list[tuple[str, Callable[..., grpc.RpcMethodHandler], type[Any]]] = [
-            ("GetServerInfo", unary, pb.ServerInfoRequest),
-            ("DeclareTables", unary, pb.DeclareTablesRequest),
-            ("GetStats", unary, pb.StatsRequest),
-            ("PullDense", streamed_out, pb.PullDenseRequest),
-            ("PushDense", streamed_in, pb.PushDenseChunk),
-            ("PullSparse", streamed_out, pb.PullSparseRequest),
-            ("PushSparse", streamed_in, pb.PushSparseChunk),
-            ("Tick", unary, pb.TickRequest),
-            ("SetMembership", unary, pb.MembershipRequest),
-            ("Join", unary, pb.JoinRequest),
-            ("Restore", unary, pb.RestoreRequest),
-            ("Handshake", unary, pb.HandshakeRequest),
-            ("Exchange", unary, pb.ExchangeRequest),
-        ]
+        """The generic handler serving every method of the contract (protos/rpc.py) with the
+        zero-copy codec."""
         methods = {
-            name: factory(self._timed(name, getattr(self, name)), request_deserializer=de(cls))
-            for name, factory, cls in table
+            method.name: method.handler(self._timed(method.name, getattr(self, method.name)))
+            for method in rpc.METHODS
         }
-        return grpc.method_handlers_generic_handler(SERVICE, methods)
+        return grpc.method_handlers_generic_handler(rpc.SERVICE, methods)
 
 
 def _join(parts: list[memoryview]) -> memoryview:

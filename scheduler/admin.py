@@ -7,9 +7,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import pstrain_pb2 as pb
+from protos import rpc
+from protos.rpc import Stubs
 from scheduler.errors import ConfigError
-
-_SERVICE = "/pstrain.v1.ParameterServer/"
 
 
 class ServerAdmin:
@@ -17,44 +17,31 @@ class ServerAdmin:
 
     def __init__(self, timeout_s: float = 5.0) -> None:
         self.timeout_s = timeout_s
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels: dict[str, tuple[grpc.Channel, Stubs]] = {}
 
-    def _channel(self, address: str) -> grpc.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
+    def _stubs(self, address: str) -> Stubs:
+        found = self._channels.get(address)
+        if found is None:
             channel = grpc.insecure_channel(address)
-            self._channels[address] = channel
-        return channel
+            found = self._channels[address] = (channel, Stubs(channel))
+        return found[1]
 
     def set_membership(self, address: str, live: list[int]) -> pb.MembershipResponse:
-        call = self._channel(address).unary_unary(
-            _SERVICE + "SetMembership",
-            request_serializer=pb.MembershipRequest.SerializeToString,
-            response_deserializer=pb.MembershipResponse.FromString,
-        )
-        response: pb.MembershipResponse = call(
-            pb.MembershipRequest(live_workers=live), timeout=self.timeout_s
-        )
-        return response
+        request = pb.MembershipRequest(live_workers=live).SerializeToString()
+        return self._stubs(address).unary(rpc.SET_MEMBERSHIP, request, self.timeout_s).msg
 
     def restore(
         self, address: str, checkpoint_id: str, path: str, sha256: str, generation: int
     ) -> int:
         """Has the server at `address` load its file of a checkpoint; returns its clock."""
-        call = self._channel(address).unary_unary(
-            _SERVICE + "Restore",
-            request_serializer=pb.RestoreRequest.SerializeToString,
-            response_deserializer=pb.RestoreResponse.FromString,
-        )
-        response: pb.RestoreResponse = call(
-            pb.RestoreRequest(checkpoint_id=checkpoint_id, path=path, sha256=sha256,
-                              generation=generation),
-            timeout=max(self.timeout_s, 300.0),  # a large shard takes a while to read
-        )
-        return int(response.clock)
+        request = pb.RestoreRequest(checkpoint_id=checkpoint_id, path=path, sha256=sha256,
+                                    generation=generation).SerializeToString()
+        # A large shard takes a while to read.
+        answer = self._stubs(address).unary(rpc.RESTORE, request, max(self.timeout_s, 300.0))
+        return int(answer.msg.clock)
 
     def close(self) -> None:
-        for channel in self._channels.values():
+        for channel, _ in self._channels.values():
             channel.close()
         self._channels.clear()
 

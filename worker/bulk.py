@@ -10,10 +10,9 @@ peer and sends the same request (the same push id) inline over gRPC.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -22,10 +21,11 @@ import numpy as np
 import torch
 from google.protobuf.message import Message
 
-from protos import codec, marks
+from protos import codec, marks, rpc
 from protos import pstrain_pb2 as pb
 from protos.codec import Frame
 from protos.marks import marks_of
+from protos.rpc import Rpc, Stubs
 from protos.transport import (
     PREFERENCE,
     ChannelBrokenError,
@@ -44,20 +44,31 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-LANE_ENV_VAR = "PSTRAIN_SHM_LANE"
-
-
-def lane_wanted() -> bool:
-    """Whether to send bulk exchanges over a server's exchange lane (PSTRAIN_SHM_LANE: 1,
-    the default, or 0). TransportChoiceError names any other value."""
-    value = os.environ.get(LANE_ENV_VAR, "1").strip()
-    if value not in ("0", "1"):
-        raise TransportChoiceError(f"{LANE_ENV_VAR} must be 0 or 1, got {value!r}")
-    return value == "1"
-
-
 class TransportChoiceError(PSClientError):
     """A forced transport cannot be used (here, or with a server); the message says why."""
+
+
+ENV_TRANSPORT = "PSTRAIN_TRANSPORT"
+ENV_LANES = "PSTRAIN_SHM_LANE"
+
+
+@dataclass(frozen=True)
+class TransportSettings:
+    """A worker's bulk-transport settings: which transports (`PSClient(transport=...)`) and
+    whether exchanges take a server's request lane (`PSClient(lanes=...)`)."""
+
+    transport: str = "auto"
+    lanes: bool = True
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> TransportSettings:
+        """From PSTRAIN_TRANSPORT (default auto) and PSTRAIN_SHM_LANE (1, the default, or 0);
+        for entry points (`worker.init()`, `training.connect()`) only. TransportChoiceError
+        names a bad value."""
+        lanes = env.get(ENV_LANES, "1").strip()
+        if lanes not in ("0", "1"):
+            raise TransportChoiceError(f"{ENV_LANES} must be 0 or 1, got {lanes!r}")
+        return cls(env.get(ENV_TRANSPORT, "auto").strip() or "auto", lanes == "1")
 
 
 @dataclass
@@ -75,11 +86,11 @@ class Peer:
 class BulkClient:
     """Every bulk transport of one worker process. Thread-safe."""
 
-    def __init__(self, choice: Choice, worker: int, incarnation: int) -> None:
+    def __init__(self, choice: Choice, worker: int, incarnation: int, lanes: bool) -> None:
         self.choice = choice
         self.worker = worker
         self.incarnation = incarnation
-        self.lanes = lane_wanted()
+        self.lanes = lanes  # send exchanges over a server's request lane where it has one
         self._channels: dict[str, ClientChannel] = {}
         self._offers: list[pb.TransportOffer] = []
         for name in PREFERENCE:
@@ -104,8 +115,7 @@ class BulkClient:
         # Guards the Peer objects' fields when a transport breaks.
         self._lock = threading.Lock()
 
-    def meet(self, index: int, address: str, handshake: Callable[..., Any],
-             timeout_s: float) -> Peer:
+    def meet(self, index: int, address: str, stubs: Stubs, timeout_s: float) -> Peer:
         """Agrees on a transport with one server. Blocks up to `timeout_s`.
 
         TransportChoiceError when a transport forced on either side cannot be used.
@@ -116,8 +126,7 @@ class BulkClient:
             forced=self.choice.forced, token=shm.token() if shm is not None else "",
         )
         try:
-            frame: Frame[pb.HandshakeResponse] = handshake(request.SerializeToString(),
-                                                           timeout=timeout_s)
+            frame = stubs.unary(rpc.HANDSHAKE, request.SerializeToString(), timeout_s)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED and self.choice.forced in ("", "grpc"):
                 return Peer(note="the server predates bulk transports")
@@ -150,7 +159,7 @@ class BulkClient:
                 ) from exc
             log.warning("worker %d: shard %d (%s): %s connection failed (%s); using grpc",
                         self.worker, index, address, name, exc)
-            self.end(Peer(name, answer.session, channel), handshake)
+            self.end(Peer(name, answer.session, channel), stubs)
             return Peer(note=f"{name}: {exc}")
         over = channel.describe(answer.session)
         lane = self._open_lane(index, address, answer, timeout_s) if name == "shm" else None
@@ -191,7 +200,7 @@ class BulkClient:
         log.warning("worker %d: transport %s to shard %d failed (%s); retrying the request and "
                     "sending everything after it over grpc", self.worker, was, index, reason)
 
-    def end(self, peer: Peer, handshake: Callable[..., Any]) -> None:
+    def end(self, peer: Peer, stubs: Stubs) -> None:
         """Tells the server the session is over (best effort, short timeout) and frees what
         this side held for it."""
         if peer.lane is not None:
@@ -202,7 +211,7 @@ class BulkClient:
             channel.end(peer.session)
         request = pb.HandshakeRequest(worker=self.worker, end_session=peer.session)
         try:
-            handshake(request.SerializeToString(), timeout=2.0)
+            stubs.unary(rpc.HANDSHAKE, request.SerializeToString(), 2.0)
         except grpc.RpcError as exc:
             log.debug("worker %d: ending bulk session failed: %s", self.worker, exc)
 
@@ -253,9 +262,10 @@ def _named(region: Region, build: Callable[[], T]) -> T:
         raise
 
 
-def _answered_in_bulk(method: Callable[..., Any], request: Message, timeout_s: float) -> None:
+def _answered_in_bulk(stubs: Stubs, method: Rpc[Any, Any], request: Message,
+                      timeout_s: float) -> None:
     """Sends a pull whose answer the server writes into the region (one streamed frame)."""
-    frames = list(method(request.SerializeToString(), timeout=timeout_s))
+    frames = list(stubs.stream_out(method, request.SerializeToString(), timeout_s))
     if len(frames) != 1 or not frames[0].msg.in_bulk:
         raise ChannelBrokenError("the server answered a bulk pull inline")
 
@@ -269,7 +279,7 @@ def region_tensor(region: Region, offset: int, nbytes: int, dtype: torch.dtype,
     return torch.from_numpy(array).view(dtype).view(shape)
 
 
-def pull_dense(peer: Peer, method: Callable[..., Any], msg: pb.PullDenseRequest, nbytes: int,
+def pull_dense(peer: Peer, stubs: Stubs, msg: pb.PullDenseRequest, nbytes: int,
                timeout_s: float) -> Region | None:
     """Pulls a dense block into a region (the caller releases it), or None: go inline."""
     region = _lease(peer, nbytes)
@@ -283,11 +293,12 @@ def pull_dense(peer: Peer, method: Callable[..., Any], msg: pb.PullDenseRequest,
         return request
 
     request = _named(region, build)
-    _run(region, lambda: _answered_in_bulk(method, request, timeout_s), timeout_s)
+    _run(region, lambda: _answered_in_bulk(stubs, rpc.PULL_DENSE, request, timeout_s),
+         timeout_s)
     return region
 
 
-def push_dense(peer: Peer, method: Callable[..., Any], header: pb.PushDenseHeader,
+def push_dense(peer: Peer, stubs: Stubs, header: pb.PushDenseHeader,
                data: memoryview, timeout_s: float) -> Frame[pb.PushResponse] | None:
     """Pushes a dense block through a region, or None: go inline."""
     region = _lease(peer, data.nbytes)
@@ -303,13 +314,15 @@ def push_dense(peer: Peer, method: Callable[..., Any], header: pb.PushDenseHeade
 
     msg = _named(region, build)
     frame: Frame[pb.PushResponse] = _run(
-        region, lambda: method(iter([msg.SerializeToString()]), timeout=timeout_s), timeout_s
+        region,
+        lambda: stubs.stream_in(rpc.PUSH_DENSE, iter([msg.SerializeToString()]), timeout_s),
+        timeout_s,
     )
     region.release()
     return frame
 
 
-def pull_sparse(peer: Peer, method: Callable[..., Any], msg: pb.PullSparseRequest,
+def pull_sparse(peer: Peer, stubs: Stubs, msg: pb.PullSparseRequest,
                 keys: np.ndarray, row_bytes: int, timeout_s: float) -> Region | None:
     """Pulls rows of `keys` into a region, rows from byte `keys.nbytes` on (the caller
     releases it), or None: go inline."""
@@ -328,11 +341,12 @@ def pull_sparse(peer: Peer, method: Callable[..., Any], msg: pb.PullSparseReques
         return request
 
     request = _named(region, build)
-    _run(region, lambda: _answered_in_bulk(method, request, timeout_s), timeout_s)
+    _run(region, lambda: _answered_in_bulk(stubs, rpc.PULL_SPARSE, request, timeout_s),
+         timeout_s)
     return region
 
 
-def push_sparse(peer: Peer, method: Callable[..., Any], header: pb.PushSparseHeader,
+def push_sparse(peer: Peer, stubs: Stubs, header: pb.PushSparseHeader,
                 keys: np.ndarray, values: memoryview, timeout_s: float
                 ) -> Frame[pb.PushResponse] | None:
     """Pushes keys and gradient rows through a region, or None: go inline."""
@@ -354,13 +368,15 @@ def push_sparse(peer: Peer, method: Callable[..., Any], header: pb.PushSparseHea
 
     msg = _named(region, build)
     frame: Frame[pb.PushResponse] = _run(
-        region, lambda: method(iter([msg.SerializeToString()]), timeout=timeout_s), timeout_s
+        region,
+        lambda: stubs.stream_in(rpc.PUSH_SPARSE, iter([msg.SerializeToString()]), timeout_s),
+        timeout_s,
     )
     region.release()
     return frame
 
 
-def exchange(peer: Peer, method: Callable[..., Any], msg: pb.ExchangeRequest,
+def exchange(peer: Peer, stubs: Stubs, msg: pb.ExchangeRequest,
              payload: codec.Payload, answer_bytes: int, timeout_s: float
              ) -> tuple[Frame[pb.ExchangeResponse], Region] | None:
     """Sends an exchange whose payload goes through a region and whose answer's payload
@@ -389,7 +405,7 @@ def exchange(peer: Peer, method: Callable[..., Any], msg: pb.ExchangeRequest,
         data = request.SerializeToString()
         frame: Frame[pb.ExchangeResponse]
         if lane is None:
-            frame = method(data, timeout=timeout_s)
+            frame = stubs.unary(rpc.EXCHANGE, data, timeout_s)
         else:
             try:
                 frame = codec.decode(pb.ExchangeResponse, lane.call(data, timeout_s))

@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
 import random
 import threading
 import time
@@ -32,13 +31,14 @@ import grpc
 import numpy as np
 import torch
 
-from protos import codec, marks
+from protos import codec, marks, rpc
 from protos import pstrain_pb2 as pb
 from protos.codec import Frame
 from protos.marks import marks_of
 from protos.partition import RowRange, dense_placement, shard_of_keys
+from protos.rpc import Resp, Rpc, Stubs
 from protos.runtime import tune_malloc
-from protos.transport import ENV_VAR, ChannelBrokenError, TransportError, parse_choice
+from protos.transport import ChannelBrokenError, TransportError, parse_choice
 from worker import bulk as bulk_io
 from worker.bulk import BulkClient, Peer
 from worker.errors import (
@@ -53,7 +53,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_SERVICE = "/pstrain.v1.ParameterServer/"
 MiB = 1024 * 1024
 # Status codes after which a call is tried again: the request may not have been applied.
 _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
@@ -92,7 +91,7 @@ class _Shard:
     index: int
     address: str
     channel: grpc.Channel
-    methods: dict[str, Any]
+    stubs: Stubs
     chunk_bytes: int
     incarnation: int = 0
     bulk: Peer = field(default_factory=Peer)  # the transport agreed with this server
@@ -289,7 +288,8 @@ class PSClient:
         max_message_bytes: int = 64 * MiB,
         resolve: Callable[[int], str | None] | None = None,
         observe: Callable[[str, float], None] | None = None,
-        transport: str | None = None,
+        transport: str = "auto",
+        lanes: bool = True,
     ) -> None:
         if not addresses:
             raise PSClientError("PSClient needs at least one server address")
@@ -328,12 +328,13 @@ class PSClient:
             ("grpc.max_send_message_length", max_message_bytes),
         ]
         self._options = options
-        # Bulk transports: `transport` (default: $PSTRAIN_TRANSPORT, else auto) picks them.
+        # Bulk transports: `transport` picks them ("auto": every one that works with a server);
+        # `lanes`: send exchanges over a server's request lane where it offers one.
         try:
-            choice = parse_choice(os.environ.get(ENV_VAR) if transport is None else transport)
+            choice = parse_choice(transport)
         except TransportError as exc:
             raise PSClientError(f"transport: {exc}") from exc
-        self._bulk = BulkClient(choice, worker, self.incarnation)
+        self._bulk = BulkClient(choice, worker, self.incarnation, lanes)
         self._shards: list[_Shard] = []
         try:
             for i, address in enumerate(addresses):
@@ -355,38 +356,15 @@ class PSClient:
         timeout_s: float,
     ) -> _Shard:
         channel = grpc.insecure_channel(address, options=options)
-        de = codec.decode
-
-        def method(name: str, kind: str, response: type[Any]) -> Any:
-            factory = getattr(channel, kind)
-            return factory(
-                _SERVICE + name, request_serializer=None,
-                response_deserializer=lambda data: de(response, data),
-            )
-
-        methods = {
-            "GetServerInfo": method("GetServerInfo", "unary_unary", pb.ServerInfo),
-            "DeclareTables": method("DeclareTables", "unary_unary", pb.DeclareTablesResponse),
-            "GetStats": method("GetStats", "unary_unary", pb.StatsResponse),
-            "PullDense": method("PullDense", "unary_stream", pb.DenseChunk),
-            "PushDense": method("PushDense", "stream_unary", pb.PushResponse),
-            "PullSparse": method("PullSparse", "unary_stream", pb.SparseChunk),
-            "PushSparse": method("PushSparse", "stream_unary", pb.PushResponse),
-            "Tick": method("Tick", "unary_unary", pb.TickResponse),
-            "Join": method("Join", "unary_unary", pb.JoinResponse),
-            "SetMembership": method("SetMembership", "unary_unary", pb.MembershipResponse),
-            "Handshake": method("Handshake", "unary_unary", pb.HandshakeResponse),
-            "Exchange": method("Exchange", "unary_unary", pb.ExchangeResponse),
-        }
+        stubs = Stubs(channel)
         deadline = time.monotonic() + timeout_s
         while True:
             # Short tries: between them a resolver may point at a restarted server.
             attempt_s = max(0.1, min(2.0, deadline - time.monotonic()))
             try:
-                info: Frame[pb.ServerInfo] = methods["GetServerInfo"](
-                    pb.ServerInfoRequest().SerializeToString(), timeout=attempt_s,
-                    wait_for_ready=True,
-                )
+                info = stubs.unary(rpc.GET_SERVER_INFO,
+                                   pb.ServerInfoRequest().SerializeToString(), attempt_s,
+                                   wait_for_ready=True)
                 break
             except grpc.RpcError as exc:
                 if time.monotonic() + 0.1 >= deadline:
@@ -407,11 +385,11 @@ class PSClient:
                 f"client lists it as shard {index} of {expected}; list every server, in shard order"
             )
         try:
-            peer = self._bulk.meet(index, address, methods["Handshake"], timeout_s)
+            peer = self._bulk.meet(index, address, stubs, timeout_s)
         except BaseException:
             channel.close()
             raise
-        return _Shard(index, address, channel, methods, int(info.msg.chunk_bytes) or 2 * MiB,
+        return _Shard(index, address, channel, stubs, int(info.msg.chunk_bytes) or 2 * MiB,
                       int(info.msg.incarnation), peer)
 
     @property
@@ -426,7 +404,7 @@ class PSClient:
     def _disconnect(self) -> None:
         """Ends every shard's bulk session and closes its channel, then the transports."""
         for shard in self._shards:
-            self._bulk.end(shard.bulk, shard.methods["Handshake"])
+            self._bulk.end(shard.bulk, shard.stubs)
             shard.channel.close()
         self._bulk.close()
 
@@ -502,7 +480,7 @@ class PSClient:
             old = shard.channel
             shard.bulk = fresh.bulk
             shard.address, shard.channel = fresh.address, fresh.channel
-            shard.methods, shard.chunk_bytes = fresh.methods, fresh.chunk_bytes
+            shard.stubs, shard.chunk_bytes = fresh.stubs, fresh.chunk_bytes
             shard.incarnation = fresh.incarnation
             old.close()
             log.warning("worker %d: shard %d moved to %s (incarnation %d)", self.worker,
@@ -514,7 +492,7 @@ class PSClient:
             specs = list(self._specs.values())
         request = pb.DeclareTablesRequest(tables=specs).SerializeToString()
         try:
-            shard.methods["DeclareTables"](request, timeout=self.timeout_s)
+            shard.stubs.unary(rpc.DECLARE_TABLES, request, self.timeout_s)
         except grpc.RpcError:
             return False
         log.warning("worker %d: declared %d tables again on shard %d", self.worker, len(specs),
@@ -594,7 +572,7 @@ class PSClient:
             generation=self.generation,
         ).SerializeToString()
         frames = self._each(
-            [(s, partial(self._unary, s, "Tick", request)) for s in self._shards],
+            [(s, partial(self._unary, s, rpc.TICK, request)) for s in self._shards],
             f"end iteration {clock}",
         )
         open_clocks = [f.msg.open_clock for f in frames] if follow_open_clock else []
@@ -624,7 +602,7 @@ class PSClient:
                 tick = pb.TickRequest(worker=self.worker, incarnation=self.incarnation,
                                       clock=behind, generation=self.generation)
                 self._call(shard, "catch up",
-                           partial(self._unary, shard, "Tick", tick.SerializeToString()))
+                           partial(self._unary, shard, rpc.TICK, tick.SerializeToString()))
         self.clock = clock
         return clock
 
@@ -637,7 +615,7 @@ class PSClient:
         data = pb.JoinRequest(worker=self.worker, incarnation=self.incarnation,
                               generation=self.generation).SerializeToString()
         return self._each(
-            [(s, partial(self._unary, s, "Join", data)) for s in self._shards], "join"
+            [(s, partial(self._unary, s, rpc.JOIN, data)) for s in self._shards], "join"
         )
 
     def set_membership(self, live_workers: Sequence[int]) -> dict[int, int]:
@@ -648,7 +626,7 @@ class PSClient:
         """
         request = pb.MembershipRequest(live_workers=list(live_workers)).SerializeToString()
         frames = self._each(
-            [(s, partial(self._unary, s, "SetMembership", request)) for s in self._shards],
+            [(s, partial(self._unary, s, rpc.SET_MEMBERSHIP, request)) for s in self._shards],
             "set membership",
         )
         return {c.worker: c.clock for c in frames[0].msg.clocks}
@@ -708,13 +686,12 @@ class PSClient:
         with self._reconnect_lock:
             self._specs[spec.name] = spec
         self._each(
-            [(s, partial(self._unary, s, "DeclareTables", request)) for s in self._shards],
+            [(s, partial(self._unary, s, rpc.DECLARE_TABLES, request)) for s in self._shards],
             f"declare {spec.name!r}",
         )
 
-    def _unary(self, shard: _Shard, method: str, request: bytes) -> Frame[Any]:
-        frame: Frame[Any] = shard.methods[method](request, timeout=self.timeout_s)
-        return frame
+    def _unary(self, shard: _Shard, method: Rpc[Any, Resp], request: bytes) -> Frame[Resp]:
+        return shard.stubs.unary(method, request, self.timeout_s)
 
     @staticmethod
     def _wire_dtype(dtype: torch.dtype) -> pb.DType:
@@ -761,14 +738,14 @@ class PSClient:
                 return whole
 
         def inline(shard: _Shard, base: int) -> None:
-            for frame in shard.methods["PullDense"](data, timeout=self.timeout_s):
+            for frame in shard.stubs.stream_out(rpc.PULL_DENSE, data, self.timeout_s):
                 chunk = frame.payload("data")
                 n = chunk.nbytes // out.element_size()
                 start = base + frame.msg.offset
                 flat[start : start + n].copy_(codec.tensor_from_bytes(chunk, table.dtype, (n,)))
 
         def bulk(shard: _Shard, base: int, n: int, peer: Peer) -> bool | None:
-            region = bulk_io.pull_dense(peer, shard.methods["PullDense"], request, n * itemsize,
+            region = bulk_io.pull_dense(peer, shard.stubs, request, n * itemsize,
                                         self.timeout_s)
             if region is None:
                 return None
@@ -798,7 +775,7 @@ class PSClient:
         nbytes = math.prod(table.shape) * table.dtype.itemsize
 
         def bulk(peer: Peer) -> torch.Tensor | None:
-            region = bulk_io.pull_dense(peer, shard.methods["PullDense"], request, nbytes,
+            region = bulk_io.pull_dense(peer, shard.stubs, request, nbytes,
                                         self.timeout_s)
             if region is None:
                 return None
@@ -843,7 +820,7 @@ class PSClient:
             payload = codec.tensor_bytes(block)
             frames = partial(self._dense_frames, header, payload, itemsize, shard.chunk_bytes)
             bulk = partial(self._push_dense_bulk, shard, header, payload)
-            inline = partial(self._send, shard, "PushDense", frames)
+            inline = partial(self._send, shard, rpc.PUSH_DENSE, frames)
             jobs.append((shard, partial(self._bulk_or_inline, shard, bulk, inline)))
         self._each(jobs, f"push {name!r}")
 
@@ -870,7 +847,7 @@ class PSClient:
     def _push_dense_bulk(
         self, shard: _Shard, header: pb.PushDenseHeader, data: memoryview, peer: Peer
     ) -> bool | None:
-        frame = bulk_io.push_dense(peer, shard.methods["PushDense"], header, data,
+        frame = bulk_io.push_dense(peer, shard.stubs, header, data,
                                    self.timeout_s)
         if frame is None:
             return None
@@ -888,10 +865,11 @@ class PSClient:
                 msg.header.CopyFrom(header)
             yield codec.encode(msg, {"data": data[start : start + step]})
 
-    def _send(self, shard: _Shard, method: str, frames: Callable[[], Iterator[bytes]]) -> None:
+    def _send(self, shard: _Shard, method: Rpc[Any, pb.PushResponse],
+              frames: Callable[[], Iterator[bytes]]) -> None:
         # gRPC encodes lazily on its own thread while earlier chunks are on the wire; each
         # attempt (the first and every retry) starts a fresh iterator.
-        self._count_push(shard.methods[method](frames(), timeout=self.timeout_s).msg)
+        self._count_push(shard.stubs.stream_in(method, frames(), self.timeout_s).msg)
 
     # ---- sparse ----------------------------------------------------------------------------
 
@@ -946,7 +924,7 @@ class PSClient:
             if peer.channel is None:
                 return None
             try:
-                region = bulk_io.pull_sparse(peer, shard.methods["PullSparse"],
+                region = bulk_io.pull_sparse(peer, shard.stubs,
                                              self._pull_sparse_request(name, clock), keys,
                                              row_bytes, self.timeout_s)
             except ChannelBrokenError as exc:
@@ -964,7 +942,7 @@ class PSClient:
         positions: np.ndarray | None, out: torch.Tensor, peer: Peer,
     ) -> bool | None:
         row_bytes = table.dim * out.element_size()
-        region = bulk_io.pull_sparse(peer, shard.methods["PullSparse"],
+        region = bulk_io.pull_sparse(peer, shard.stubs,
                                      self._pull_sparse_request(name, clock), keys, row_bytes,
                                      self.timeout_s)
         if region is None:
@@ -985,7 +963,7 @@ class PSClient:
         self, shard: _Shard, request: bytes, positions: np.ndarray | None, out: torch.Tensor
     ) -> None:
         index = None if positions is None else torch.from_numpy(positions)
-        for frame in shard.methods["PullSparse"](request, timeout=self.timeout_s):
+        for frame in shard.stubs.stream_out(rpc.PULL_SPARSE, request, self.timeout_s):
             head = frame.msg
             chunk = codec.tensor_from_bytes(
                 frame.payload("values"), out.dtype, (head.rows, head.dim)
@@ -1030,7 +1008,7 @@ class PSClient:
             frames = partial(self._sparse_frames, header, shard_keys, shard_grads,
                              shard.chunk_bytes)
             bulk = partial(self._push_sparse_bulk, shard, header, shard_keys, shard_grads)
-            inline = partial(self._send, shard, "PushSparse", frames)
+            inline = partial(self._send, shard, rpc.PUSH_SPARSE, frames)
             jobs.append((shard, partial(self._bulk_or_inline, shard, bulk, inline)))
         self._each(jobs, f"push {name!r}")
 
@@ -1038,7 +1016,7 @@ class PSClient:
         self, shard: _Shard, header: pb.PushSparseHeader, keys: np.ndarray,
         grads: torch.Tensor, peer: Peer,
     ) -> bool | None:
-        frame = bulk_io.push_sparse(peer, shard.methods["PushSparse"], header, keys,
+        frame = bulk_io.push_sparse(peer, shard.stubs, header, keys,
                                     codec.tensor_bytes(grads), self.timeout_s)
         if frame is None:
             return None
@@ -1159,7 +1137,7 @@ class PSClient:
         payload: codec.Payload,
     ) -> pb.ExchangeResponse:
         data = codec.encode(msg, {"payload": payload.parts})
-        frame: Frame[pb.ExchangeResponse] = self._unary(shard, "Exchange", data)
+        frame: Frame[pb.ExchangeResponse] = self._unary(shard, rpc.EXCHANGE, data)
         plan.unpack(shard, frame.msg, frame.payload("payload"))
         return frame.msg
 
@@ -1167,7 +1145,7 @@ class PSClient:
         self, plan: _ExchangePlan, shard: _Shard, msg: pb.ExchangeRequest,
         payload: codec.Payload, answer_bytes: int, peer: Peer,
     ) -> pb.ExchangeResponse | None:
-        sent = bulk_io.exchange(peer, shard.methods["Exchange"], msg, payload, answer_bytes,
+        sent = bulk_io.exchange(peer, shard.stubs, msg, payload, answer_bytes,
                                 self.timeout_s)
         if sent is None:
             return None
@@ -1208,6 +1186,6 @@ class PSClient:
         """
         request = pb.StatsRequest(pull_log=pull_log, history=history).SerializeToString()
         frames = self._each(
-            [(s, partial(self._unary, s, "GetStats", request)) for s in self._shards], "stats"
+            [(s, partial(self._unary, s, rpc.GET_STATS, request)) for s in self._shards], "stats"
         )
         return [f.msg for f in frames]

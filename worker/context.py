@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from protos.runtime import tune_malloc
 from scheduler.heartbeat import Heartbeat
 from scheduler.spec import RESTART_EXIT_CODE, JobSpec
 from scheduler.store import JobStore, ride_out
+from worker.bulk import TransportSettings
 from worker.client import PSClient, RetryPolicy
 from worker.errors import PSClientError
 from worker.metrics import WorkerMetrics
@@ -144,7 +145,8 @@ def init(*, timeout_s: float = 120.0, env: Mapping[str, str] | None = None) -> W
                 "pstrain worker), or PSTRAIN_SERVERS=HOST:PORT,... for servers run by hand"
             )
         rank = int(env.get("PSTRAIN_RANK", "0"))
-        client = PSClient(servers, worker=rank, incarnation=incarnation)
+        client = PSClient(servers, worker=rank, incarnation=incarnation,
+                          **asdict(TransportSettings.from_env(env)))
         client.join()
         standalone = WorkerContext(rank, int(env.get("PSTRAIN_WORLD_SIZE", "1")), "", client)
         _serve_metrics(standalone, env)
@@ -164,7 +166,8 @@ def init(*, timeout_s: float = 120.0, env: Mapping[str, str] | None = None) -> W
         return ride_out("resolve", lambda: _address(store, shard), None)
 
     client = PSClient(addresses, worker=rank, incarnation=incarnation, retry=RECOVERY_RETRY,
-                      resolve=resolve, connect_timeout_s=max(1.0, deadline - time.monotonic()))
+                      resolve=resolve, connect_timeout_s=max(1.0, deadline - time.monotonic()),
+                      **asdict(TransportSettings.from_env(env)))
     ctx = WorkerContext(rank, spec.workers, job, client, spec, store)
     generation = ride_out("generation", store.generation, 0)
     client.generation = generation

@@ -11,11 +11,13 @@ import collections
 import itertools
 import os
 from collections.abc import Iterable, Iterator
+from dataclasses import asdict
 from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
+from worker.bulk import TransportSettings
 from worker.client import PSClient
 from worker.context import WorkerContext, init
 from worker.errors import PSClientError
@@ -159,6 +161,7 @@ def connect(args: argparse.Namespace) -> tuple[PSClient, WorkerContext | None]:
             "give --servers HOST:PORT[,...] (or PSTRAIN_SERVERS), or run the script with "
             "pstrain up / pstrain worker"
         )
-    client = PSClient(servers, worker=args.rank, timeout_s=120.0)
+    client = PSClient(servers, worker=args.rank, timeout_s=120.0,
+                      **asdict(TransportSettings.from_env(os.environ)))
     client.join()  # a rerun or restart carries on at the servers' clock for this rank
     return client, None

@@ -70,9 +70,6 @@ _MAX_DISCARDS = 1024
 # Where dropped messages land (truncated to one byte); shared, never read.
 _SCRATCH = memoryview(bytearray(1))
 
-# ucxx sets UCX variables in os.environ when first imported; UCX warns about the ones this
-# UCX build does not use (UCX_MEMTYPE_CACHE) on every context unless told not to.
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 
 class _Loaded:
@@ -89,6 +86,10 @@ def _lib() -> Any:
     Blocks while ucxx loads (about 0.5 s, once). Thread-safe."""
     with _Loaded.lock:
         if _Loaded.lib is None and not _Loaded.error:
+            # Importing ucxx sets UCX variables in the environment, and UCX then warns about
+            # the ones this build does not use (UCX_MEMTYPE_CACHE) on every context unless
+            # told not to; a user's own setting wins.
+            os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
             try:
                 lib = importlib.import_module("ucxx._lib.libucxx")
                 _Loaded.array = importlib.import_module("ucxx._lib.arr").Array
@@ -299,9 +300,9 @@ class _Engine:
                 if self._error_handling is None:
                     self._error_handling = error_handling
                     if not error_handling:
-                        log.info("ucx (%s): the UCX transports allowed here (UCX_TLS=%s) "
+                        log.info("ucx (%s): the UCX transports allowed here (UCX_TLS) "
                                  "cannot detect a failed peer; a dead peer shows up as a "
-                                 "transfer timeout", self.role, os.environ.get("UCX_TLS", ""))
+                                 "transfer timeout", self.role)
                 self._endpoints.append(ep)
             return ep, error_handling
         raise TransportUnavailableError("UCX cannot reach the peer's worker")  # pragma: no cover

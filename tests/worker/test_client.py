@@ -12,7 +12,7 @@ import pytest
 import torch
 from procs import Procs
 
-from protos import codec
+from protos import codec, rpc
 from protos import pstrain_pb2 as pb
 from protos.partition import shard_of_keys
 from scheduler.admin import ServerAdmin
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("transport")
 @pytest.fixture
 def two_shards(procs: Procs, transport: str) -> Iterator[PSClient]:
     servers = procs.servers(2)
-    with PSClient([s.address for s in servers], worker=0) as client:
+    with PSClient([s.address for s in servers], worker=0, transport=transport) as client:
         assert client.transports() == [transport, transport]
         yield client
 
@@ -65,15 +65,15 @@ def test_sparse_pull_after_n_pushes_is_initial_minus_n_g(two_shards: PSClient) -
     assert all(r > 300 for r in rows) and sum(rows) == 1000
 
 
-def test_sparse_rows_are_deterministic_from_seed_and_key(procs: Procs) -> None:
+def test_sparse_rows_are_deterministic_from_seed_and_key(procs: Procs, transport: str) -> None:
     # Two separate clusters, one and two shards: the same seed gives the same rows.
     one = procs.servers(1)
     keys = np.array([5, -1, 2**62, 123456789], dtype=np.int64)
-    with PSClient([one[0].address]) as a:
+    with PSClient([one[0].address], transport=transport) as a:
         a.declare_sparse("e", 8, seed=11)
         rows_a = a.pull_sparse("e", keys)
     two = [procs.server(k, 2) for k in range(2)]
-    with PSClient([s.address for s in two]) as b:
+    with PSClient([s.address for s in two], transport=transport) as b:
         b.declare_sparse("e", 8, seed=11)
         rows_b = b.pull_sparse("e", keys[::-1].copy())
     torch.testing.assert_close(rows_a, rows_b.flip(0), atol=0, rtol=0)
@@ -115,7 +115,7 @@ def test_routing_agrees_and_no_key_is_lost_or_duplicated(two_shards: PSClient) -
     shard0 = client._shards[0]
     request = codec.encode(pb.PullSparseRequest(table="e"), {"keys": codec.keys_bytes(wrong)})
     with pytest.raises(Exception) as err:
-        list(shard0.methods["PullSparse"](request, timeout=10))
+        list(shard0.stubs.stream_out(rpc.PULL_SPARSE, request, 10))
     assert "belongs to shard 1" in str(err.value)
     assert next(t.rows for t in client.stats()[0].tables if t.name == "e") == per_shard[0]
 
@@ -129,21 +129,23 @@ def test_retried_push_with_same_seq_is_applied_once(two_shards: PSClient) -> Non
         table="e", id=pb.PushId(worker=7, incarnation=1, seq=1), dtype=pb.FLOAT32, dim=4
     )
     frames = list(client._sparse_frames(header, keys, torch.ones(1, 4), shard.chunk_bytes))
-    first = shard.methods["PushSparse"](iter(frames), timeout=10)
-    again = shard.methods["PushSparse"](iter(frames), timeout=10)
+    first = shard.stubs.stream_in(rpc.PUSH_SPARSE, iter(frames), 10)
+    again = shard.stubs.stream_in(rpc.PUSH_SPARSE, iter(frames), 10)
     assert not first.msg.duplicate and again.msg.duplicate
     torch.testing.assert_close(client.pull_sparse("e", keys), -torch.ones(1, 4))
     stats = next(t for t in client.stats()[shard.index].tables if t.name == "e")
     assert (stats.pushes_applied, stats.pushes_duplicate) == (1, 1)
 
 
-def test_stale_incarnation_is_refused(two_shards: PSClient) -> None:
+def test_stale_incarnation_is_refused(two_shards: PSClient, transport: str) -> None:
     client = two_shards
     client.declare_dense("b", (4,), optimizer="sgd", lr=1.0)
-    with PSClient([s.address for s in client._shards], worker=3, incarnation=2) as new:
+    with PSClient([s.address for s in client._shards], worker=3, incarnation=2,
+                  transport=transport) as new:
         new.declare_dense("b", (4,), optimizer="sgd", lr=1.0)
         new.push_dense("b", torch.ones(4))
-    with PSClient([s.address for s in client._shards], worker=3, incarnation=1) as old:
+    with PSClient([s.address for s in client._shards], worker=3, incarnation=1,
+                  transport=transport) as old:
         old.declare_dense("b", (4,), optimizer="sgd", lr=1.0)
         with pytest.raises(RemoteError) as err:
             old.push_dense("b", torch.ones(4))
@@ -172,10 +174,10 @@ def test_a_worker_from_before_a_rollback_is_told_to_restart(two_shards: PSClient
     client.push_dense("r", torch.ones(4))
 
 
-def test_servers_listed_out_of_order_are_refused(procs: Procs) -> None:
+def test_servers_listed_out_of_order_are_refused(procs: Procs, transport: str) -> None:
     servers = procs.servers(2)
     with pytest.raises(ClusterMismatchError, match="shard order"):
-        PSClient([servers[1].address, servers[0].address])
+        PSClient([servers[1].address, servers[0].address], transport=transport)
 
 
 def test_large_dense_tensor_streams_in_chunks(two_shards: PSClient) -> None:
@@ -232,8 +234,8 @@ def test_retried_exchange_applies_its_pushes_once(two_shards: PSClient) -> None:
         values=payload.add(codec.tensor_bytes(torch.ones(1, 4))),
     ))
     request = codec.encode(msg, {"payload": payload.parts})
-    first = shard.methods["Exchange"](request, timeout=10)
-    again = shard.methods["Exchange"](request, timeout=10)
+    first = shard.stubs.unary(rpc.EXCHANGE, request, 10)
+    again = shard.stubs.unary(rpc.EXCHANGE, request, 10)
     assert not first.msg.pushes[0].duplicate and again.msg.pushes[0].duplicate
     torch.testing.assert_close(client.pull_sparse("e", keys), -torch.ones(1, 4))
 

@@ -25,7 +25,7 @@ from protos import pstrain_pb2 as pb
 from protos.transport import ChannelBrokenError, available
 from protos.transport.lane import LaneClient, LaneContext, LaneError, LaneServer
 from scheduler.admin import ServerAdmin
-from worker.bulk import LANE_ENV_VAR, TransportChoiceError
+from worker.bulk import ENV_LANES, TransportChoiceError, TransportSettings
 from worker.client import PSClient, Pull, Push
 from worker.errors import RemoteError, RolledBackError
 
@@ -49,20 +49,17 @@ def declare(client: PSClient) -> None:
     client.declare_dense("w", (6, 3), optimizer="sgd", lr=0.5, init=("zeros", 0, 0))
 
 
-def test_exchanges_take_the_lane_and_answer_as_over_grpc(
-    procs: Procs, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_exchanges_take_the_lane_and_answer_as_over_grpc(procs: Procs) -> None:
     a, b = procs.server(), procs.server()
-    with PSClient([a.address], worker=0) as laned:
-        monkeypatch.setenv(LANE_ENV_VAR, "0")
-        with PSClient([b.address], worker=0) as plain:
-            for client in (laned, plain):
-                declare(client)
-            got_lane, got_plain = steps(laned, 5), steps(plain, 5)
-            lane = laned._shards[0].bulk.lane
-            assert lane is not None and lane.calls == 5
-            assert plain._shards[0].bulk.lane is None
-            assert laned.transports() == plain.transports() == ["shm"]
+    with PSClient([a.address], worker=0) as laned, \
+            PSClient([b.address], worker=0, lanes=False) as plain:
+        for client in (laned, plain):
+            declare(client)
+        got_lane, got_plain = steps(laned, 5), steps(plain, 5)
+        lane = laned._shards[0].bulk.lane
+        assert lane is not None and lane.calls == 5
+        assert plain._shards[0].bulk.lane is None
+        assert laned.transports() == plain.transports() == ["shm"]
     for x, y in zip(got_lane, got_plain, strict=True):
         torch.testing.assert_close(x, y, atol=0, rtol=0)
     torch.testing.assert_close(got_lane[1], torch.full((6, 3), -2.5))
@@ -163,11 +160,12 @@ def test_the_lane_refuses_strangers(procs: Procs) -> None:
         assert peer.lane.calls == 1
 
 
-def test_a_bad_lane_setting_is_named(procs: Procs, monkeypatch: pytest.MonkeyPatch) -> None:
-    server = procs.server()
-    monkeypatch.setenv(LANE_ENV_VAR, "yes")
-    with pytest.raises(TransportChoiceError, match=f"{LANE_ENV_VAR} must be 0 or 1, got 'yes'"):
-        PSClient([server.address])
+def test_the_lane_setting_is_read_from_the_environment_and_a_bad_one_named() -> None:
+    assert TransportSettings.from_env({}) == TransportSettings("auto", True)
+    assert TransportSettings.from_env({ENV_LANES: "0", "PSTRAIN_TRANSPORT": "shm"}) == \
+        TransportSettings("shm", False)
+    with pytest.raises(TransportChoiceError, match=f"{ENV_LANES} must be 0 or 1, got 'yes'"):
+        TransportSettings.from_env({ENV_LANES: "yes"})
 
 
 # ---- the lane module against an in-process server -------------------------------------------

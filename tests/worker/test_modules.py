@@ -40,8 +40,9 @@ def servers(module_procs: Procs) -> str:
     return ",".join(s.address for s in module_procs.servers(2, ["--mode", "async"]))
 
 
-def connect(servers: str, worker: int = 0) -> PSClient:
-    return PSClient(servers.split(","), worker=worker, incarnation=next(_incarnations))
+def connect(servers: str, worker: int = 0, lanes: bool = True) -> PSClient:
+    return PSClient(servers.split(","), worker=worker, incarnation=next(_incarnations),
+                    lanes=lanes)
 
 
 @pytest.fixture
@@ -328,7 +329,7 @@ def test_sync_prefetch_rides_in_the_step_and_stays_exact(procs: Procs) -> None:
 
 
 def test_prefetch_depth_stays_within_the_staleness_bound(
-    client: PSClient, servers: str, monkeypatch: pytest.MonkeyPatch
+    client: PSClient, servers: str
 ) -> None:
     ssp = PSEmbedding(client, fresh("deep"), 2, consistency="ssp:1")
     with pytest.raises(PSModuleError, match="past the staleness bound 1"):
@@ -342,8 +343,7 @@ def test_prefetch_depth_stays_within_the_staleness_bound(
     # "auto": as deep as AUTO_PREFETCH_DEPTH where every bound allows it, else shallower;
     # 1 where every server answers over the shm exchange lane (short round trips).
     assert all(client.exchange_lanes()) == available("shm")[0]
-    monkeypatch.setenv("PSTRAIN_SHM_LANE", "0")
-    with connect(servers) as plain:
+    with connect(servers, lanes=False) as plain:
         assert not any(plain.exchange_lanes())
         for name, consistency, depth in (("ssp1", "ssp:1", 1), ("sync", "sync", 1),
                                          ("ssp3", "ssp:3", 2), ("async", "async", 2)):

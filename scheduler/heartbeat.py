@@ -20,6 +20,8 @@ class Heartbeat:
     registration, so a Redis that comes back empty refills itself. `on_beat` runs after each
     beat (a server checks for checkpoint requests there). Redis outages are ridden out: the
     thread logs and keeps trying; it never stops the process. Thread-safe start/stop.
+    `sleep(interval_s)` waits between beats and returns True to end them (default: until
+    stop); `wall_clock` stamps each beat with the time status reports count its age from.
     """
 
     def __init__(
@@ -27,6 +29,7 @@ class Heartbeat:
         payload: Callable[[], Mapping[str, Any]], registration: Mapping[str, Any],
         on_beat: Callable[[], None] | None = None,
         sleep: Callable[[float], bool] | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
         self.role = role
@@ -38,6 +41,7 @@ class Heartbeat:
         self._on_beat = on_beat
         self._stop = threading.Event()
         self._sleep = sleep or self._stop.wait
+        self._wall_clock = wall_clock
         self._thread = threading.Thread(
             target=self._run, name=f"heartbeat-{role}{ident}", daemon=True
         )
@@ -48,7 +52,7 @@ class Heartbeat:
 
     def beat(self) -> None:
         """One beat now (also used at start so the process is visible at once)."""
-        payload = {**self._payload(), "time": time.time()}
+        payload = {**self._payload(), "time": self._wall_clock()}
         ride_out(
             "heartbeat",
             lambda: self.store.beat(self.role, self.ident, payload, self.ttl_s,

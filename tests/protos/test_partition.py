@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -40,3 +42,125 @@ def test_small_tensors_stay_whole_and_large_ones_split() -> None:
     rows = MIN_SPLIT_BYTES // 4
     large = dense_placement("w", (rows, 4), 4, 4)
     assert all(r.rows == rows // 4 for r in large)
+
+
+# ---- shard_of_keys, table-driven -------------------------------------------------------------
+
+_MASK64 = (1 << 64) - 1
+
+
+def _reference_shard(key: int, num_shards: int) -> int:
+    """The documented rule in Python integers: splitmix64 of the key (two's complement,
+    xor the routing seed), then the top 32 bits scaled onto [0, num_shards). Routing is a
+    contract between every client and server of a job, so it is pinned here independently
+    of the vectorised uint64 code."""
+    if num_shards == 1:
+        return 0
+    z = (((key & _MASK64) ^ 0x5EED0F5A4D) + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return ((z >> 32) * num_shards) >> 32
+
+
+EXTREMES = [-(2**63), -(2**63) + 1, -(2**32), -1, 0, 1, 2**31, 2**32 - 1, 2**62, 2**63 - 1]
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 7, 16, 1000, 2**31 - 1])
+@pytest.mark.parametrize(
+    "keys",
+    [[], [0], EXTREMES, list(range(-20, 20)), [5, 5, 5, -5]],
+    ids=["empty", "zero", "extremes", "around-zero", "repeats"],
+)
+def test_shard_of_keys_follows_the_reference_rule(keys: list[int], num_shards: int) -> None:
+    got = shard_of_keys(np.array(keys, dtype=np.int64), num_shards)
+    assert got.dtype == np.int64 and got.shape == (len(keys),)
+    assert got.tolist() == [_reference_shard(k, num_shards) for k in keys]
+
+
+@pytest.mark.parametrize(
+    "as_input",
+    [
+        lambda a: a.tolist(),  # a Python list
+        lambda a: a.astype(np.int32),  # a narrower integer type
+        lambda a: np.repeat(a, 2)[::2],  # a strided view
+        lambda a: a.astype(">i8"),  # big-endian bytes
+    ],
+    ids=["list", "int32", "strided", "big-endian"],
+)
+def test_shard_of_keys_takes_any_integer_array_alike(as_input: object) -> None:
+    keys = np.arange(-1000, 1000, 7, dtype=np.int64)
+    expected = shard_of_keys(keys, 5)
+    assert shard_of_keys(as_input(keys), 5).tolist() == expected.tolist()  # type: ignore[operator]
+
+
+def test_shard_of_keys_leaves_its_input_alone_and_answers_alike_every_call() -> None:
+    keys = np.array(EXTREMES, dtype=np.int64)
+    kept = keys.copy()
+    answers = [shard_of_keys(keys, 6).tolist() for _ in range(3)]
+    assert answers[0] == answers[1] == answers[2]
+    assert np.array_equal(keys, kept)
+
+
+@pytest.mark.parametrize("num_shards", [0, -1])
+def test_no_shards_is_refused(num_shards: int) -> None:
+    with pytest.raises(ValueError, match=f"num_shards must be >= 1, got {num_shards}"):
+        shard_of_keys(np.array([1], dtype=np.int64), num_shards)
+    with pytest.raises(ValueError, match=f"num_shards must be >= 1, got {num_shards}"):
+        dense_placement("w", (10,), 4, num_shards)
+
+
+# ---- dense_placement, table-driven -----------------------------------------------------------
+
+WHOLE = None  # the tensor lives whole on one shard picked from its name
+
+
+@pytest.mark.parametrize(
+    ("shape", "itemsize", "num_shards", "ranges"),
+    [
+        ((16384, 1), 4, 1, [(0, 16384)]),  # one shard holds everything
+        ((16384,), 4, 4, [(0, 4096), (4096, 8192), (8192, 12288), (12288, 16384)]),  # = limit
+        ((16383,), 4, 4, WHOLE),  # one element under the split size
+        ((8192,), 8, 4, [(0, 2048), (2048, 4096), (4096, 6144), (6144, 8192)]),
+        ((16387,), 4, 3, [(0, 5462), (5462, 10924), (10924, 16387)]),  # uneven split
+        ((5, 100_000), 4, 3, [(0, 1), (1, 3), (3, 5)]),
+        ((3, 1_000_000), 4, 4, WHOLE),  # more shards than rows
+        ((4, 1_000_000), 4, 4, [(0, 1), (1, 2), (2, 3), (3, 4)]),  # as many shards as rows
+        ((), 8, 3, WHOLE),  # a scalar is one row
+        ((0, 4), 4, 2, WHOLE),  # no rows: every range empty
+        ((10, 0), 4, 2, WHOLE),  # rows of nothing: under the split size
+    ],
+)
+def test_dense_placement(
+    shape: tuple[int, ...], itemsize: int, num_shards: int, ranges: list[tuple[int, int]] | None
+) -> None:
+    got = dense_placement("w", shape, itemsize, num_shards)
+    assert [r.shard for r in got] == list(range(num_shards))
+    if ranges is not None:
+        assert [(r.start, r.end) for r in got] == ranges
+        return
+    rows = shape[0] if shape else 1
+    holders = [r for r in got if (r.start, r.end) == (0, rows)]
+    assert len(holders) == 1 or rows == 0
+    assert all((r.start, r.end) == (0, 0) for r in got if r not in holders)
+
+
+@pytest.mark.parametrize("num_shards", [2, 3, 5])
+def test_a_small_tensor_s_shard_follows_its_name_alone(num_shards: int) -> None:
+    def owner(name: str, shape: tuple[int, ...], itemsize: int) -> int:
+        return next(r.shard for r in dense_placement(name, shape, itemsize, num_shards)
+                    if r.rows)
+
+    for name in ("bias", "layer1.weight", "w"):
+        owners = {owner(name, shape, itemsize)
+                  for shape, itemsize in (((7,), 4), ((1, 3), 2), ((), 8), ((100,), 8))}
+        assert len(owners) == 1, name
+    # Many small tensors spread over every shard.
+    assert {owner(f"t{i}", (10,), 4) for i in range(64)} == set(range(num_shards))
+
+
+def test_a_large_split_is_balanced_to_one_row() -> None:
+    ranges = dense_placement("w", (1_000_003, 16), 4, 7)
+    sizes = [r.rows for r in ranges]
+    assert max(sizes) - min(sizes) <= 1 and sum(sizes) == 1_000_003
+    assert all(a.end == b.start for a, b in itertools.pairwise(ranges))

@@ -1,0 +1,482 @@
+"""Dense and sparse tables on their own (no shard, no gRPC): specs, reads, updates, refusals.
+
+Every refused push is checked to leave the table byte for byte as it was: values, optimizer
+state, steps, keys and counters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from protos.partition import RowRange, shard_of_keys
+from ps.errors import FailedPreconditionError, InvalidArgumentError
+from ps.initializers import InitSpec, init_rows
+from ps.tables import (
+    DenseTable,
+    OptimizerConfig,
+    SparseTable,
+    TableSpec,
+    check_finite,
+    check_same_spec,
+)
+
+SGD_HALF = OptimizerConfig("sgd", (("lr", 0.5),))
+ADAM = OptimizerConfig("adam", (("lr", 0.1),))
+
+
+def dense_spec(**kw: Any) -> TableSpec:
+    fields: dict[str, Any] = {
+        "name": "w", "kind": "dense", "dtype": torch.float32, "shape": (6, 3),
+        "init": InitSpec("uniform", -1.0, 1.0), "seed": 7, "optimizer": SGD_HALF,
+    }
+    return TableSpec(**{**fields, **kw})
+
+
+def sparse_spec(**kw: Any) -> TableSpec:
+    fields: dict[str, Any] = {
+        "name": "emb", "kind": "sparse", "dtype": torch.float32, "dim": 4,
+        "init": InitSpec("uniform", -1.0, 1.0), "seed": 7, "optimizer": SGD_HALF,
+    }
+    return TableSpec(**{**fields, **kw})
+
+
+def keys(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
+
+
+def image(table: DenseTable | SparseTable) -> dict[str, object]:
+    """Everything a table holds, as bytes: what a refused request must leave untouched."""
+    out: dict[str, object] = {
+        name: (t.dtype, tuple(t.shape), bytes(t.contiguous().untyped_storage()))
+        for name, t in table.snapshot().items()
+    }
+    out["counters"] = table.counters()
+    return out
+
+
+def warm_sparse(spec: TableSpec | None = None, shard: int = 0, num_shards: int = 1
+                ) -> SparseTable:
+    """A sparse table with three rows and one applied update, so state and steps are set."""
+    table = SparseTable(spec or sparse_spec(optimizer=ADAM), shard, num_shards)
+    held = _owned(keys(3, -5, 2**62, *range(100, 140)), shard, num_shards)
+    table.pull(held)
+    table.apply(held, torch.full((len(held), table.spec.dim), 0.25, dtype=table.spec.dtype),
+                assign=False)
+    return table
+
+
+def warm_dense(spec: TableSpec | None = None) -> DenseTable:
+    table = DenseTable(spec or dense_spec(optimizer=ADAM), RowRange(0, 0, 6))
+    table.apply([(0, torch.full((18,), 0.25))], assign=False)
+    return table
+
+
+def _owned(candidates: np.ndarray, shard: int, num_shards: int) -> np.ndarray:
+    return candidates[shard_of_keys(candidates, num_shards) == shard]
+
+
+# ---- specs ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: dense_spec(name=""), "non-empty name"),
+        (lambda: dense_spec(dtype=torch.int64), "int64 is not a floating type"),
+        (lambda: dense_spec(shape=(4, -1)), r"shape \[4, -1\] has a negative dimension"),
+        (lambda: sparse_spec(dim=0), "sparse dim must be >= 1, got 0"),
+        (lambda: dense_spec(kind="ragged"), "kind must be 'dense' or 'sparse', got 'ragged'"),
+        (lambda: dense_spec(optimizer=OptimizerConfig("lamb")), "unknown optimizer 'lamb'"),
+        (lambda: dense_spec(optimizer=OptimizerConfig("sgd", (("momentum", 0.9),))),
+         "no hyperparameter 'momentum'"),
+    ],
+)
+def test_a_bad_spec_is_refused_at_declaration(make: Any, message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        make()
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        dense_spec(),
+        dense_spec(shape=(), dtype=torch.bfloat16, mode="sync"),
+        sparse_spec(optimizer=ADAM, allow_non_finite=True, init=InitSpec("normal", 0.0, 2.0)),
+        sparse_spec(dtype=torch.float16, mode="ssp:3", seed=-4),
+    ],
+)
+def test_a_spec_survives_its_dict_form(spec: TableSpec) -> None:
+    assert TableSpec.from_dict(spec.to_dict()) == spec
+
+
+def test_the_same_spec_may_be_declared_again() -> None:
+    check_same_spec(sparse_spec(), sparse_spec())
+
+
+@pytest.mark.parametrize(
+    ("declared", "held_text", "declared_text"),
+    [
+        (dense_spec(dtype=torch.float64), "dtype=float32", "dtype=float64"),
+        (dense_spec(shape=(6, 4)), "shape=[6, 3]", "shape=[6, 4]"),
+        (dense_spec(init=InitSpec("zeros")), "init=uniform(-1,1)", "init=zeros(-0.05,0.05)"),
+        (dense_spec(seed=8), "seed=7", "seed=8"),
+        (dense_spec(optimizer=OptimizerConfig("sgd", (("lr", 0.25),))),
+         "optimizer=sgd(lr=0.5)", "optimizer=sgd(lr=0.25)"),
+        (dense_spec(optimizer=ADAM), "optimizer=sgd(lr=0.5)", "optimizer=adam(lr=0.1)"),
+        (dense_spec(allow_non_finite=True), "allow_non_finite=False", "allow_non_finite=True"),
+        (dense_spec(mode="sync"), "mode=job default", "mode=sync"),
+        (sparse_spec(name="w"), "dense shape=[6, 3]", "sparse dim=4"),
+    ],
+)
+def test_a_different_redeclaration_is_refused_showing_both(
+    declared: TableSpec, held_text: str, declared_text: str
+) -> None:
+    with pytest.raises(FailedPreconditionError) as caught:
+        check_same_spec(dense_spec(), declared)
+    held_line, declared_line = str(caught.value).splitlines()[1:3]
+    assert held_line.strip().startswith("held:") and held_text in held_line
+    assert declared_line.strip().startswith("declared:") and declared_text in declared_line
+    assert "table 'w' already exists with another spec" in str(caught.value)
+
+
+# ---- dense tables ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("shape", "placement", "block_shape"),
+    [
+        ((6, 3), RowRange(0, 0, 6), (6, 3)),
+        ((6, 3), RowRange(1, 2, 5), (3, 3)),
+        ((6, 2, 2), RowRange(2, 4, 6), (2, 2, 2)),
+        ((6, 3), RowRange(3, 6, 6), (0, 3)),  # an empty share of a split tensor
+        ((5,), RowRange(0, 1, 4), (3,)),
+        ((), RowRange(0, 0, 1), ()),
+    ],
+)
+def test_a_dense_block_holds_its_rows_as_initialised_from_their_global_index(
+    shape: tuple[int, ...], placement: RowRange, block_shape: tuple[int, ...]
+) -> None:
+    spec = dense_spec(shape=shape)
+    table = DenseTable(spec, placement)
+    assert table.block_shape == block_shape
+    width = int(np.prod(shape[1:])) if shape else 1
+    rows = np.arange(placement.start, placement.end, dtype=np.int64)
+    expected = init_rows(rows, width, spec.init, spec.seed, spec.dtype).reshape(block_shape)
+    assert torch.equal(table.read(), expected)
+    # The same row reads the same on any placement, so resharding keeps values.
+    whole = DenseTable(spec, RowRange(0, 0, shape[0] if shape else 1)).read()
+    block_of_whole = whole[placement.start : placement.end] if shape else whole
+    assert torch.equal(table.read(), block_of_whole)
+
+
+def test_dense_sgd_update_and_assignment() -> None:
+    table = DenseTable(dense_spec(), RowRange(1, 2, 5))
+    before = table.read().clone()
+    grad = torch.arange(9, dtype=torch.float32)
+    table.apply([(0, grad)], assign=False)
+    assert torch.equal(table.read(), before - 0.5 * grad.reshape(3, 3))
+    table.apply([(0, grad[:4]), (4, grad[4:])], assign=True)
+    assert torch.equal(table.read(), grad.reshape(3, 3))
+    assert table.counters().pushes_applied == 2
+    assert table.counters().rows_pushed == 6
+
+
+@pytest.mark.parametrize("cuts", [[0], [0, 5], [0, 1, 2, 17], [0, 9, 10]])
+def test_a_dense_push_in_slices_equals_the_whole_push(cuts: list[int]) -> None:
+    grad = torch.linspace(-2, 2, 18)
+    whole, sliced = warm_dense(), warm_dense()
+    whole.apply([(0, grad)], assign=False)
+    ends = [*cuts[1:], 18]
+    sliced.apply([(a, grad[a:b]) for a, b in zip(cuts, ends, strict=True)], assign=False)
+    assert image(sliced) == image(whole)
+    assert int(sliced.step) == 2  # one step per push, however many slices
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape", "message"),
+    [
+        (torch.float64, (6, 3), "holds float32 values; the push carries float64"),
+        (torch.bfloat16, (6, 3), "Cast the gradient to float32"),
+        (torch.float32, (6, 4), r"block shape \[6, 3\]; the push carries shape \[6, 4\]"),
+        (torch.float32, (18,), r"the push carries shape \[18\]"),
+        (torch.float32, (3, 3), r"rows \[0, 6\)"),
+        (torch.float32, (), r"the push carries shape \[\]"),
+    ],
+)
+def test_a_refused_dense_push_changes_nothing(
+    dtype: torch.dtype, shape: tuple[int, ...], message: str
+) -> None:
+    table = warm_dense()
+    before = image(table)
+    with pytest.raises(InvalidArgumentError, match=message):
+        table.check_push(dtype, shape)
+    assert image(table) == before
+
+
+def test_a_dense_pull_counts_and_returns_the_live_block() -> None:
+    table = DenseTable(dense_spec(), RowRange(1, 2, 5))
+    block = table.read()
+    table.apply([(0, torch.ones(9))], assign=True)
+    assert torch.equal(block, torch.ones(3, 3))  # the block itself, not a copy
+    counters = table.counters()
+    assert (counters.pulls, counters.rows_pulled) == (1, 3)
+
+
+# ---- finite checks ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "offset", "message"),
+    [
+        ([0.0, float("nan"), 1.0], 0, r"non-finite value \(nan\) at flat element 1"),
+        ([float("inf"), 0.0], 0, r"\(inf\) at flat element 0"),
+        ([1.0, 2.0, 3.0, float("-inf")], 100, r"\(-inf\) at flat element 103"),
+        ([float("nan"), float("inf")], 4, r"\(nan\) at flat element 4"),  # the first one
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_a_non_finite_gradient_is_named_with_its_position(
+    values: list[float], offset: int, message: str, dtype: torch.dtype
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=message) as caught:
+        check_finite("emb", torch.tensor(values, dtype=dtype), offset)
+    assert "table 'emb'" in str(caught.value) and "allow_non_finite" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [torch.zeros(0), torch.tensor([3.4e38, -3.4e38]), torch.full((5, 4), 65504.0).half()],
+)
+def test_finite_gradients_pass(values: torch.Tensor) -> None:
+    check_finite("emb", values)
+
+
+# ---- sparse tables ---------------------------------------------------------------------------
+
+
+def test_sparse_rows_are_created_on_first_pull_from_seed_and_key() -> None:
+    spec = sparse_spec()
+    table = SparseTable(spec, 0, 1)
+    asked = keys(9, -1, 2**63 - 1, -(2**63), 0)
+    rows = table.pull(asked)
+    got = rows.gather(0, len(rows))
+    assert torch.equal(got, init_rows(asked, 4, spec.init, spec.seed, spec.dtype))
+    assert table.stats().rows == 5
+    # Asked again in another order, with a new key: old rows are found, not re-created.
+    again = table.pull(keys(0, 11, 9))
+    row_11 = init_rows(keys(11), 4, spec.init, spec.seed, spec.dtype)[0]
+    assert torch.equal(again.gather(0, 3), torch.stack([got[4], row_11, got[0]]))
+    assert table.stats().rows == 6
+    counters = table.counters()
+    assert (counters.pulls, counters.rows_pulled) == (2, 8)
+
+
+def test_sparse_rows_gather_in_slices() -> None:
+    table = SparseTable(sparse_spec(), 0, 1)
+    rows = table.pull(keys(*range(10)))
+    whole = rows.gather(0, 10)
+    out = torch.empty(3, 4)
+    assert rows.gather(4, 7, out) is out
+    assert torch.equal(out, whole[4:7])
+    assert (len(rows), rows.dim, rows.dtype) == (10, 4, torch.float32)
+
+
+def test_sparse_rows_grow_past_the_first_allocation() -> None:
+    spec = sparse_spec(dim=2)
+    table = SparseTable(spec, 0, 1)
+    first = keys(*range(0, 3000, 3))
+    values = table.pull(first).gather(0, len(first)).clone()
+    more = keys(*range(1, 5000, 2))  # forces storage to reallocate
+    table.pull(more)
+    assert torch.equal(table.pull(first).gather(0, len(first)), values)
+    assert table.stats().rows == len(first) + len(more) - len(np.intersect1d(first, more))
+
+
+def test_sparse_sgd_update_and_assignment() -> None:
+    table = SparseTable(sparse_spec(), 0, 1)
+    asked = keys(4, -8)
+    before = table.pull(asked).gather(0, 2).clone()
+    grad = torch.tensor([[1.0, 2.0, 3.0, 4.0], [-1.0, 0.0, 0.5, 8.0]])
+    table.apply(asked, grad, assign=False)
+    assert torch.equal(table.pull(asked).gather(0, 2), before - 0.5 * grad)
+    # A push to a new key creates its row first, then updates it.
+    table.apply(keys(77), torch.ones(1, 4), assign=False)
+    init = init_rows(keys(77), 4, table.spec.init, table.spec.seed, torch.float32)
+    assert torch.equal(table.pull(keys(77)).gather(0, 1), init - 0.5)
+    table.apply(asked, grad, assign=True)
+    assert torch.equal(table.pull(asked).gather(0, 2), grad)
+    assert table.counters().pushes_applied == 3
+    assert table.counters().rows_pushed == 5
+
+
+def test_sparse_adam_keeps_state_and_steps_per_row() -> None:
+    table = SparseTable(sparse_spec(optimizer=ADAM), 0, 1)
+    table.apply(keys(1, 2), torch.ones(2, 4), assign=False)
+    table.apply(keys(2, 3), torch.ones(2, 4), assign=False)
+    snap = table.snapshot()
+    order = snap["keys"].tolist()
+    steps = dict(zip(order, snap["step"].tolist(), strict=True))
+    assert steps == {1: 1, 2: 2, 3: 1}
+    assert set(snap) == {"keys", "value", "step", "state.exp_avg", "state.exp_avg_sq"}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "dim", "num_keys", "value_bytes", "message"),
+    [
+        (torch.float64, 4, 2, 64, "holds float32 rows; the push carries float64"),
+        (torch.float16, 4, 2, 16, "Cast the gradient to float32"),
+        (torch.float32, 5, 2, 40, "has dim 4; the push carries dim 5"),
+        (torch.float32, 4, 2, 16, "carries 2 keys but 1 rows of values"),
+        (torch.float32, 4, 2, 24, r"carries 2 keys but 1\.5 rows of values \(24 bytes"),
+        (torch.float32, 4, 0, 16, "carries 0 keys but 1 rows"),
+        (torch.float32, 4, 3, 0, "carries 3 keys but 0 rows"),
+    ],
+)
+def test_a_refused_sparse_push_header_changes_nothing(
+    dtype: torch.dtype, dim: int, num_keys: int, value_bytes: int, message: str
+) -> None:
+    table = warm_sparse()
+    before = image(table)
+    with pytest.raises(InvalidArgumentError, match=message):
+        table.check_push(dtype, dim, num_keys, value_bytes)
+    assert image(table) == before
+
+
+def test_a_well_formed_sparse_push_header_passes() -> None:
+    warm_sparse().check_push(torch.float32, 4, 3, 3 * 4 * 4)
+
+
+@pytest.mark.parametrize(
+    ("pushed", "message"),
+    [
+        (keys(3, 3), "key 3 appears more than once"),  # a known key, twice
+        (keys(-5, 8, 2**62, -5), "key -5 appears more than once"),
+        (keys(10, 11, 10), "key 10 appears more than once"),  # new keys: none may be created
+        (keys(3, 12, 12), "key 12 appears more than once"),
+        (np.array([3, 4], dtype=np.int32), "keys must have dtype int64, got <i4"),
+        (keys(3, 4).reshape(1, 2), r"keys must be 1-D, got shape \(1, 2\)"),
+    ],
+)
+def test_a_push_with_repeated_or_malformed_keys_changes_nothing(
+    pushed: np.ndarray, message: str
+) -> None:
+    table = warm_sparse()
+    before = image(table)
+    with pytest.raises(InvalidArgumentError, match=message):
+        table.check_unique(pushed)
+    assert image(table) == before
+
+
+@pytest.mark.parametrize(
+    ("pushed", "expected"),
+    [
+        (keys(), []),
+        (keys(3, -5), [0, 1]),
+        (keys(2**62, 99, 3), [2, -1, 0]),  # -1: new, and not inserted by the check
+    ],
+)
+def test_unique_keys_pass_with_their_rows(pushed: np.ndarray, expected: list[int]) -> None:
+    table = warm_sparse()
+    before = image(table)
+    assert table.check_unique(pushed).tolist() == expected
+    assert image(table) == before
+
+
+def test_a_key_of_another_shard_is_refused_naming_both_shards() -> None:
+    candidates = keys(*range(-50, 50))
+    owners = shard_of_keys(candidates, 4)
+    table = warm_sparse(shard=1, num_shards=4)
+    stranger = int(candidates[owners == 3][0])
+    before = image(table)
+    pushed = np.concatenate([candidates[owners == 1][:3], keys(stranger)])
+    with pytest.raises(InvalidArgumentError,
+                       match=f"key {stranger} of table 'emb' belongs to shard 3, not to this "
+                             "shard 1 of 4"):
+        table.check_keys(pushed)
+    assert image(table) == before
+    table.check_keys(candidates[owners == 1])
+    table.check_keys(keys())
+
+
+def test_a_single_shard_takes_every_key() -> None:
+    SparseTable(sparse_spec(), 0, 1).check_keys(keys(-(2**63), -1, 0, 2**63 - 1))
+
+
+# ---- snapshots and stats ---------------------------------------------------------------------
+
+
+def test_a_snapshot_restores_into_a_fresh_table() -> None:
+    source = warm_sparse()
+    target = SparseTable(source.spec, 0, 1)
+    target.pull(keys(1000))  # replaced by the restore
+    target.restore(source.snapshot())
+    assert {k: v for k, v in image(target).items() if k != "counters"} == {
+        k: v for k, v in image(source).items() if k != "counters"
+    }
+    dense = warm_dense()
+    copy = DenseTable(dense.spec, dense.placement)
+    copy.restore(dense.snapshot())
+    assert {k: v for k, v in image(copy).items() if k != "counters"} == {
+        k: v for k, v in image(dense).items() if k != "counters"
+    }
+
+
+def test_a_snapshot_with_repeated_keys_is_refused() -> None:
+    table = warm_sparse()
+    snap = table.snapshot()
+    snap["keys"] = torch.tensor([3, 3, 7])
+    with pytest.raises(FailedPreconditionError, match="repeats keys; it cannot be restored"):
+        table.restore(snap)
+
+
+@pytest.mark.parametrize(
+    ("spec", "rows", "value_bytes", "state_bytes"),
+    [
+        (sparse_spec(), 3, 3 * 4 * 4, 0),
+        (sparse_spec(optimizer=ADAM), 3, 3 * 16, 3 * 16 * 2 + 3 * 8),  # two slots, int64 steps
+        (sparse_spec(optimizer=OptimizerConfig("adagrad"), dtype=torch.float64, dim=2),
+         3, 3 * 16, 3 * 16),
+    ],
+)
+def test_sparse_stats(spec: TableSpec, rows: int, value_bytes: int, state_bytes: int) -> None:
+    table = SparseTable(spec, 0, 1)
+    table.pull(keys(1, 2, 3))
+    stats = table.stats()
+    assert (stats.name, stats.kind, stats.rows) == ("emb", "sparse", rows)
+    assert (stats.value_bytes, stats.state_bytes) == (value_bytes, state_bytes)
+    assert stats.index_bytes > 0
+    assert stats.optimizer == spec.optimizer.describe()
+    assert stats.counters.pulls == 1
+
+
+@pytest.mark.parametrize(
+    ("spec", "placement", "value_bytes", "state_bytes"),
+    [
+        (dense_spec(), RowRange(1, 2, 5), 9 * 4, 0),
+        (dense_spec(optimizer=ADAM, dtype=torch.float64), RowRange(0, 0, 6), 18 * 8, 2 * 18 * 8),
+        (dense_spec(shape=()), RowRange(0, 0, 1), 4, 0),
+    ],
+)
+def test_dense_stats(spec: TableSpec, placement: RowRange, value_bytes: int,
+                     state_bytes: int) -> None:
+    stats = DenseTable(spec, placement).stats()
+    assert (stats.kind, stats.rows, stats.row_start, stats.row_end) == (
+        "dense", placement.rows, placement.start, placement.end)
+    assert (stats.value_bytes, stats.state_bytes, stats.index_bytes) == (
+        value_bytes, state_bytes, 0)
+
+
+def test_counters_add_up_and_are_copies() -> None:
+    table = SparseTable(sparse_spec(), 0, 1)
+    table.count(pushes_rejected=2, pushes_dropped=1)
+    table.count(pushes_rejected=1)
+    seen = table.counters()
+    assert (seen.pushes_rejected, seen.pushes_dropped) == (3, 1)
+    seen.pushes_rejected = 100
+    assert table.counters().pushes_rejected == 3
+    assert dataclasses.asdict(table.stats().counters)["pushes_rejected"] == 3

@@ -1,0 +1,307 @@
+"""The shard's executor driven directly: no gRPC, no processes, time from a fake clock.
+
+A blocked call runs on a thread of its own, joined with a bound. Whether it is blocked is
+read from the thread's stack (parked in a threading wait), never guessed from a sleep; after
+the clocks move, a parked call is known to have looked again once it has read the clock again
+(a waiting executor reads it to compute what is left of its deadline).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from protos import codec
+from ps.clocks import Quorum
+from ps.errors import ClockWaitTimeoutError, InvalidArgumentError
+from ps.initializers import InitSpec
+from ps.shard import (
+    DensePush,
+    Exchange,
+    Pull,
+    PullRecord,
+    PushMeta,
+    PushOutcome,
+    Shard,
+    ShardConfig,
+    SparsePush,
+)
+from ps.tables import OptimizerConfig, TableSpec
+
+BOUND_S = 5.0  # the longest any test here waits for a thread, in real time
+F32 = torch.float32
+SGD_1 = OptimizerConfig("sgd", (("lr", 1.0),))
+ONES = InitSpec("constant", 1.0, 0.0)
+
+
+class FakeClock:
+    """Monotonic time that moves only when a test sets it; counts its reads."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._now = 0.0
+        self.reads = 0
+
+    def __call__(self) -> float:
+        with self._cond:
+            self.reads += 1
+            return self._now
+
+    def set(self, now: float) -> None:
+        with self._cond:
+            self._now = now
+
+
+class Call(threading.Thread):
+    """Runs one blocking call; `outcome` joins it (bounded) and returns or raises its result."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        super().__init__(daemon=True)
+        self._fn = fn
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self._result = self._fn()
+        except BaseException as exc:
+            self._error = exc
+
+    def outcome(self) -> Any:
+        self.join(BOUND_S)
+        assert not self.is_alive(), f"the call still blocks after {BOUND_S} s"
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def parked(self) -> bool:
+        """Whether the thread is inside a threading wait (a Condition's or an Event's)."""
+        frame = sys._current_frames().get(self.ident or -1)
+        while frame is not None:
+            if frame.f_code.co_name == "wait" and frame.f_code.co_filename == threading.__file__:
+                return True
+            frame = frame.f_back
+        return False
+
+
+def settle(call: Call, clock: FakeClock, reads_before: int = -1) -> bool:
+    """True once `call` is parked (having read the clock since `reads_before`), False once it
+    has finished; fails the test if neither happens within the bound."""
+    deadline = time.monotonic() + BOUND_S
+    while time.monotonic() < deadline:
+        if not call.is_alive():
+            return False
+        if call.parked() and clock.reads > reads_before:
+            return True
+        time.sleep(0.0005)
+    raise AssertionError(f"the call neither parked nor finished within {BOUND_S} s")
+
+
+def make_shard(mode: str, workers: int = 2, staleness: int = 0, max_wait_s: float = 10.0,
+               ) -> tuple[Shard, FakeClock]:
+    clock = FakeClock()
+    config = ShardConfig(0, 1, mode=mode, staleness=staleness, quorum=Quorum(workers),
+                         max_wait_s=max_wait_s)
+    shard = Shard(config, clock=clock)
+    shard.declare([
+        TableSpec("w", "dense", F32, shape=(4,), init=ONES, optimizer=SGD_1),
+        TableSpec("emb", "sparse", F32, dim=2, init=ONES, optimizer=SGD_1),
+    ])
+    return shard, clock
+
+
+def push_w(shard: Shard, worker: int, seq: int, clock: int, value: float,
+           wait_s: float = 0.0) -> PushOutcome:
+    meta = PushMeta(worker, 1, seq, clock, wait_s=wait_s)
+    return shard.push_dense("w", meta, F32, (4,), [(0, torch.full((4,), value))])
+
+
+def push_emb(shard: Shard, worker: int, seq: int, keys: list[int], rows: list[list[float]]
+             ) -> PushOutcome:
+    values = codec.tensor_bytes(torch.tensor(rows, dtype=F32).reshape(len(keys), 2))
+    return shard.push_sparse("emb", PushMeta(worker, 1, seq), F32, 2,
+                             np.array(keys, dtype=np.int64), values)
+
+
+def values(shard: Shard) -> tuple[list[float], dict[int, list[float]]]:
+    """The dense table and every sparse row, read without counting as a pull."""
+    state = shard.snapshot("probe")
+    tables = {t.name: t.tensors for t in state.tables}
+    rows = {int(k): v.tolist() for k, v in zip(tables["emb"]["keys"], tables["emb"]["value"],
+                                                strict=True)}
+    return tables["w"]["value"].tolist(), rows
+
+
+# ---- waiting for clocks ------------------------------------------------------------------------
+
+
+def test_a_sync_pull_waits_until_its_clock_closes() -> None:
+    shard, clock = make_shard("sync")
+    assert push_w(shard, 0, 1, 0, 2.0) is PushOutcome.APPLIED
+    assert shard.tick(0, 1, 0) == 0  # worker 1 has not finished clock 0
+    pull = Call(lambda: shard.pull_dense("w", 0, 1).clone())
+    assert settle(pull, clock), "a pull for clock 1 was served while clock 0 was open"
+    # A pull at the open clock is served at once, without the unfinished clock's gradients.
+    assert shard.pull_dense("w", 1, 0).tolist() == [1.0] * 4
+    assert push_w(shard, 1, 1, 0, 4.0) is PushOutcome.APPLIED
+    assert shard.tick(1, 1, 0) == 1
+    assert pull.outcome().tolist() == [1 - (2 + 4) / 2] * 4  # the mean, applied once
+    state = shard.clock_state()
+    assert (state.open_clock, state.clocks_closed, state.history) == (1, 1, ((0, 2, 0),))
+
+
+def test_an_ssp_pull_is_released_when_the_slowest_worker_advances() -> None:
+    shard, clock = make_shard("ssp", workers=3, staleness=1)
+    for c in range(3):
+        shard.tick(0, 1, c)  # worker 0 reaches clock 3
+    for c in range(2):
+        shard.tick(1, 1, c)  # worker 1 reaches clock 2; worker 2 stays at 0
+    pull = Call(lambda: shard.pull_dense("w", 0, 3).clone())  # needs every worker at >= 2
+    assert settle(pull, clock)
+    reads = clock.reads
+    shard.tick(2, 1, 0)  # the slowest reaches 1: not enough
+    assert settle(pull, clock, reads), "released with the slowest worker at clock 1"
+    shard.tick(2, 1, 1)  # the slowest reaches 2
+    pull.outcome()
+    assert shard.pull_log() == [PullRecord("w", 0, 3, 2)]
+    # A pull within the bound never waits.
+    shard.pull_dense("w", 2, 3)
+    assert shard.pull_log()[-1] == PullRecord("w", 2, 3, 2)
+
+
+@pytest.mark.parametrize(
+    ("mode", "call", "message"),
+    [
+        ("sync", lambda s: s.pull_dense("w", 0, 1),
+         "waited 10.0 s: pull of sync table 'w' by worker 0 at clock 1 needs clock 0 closed, but "
+         "clock 0 is open (0 of quorum 2 counted); waiting for workers 0 (clock 0), 1 (clock 0)"),
+        ("ssp", lambda s: s.pull_sparse("emb", 1, 1, np.array([5], dtype=np.int64), wait_s=10.0),
+         "waited 10.0 s: pull of ssp table 'emb' by worker 1 at clock 1 needs every live worker "
+         "at clock >= 1 (staleness 0); waiting for workers 0 (clock 0), 1 (clock 0)"),
+        ("sync", lambda s: push_w(s, 0, 1, 1, 2.0, wait_s=25.0),  # over the limit: the limit
+         "waited 10.0 s: push to sync table 'w' by worker 0 for clock 1 needs clock 0 closed "
+         "first; waiting for workers 0 (clock 0), 1 (clock 0)"),
+    ],
+    ids=["sync-pull", "ssp-pull", "sync-push"],
+)
+def test_a_wait_times_out_at_the_fake_deadline(
+    mode: str, call: Callable[[Shard], Any], message: str
+) -> None:
+    shard, clock = make_shard(mode, max_wait_s=10.0)
+    blocked = Call(lambda: call(shard))
+    try:
+        assert settle(blocked, clock)
+        clock.set(9.5)
+        reads = clock.reads
+        shard.set_live([0, 1])  # the same members: only wakes the waiter
+        assert settle(blocked, clock, reads), "timed out before its deadline"
+        clock.set(10.0)
+        shard.set_live([0, 1])
+        with pytest.raises(ClockWaitTimeoutError) as caught:
+            blocked.outcome()
+        assert str(caught.value) == message
+    finally:
+        clock.set(1e9)  # whatever happened, let the thread go
+        shard.set_live([0, 1])
+        blocked.join(BOUND_S)
+    before = values(shard)
+    assert before == ([1.0] * 4, {})  # the timed-out push was not applied, nor a row created
+    assert shard.clock_state().open_clock == 0
+
+
+# ---- exactly once -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp", "sync"])
+def test_a_duplicate_push_is_applied_once(mode: str) -> None:
+    shard, _ = make_shard(mode)
+    assert push_w(shard, 0, 7, 0, 2.0) is PushOutcome.APPLIED
+    assert push_w(shard, 0, 7, 0, 2.0) is PushOutcome.DUPLICATE  # a retry
+    assert push_emb(shard, 0, 8, [3], [[1.0, 1.0]]) is PushOutcome.APPLIED
+    assert push_emb(shard, 0, 8, [3], [[1.0, 1.0]]) is PushOutcome.DUPLICATE
+    divisor = 1
+    if mode == "sync":
+        shard.tick(0, 1, 0)
+        shard.tick(1, 1, 0)  # finished without a gradient: counts, adds nothing
+        divisor = 2
+    dense, rows = values(shard)
+    assert dense == [1 - 2.0 / divisor] * 4
+    assert rows == {3: [1 - 1.0 / divisor] * 2}
+    stats = {s.name: s.counters for s, _ in shard.stats()}
+    assert (stats["w"].pushes_applied, stats["w"].pushes_duplicate) == (1, 1)
+    assert (stats["emb"].pushes_applied, stats["emb"].pushes_duplicate) == (1, 1)
+
+
+def test_the_same_number_from_a_new_incarnation_is_a_new_push() -> None:
+    shard, _ = make_shard("async")
+    meta = PushMeta(0, 1, 7)
+    grad = [(0, torch.ones(4))]
+    assert shard.push_dense("w", meta, F32, (4,), grad) is PushOutcome.APPLIED
+    restarted = PushMeta(0, 2, 7)
+    assert shard.push_dense("w", restarted, F32, (4,), grad) is PushOutcome.APPLIED
+    assert values(shard)[0] == [-1.0] * 4
+
+
+# ---- refusals change nothing --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("keys", "rows", "message"),
+    [
+        ([1, 2], [[0.0, float("nan")], [0.0, 0.0]], r"non-finite value \(nan\) at flat element 1"),
+        ([1, 2], [[0.0, 0.0], [float("inf"), 0.0]], r"\(inf\) at flat element 2"),
+        ([4, 4], [[1.0, 1.0], [1.0, 1.0]], "key 4 appears more than once"),
+    ],
+)
+def test_a_refused_push_changes_nothing_and_its_number_stays_free(
+    keys: list[int], rows: list[list[float]], message: str
+) -> None:
+    shard, _ = make_shard("async")
+    push_emb(shard, 0, 1, [1, 4], [[0.5, 0.5], [0.5, 0.5]])
+    before = values(shard)
+    with pytest.raises(InvalidArgumentError, match=message):
+        push_emb(shard, 0, 2, keys, rows)
+    assert values(shard) == before
+    counters = {s.name: s.counters for s, _ in shard.stats()}["emb"]
+    assert (counters.pushes_applied, counters.pushes_rejected) == (1, 1)
+    # The corrected push, sent again under the same number, is applied.
+    assert push_emb(shard, 0, 2, [1, 2], [[1.0, 1.0], [1.0, 1.0]]) is PushOutcome.APPLIED
+    assert values(shard)[1] == {1: [-0.5, -0.5], 4: [0.5, 0.5], 2: [0.0, 0.0]}
+
+
+def test_a_table_that_allows_non_finite_values_takes_them() -> None:
+    shard = Shard(ShardConfig(0, 1, mode="async"), clock=FakeClock())
+    shard.declare([TableSpec("w", "dense", F32, shape=(2,), init=ONES, optimizer=SGD_1,
+                             allow_non_finite=True)])
+    grad = torch.tensor([float("inf"), 1.0])
+    shard.push_dense("w", PushMeta(0, 1, 1), F32, (2,), [(0, grad)])
+    assert shard.pull_dense("w", 0, 0).tolist() == [float("-inf"), 0.0]
+
+
+def test_a_refused_exchange_changes_nothing() -> None:
+    shard, _ = make_shard("sync")
+    good = DensePush("w", PushMeta(0, 1, 1, 0), F32, (4,), torch.ones(4))
+    bad = SparsePush("emb", PushMeta(0, 1, 2, 0), F32, 3, np.array([1], dtype=np.int64),
+                     codec.tensor_bytes(torch.ones(1, 3)))
+    request = Exchange(worker=0, incarnation=1, generation=0, push_clock=0,
+                       pushes=[good, bad], end_iteration=True, pull_clock=1,
+                       pulls=[Pull("w")])
+    with pytest.raises(InvalidArgumentError, match="has dim 2; the push carries dim 3"):
+        shard.exchange(request)
+    assert values(shard) == ([1.0] * 4, {})
+    state = shard.clock_state()
+    assert (state.open_clock, state.clocks) == (0, {0: 0, 1: 0})  # the iteration did not end
+    # Its pushes' numbers are still free: the corrected exchange applies them.
+    fixed = Exchange(worker=0, incarnation=1, generation=0, push_clock=0, pushes=[good],
+                     end_iteration=True, pull_clock=0, pulls=[Pull("w")])
+    result = shard.exchange(fixed)
+    assert result.outcomes == [PushOutcome.APPLIED]
+    assert result.open_clock == 0

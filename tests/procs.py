@@ -50,13 +50,16 @@ class Procs:
         self.started: list[Proc] = []
         self._count = 0
 
-    def spawn(self, args: list[str], name: str, env: dict[str, str] | None = None) -> Proc:
+    def spawn(self, args: list[str], name: str, env: dict[str, str] | None = None,
+              cwd: Path | None = None) -> Proc:
+        """Starts `args` in its own session, in `cwd` (default: the repository root), with
+        stdout and stderr in a log file."""
         self._count += 1
         log_path = self.workdir / f"{name}-{self._count}.log"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(log_path, "wb") as log:
             popen = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=full_env,
+                args, stdout=log, stderr=subprocess.STDOUT, cwd=cwd or REPO, env=full_env,
                 start_new_session=True,
             )
         proc = Proc(popen, log_path)

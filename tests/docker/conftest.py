@@ -1,66 +1,10 @@
-"""Helpers for the deployment tests: parsing `pstrain ...` command lines with the real parsers."""
+"""Fixtures for the deployment tests: parsing `pstrain ...` command lines with the real parsers
+(tests/deployment.py)."""
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import importlib.util
-import io
-import sys
-from collections.abc import Callable
-from pathlib import Path
-
 import pytest
-
-from ps.__main__ import parser as server_parser
-from scheduler.cli import _parser as cli_parser
-
-REPO = Path(__file__).resolve().parents[2]
-
-ParseCommand = Callable[[list[str]], argparse.Namespace]
-
-
-def _parse(parser: argparse.ArgumentParser, args: list[str], what: str) -> argparse.Namespace:
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            return parser.parse_args(args)
-    except SystemExit as exc:
-        raise AssertionError(f"{what} {args} is refused by its parser:\n{err.getvalue()}") from exc
-
-
-def _script_parser(script: str) -> Callable[[list[str]], argparse.Namespace]:
-    path = REPO / script
-    assert path.is_file(), f"training script {script} does not exist in the repository"
-    spec = importlib.util.spec_from_file_location(f"_script_{path.stem}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    parse: Callable[[list[str]], argparse.Namespace] = module.parse_args
-    return parse
-
-
-def parse_pstrain(argv: list[str]) -> argparse.Namespace:
-    """Parses `pstrain ARGS...` (argv[0] is the pstrain executable) as the CLI would: the
-    server's flags with the server's parser, others with the CLI's, and a worker's script
-    arguments with the script's own parser. AssertionError with argparse's message if any of
-    them refuses a flag."""
-    assert Path(argv[0]).name == "pstrain", argv
-    args = argv[1:]
-    if args[:1] == ["server"]:
-        return _parse(server_parser(), args[1:], "pstrain server")
-    parsed = _parse(cli_parser(), args, "pstrain")
-    if parsed.command == "worker":
-        script_args = parsed.args[1:] if parsed.args[:1] == ["--"] else parsed.args
-        err = io.StringIO()
-        try:
-            with contextlib.redirect_stderr(err):
-                _script_parser(parsed.script)(list(script_args))
-        except SystemExit as exc:
-            raise AssertionError(
-                f"{parsed.script} refuses {script_args}:\n{err.getvalue()}") from exc
-    return parsed
+from deployment import ParseCommand, parse_pstrain
 
 
 @pytest.fixture

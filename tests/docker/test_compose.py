@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
+from deployment import last_json
 from procs import Proc, Procs, free_port, wait_until
 
 from scheduler.store import JobStore
@@ -333,13 +334,6 @@ class LocalCompose:
 def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
         return str(reply.read().decode())
-
-
-def last_json(proc: Proc) -> dict[str, Any]:
-    lines = [line for line in proc.log().splitlines() if line.startswith("{")]
-    assert lines, proc.log()
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
 
 
 def claimant(store: JobStore, pid: int) -> int | None:

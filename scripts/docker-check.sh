@@ -172,7 +172,8 @@ if ! "$docker" info >/dev/null 2>&1; then
   else
     say "starting dockerd (log: $tmp/dockerd.log)"
     [ "$(id -u)" = 0 ] || die "the Docker daemon is not running; start it (dockerd needs root)"
-    dockerd >"$tmp/dockerd.log" 2>&1 &
+    # In its own session, so that a Ctrl-C of this script reaches it only through cleanup.
+    setsid dockerd >"$tmp/dockerd.log" 2>&1 &
     dockerd_pid=$!
   fi
   for _ in $(seq 60); do "$docker" info >/dev/null 2>&1 && break; sleep 1; done

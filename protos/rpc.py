@@ -22,9 +22,9 @@ from typing import Any, Generic, TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from protos import codec
+from protos import frames as codec
 from protos import pstrain_pb2 as pb
-from protos.codec import Frame
+from protos.frames import Frame
 
 Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)

@@ -807,6 +807,10 @@ def _as_int(value: object) -> int:
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, sharing its memory (writable)."""
+    if tensor.numel() == 0:
+        # An empty tensor may have any strides, 0 among them (a sparse table's keys before
+        # its first row), and view() to another element size refuses those.
+        return memoryview(bytearray())
     # numpy has no bfloat16 or float8, so go through uint8; reshape first because view() to a
     # smaller dtype needs at least one dimension.
     flat = tensor.reshape(-1).view(torch.uint8)

@@ -116,6 +116,16 @@ def test_round_trip_names_meta_and_specs(tmp_path: Path) -> None:
         assert torch.equal(table.tensors["state/exp_avg"], torch.ones(1) * i)
 
 
+def test_empty_tensors_of_any_strides_are_written(tmp_path: Path) -> None:
+    # An untouched sparse table's keys are an empty int64 tensor with stride 0.
+    empty = {"keys": torch.empty(0, dtype=torch.int64).as_strided((0,), (0,)),
+             "rows": torch.empty(0, 4).as_strided((0, 4), (0, 0))}
+    written = write_shard(tmp_path, _state(tables=[TableState("t", {}, empty)]))
+    back = read_shard(written.path, written.sha256).tables[0].tensors
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in back.items()} == {
+        "keys": (torch.int64, (0,)), "rows": (torch.float32, (0, 4))}
+
+
 def test_read_tensors_are_writable_and_owned(tmp_path: Path) -> None:
     written = write_shard(tmp_path, _state())
     first = read_shard(written.path).tables[0].tensors["value"]

@@ -2,7 +2,7 @@
 
 A policy is a small pure object. Given a frozen view of the shard's clocks it answers
 SERVE, WAIT or DROP; it never sleeps, locks or does I/O. The shard's executor does the
-waiting, aggregating and applying. Policies are registered by name.
+waiting, aggregating and applying. Policies are registered by mode kind (protos.modes.Kind).
 
 Clocks count iterations: a worker at clock c is working on iteration c, and its tick for
 iteration c moves it to c + 1. A pull at clock c asks for the parameters iteration c may use.
@@ -10,10 +10,12 @@ iteration c moves it to c + 1. A pull at clock c asks for the parameters iterati
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
+from protos.modes import Kind, Mode, ModeError
 from ps.errors import InvalidArgumentError
 
 
@@ -40,6 +42,11 @@ class Policy(Protocol):
     name: str
     aggregates: bool  # pushes are summed per clock and applied when the clock closes
 
+    @property
+    def mode(self) -> Mode:
+        """The mode this policy implements, its staleness bound filled in."""
+        ...  # pushes are summed per clock and applied when the clock closes
+
     def on_push(self, view: ClockView) -> Decision:
         """Whether a push reported at view.clock is taken now, later, or dropped."""
         ...
@@ -53,6 +60,7 @@ class AsyncPolicy:
     """Hogwild: pushes apply at once, pulls never wait."""
 
     name = "async"
+    mode = Mode(Kind.ASYNC)
     aggregates = False
 
     def on_push(self, view: ClockView) -> Decision:
@@ -75,6 +83,10 @@ class SSPPolicy:
         if self.staleness < 0:
             raise InvalidArgumentError(f"staleness must be >= 0, got {self.staleness}")
 
+    @property
+    def mode(self) -> Mode:
+        return Mode(Kind.SSP, self.staleness)
+
     def on_push(self, view: ClockView) -> Decision:
         return Decision.SERVE
 
@@ -94,6 +106,7 @@ class SyncPolicy:
     """
 
     name = "sync"
+    mode = Mode(Kind.SYNC)
     aggregates = True
 
     def on_push(self, view: ClockView) -> Decision:
@@ -114,25 +127,26 @@ class SyncPolicy:
         return contributors >= quorum and finished >= contributors
 
 
-MODES = ("sync", "ssp", "async")
+def _ssp(mode: Mode) -> SSPPolicy:
+    # make_policy has filled the bound in; None cannot reach here.
+    return SSPPolicy(0 if mode.staleness is None else mode.staleness)
 
 
-def make_policy(mode: str, default_staleness: int = 0) -> Policy:
-    """The policy for a mode string: "sync", "async", "ssp" or "ssp:S" (staleness S).
+# The policy of each kind, given a mode whose bound is filled in.
+_POLICIES: dict[Kind, Callable[[Mode], Policy]] = {
+    Kind.ASYNC: lambda mode: AsyncPolicy(),
+    Kind.SSP: _ssp,
+    Kind.SYNC: lambda mode: SyncPolicy(),
+}
 
-    InvalidArgumentError naming the mode and the valid choices.
+
+def make_policy(mode: Mode, default_staleness: int = 0) -> Policy:
+    """The policy for `mode`; an ssp mode without a bound gets `default_staleness`.
+
+    InvalidArgumentError for a negative default bound. Pure and thread-safe.
     """
-    name, _, arg = mode.partition(":")
-    if name == "async" and not arg:
-        return AsyncPolicy()
-    if name == "sync" and not arg:
-        return SyncPolicy()
-    if name == "ssp":
-        if not arg:
-            return SSPPolicy(default_staleness)
-        if arg.isdigit():
-            return SSPPolicy(int(arg))
-    raise InvalidArgumentError(
-        f"unknown consistency mode {mode!r}; choose sync, async, ssp or ssp:S (S >= 0 the "
-        "staleness bound, e.g. ssp:3)"
-    )
+    try:
+        resolved = mode.with_default(default_staleness)
+    except ModeError as exc:
+        raise InvalidArgumentError(str(exc)) from exc
+    return _POLICIES[resolved.kind](resolved)

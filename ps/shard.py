@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from protos.codec import tensor_from_bytes
+from protos.modes import ASYNC, Mode
 from protos.partition import RowRange, dense_placement
 from ps.aggregate import Aggregate, DenseSum, SparseSum
 from ps.behind import WriteBehind
@@ -62,8 +63,8 @@ class ShardConfig:
     num_shards: int
     job: str = ""
     incarnation: int = 1
-    mode: str = "async"
-    staleness: int = 0
+    mode: Mode = ASYNC  # of tables declared without a mode of their own
+    staleness: int = 0  # the ssp bound of tables (and a default mode) declared "ssp" without one
     quorum: Quorum = field(default_factory=Quorum)
     # Longest a pull or push may wait for the clocks to move, unless the request asks less.
     max_wait_s: float = 300.0
@@ -80,7 +81,12 @@ class ShardConfig:
             raise InvalidArgumentError(
                 f"shard must be in [0, {self.num_shards}), got {self.shard}"
             )
-        make_policy(self.mode, self.staleness)
+        if self.staleness < 0:
+            raise InvalidArgumentError(f"staleness must be >= 0, got {self.staleness}")
+        if self.mode.staleness not in (None, self.staleness):
+            raise InvalidArgumentError(
+                f"mode {self.mode} and staleness {self.staleness} disagree; give the bound once"
+            )
 
 
 @dataclass(frozen=True)
@@ -227,7 +233,7 @@ class Shard:
                             DenseSum(table) if isinstance(table, DenseTable) else SparseSum(table)
                         )
                     log.info("shard %d: created %s table %r (%s)", self.config.shard,
-                             spec.kind, spec.name, policy.name)
+                             spec.kind, spec.name, policy.mode)
                 placements.append(
                     table.placement
                     if isinstance(table, DenseTable)
@@ -653,7 +659,7 @@ class Shard:
             tables = list(self._tables.items())
         board = self.board
         meta: dict[str, object] = {
-            "mode": self.config.mode, "incarnation": self.config.incarnation,
+            "mode": str(self.config.mode), "incarnation": self.config.incarnation,
             "open_clock": board.open_clock, "clocks_closed": board.clocks_closed,
             "clocks": {str(w): c for w, c in board.clocks.items()}, "live": sorted(board.live),
             "ledger": [[e.worker, e.incarnation, e.floor, list(e.applied)]
@@ -714,11 +720,12 @@ class Shard:
 
     # ---- introspection ---------------------------------------------------------------------
 
-    def stats(self) -> list[tuple[TableStats, str]]:
-        """Each table's stats with its mode's name, counting every acknowledged push."""
+    def stats(self) -> list[tuple[TableStats, Mode]]:
+        """Each table's stats with its mode (bound filled in), counting every acknowledged
+        push."""
         self._behind.wait()
         with self._lock:
-            tables = [(t, self._policies[n].name) for n, t in self._tables.items()]
+            tables = [(t, self._policies[n].mode) for n, t in self._tables.items()]
         return [(t.stats(), mode) for t, mode in tables]
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from protos import modes
+from protos.modes import Kind, Mode
 from ps.consistency import (
     AsyncPolicy,
     ClockView,
@@ -71,17 +73,24 @@ def test_async_never_waits(v: ClockView) -> None:
 
 
 @pytest.mark.parametrize(
-    ("mode", "name", "staleness"),
-    [("sync", "sync", None), ("async", "async", None), ("ssp", "ssp", 4), ("ssp:2", "ssp", 2)],
+    ("mode", "default", "expected"),
+    [
+        ("sync", 4, Mode(Kind.SYNC)),
+        ("async", 4, Mode(Kind.ASYNC)),
+        ("ssp", 4, Mode(Kind.SSP, 4)),  # the bound left to the default
+        ("ssp:2", 4, Mode(Kind.SSP, 2)),  # its own bound wins
+        ("ssp:0", 4, Mode(Kind.SSP, 0)),
+    ],
 )
-def test_make_policy(mode: str, name: str, staleness: int | None) -> None:
-    policy = make_policy(mode, default_staleness=4)
-    assert policy.name == name
-    if staleness is not None:
-        assert isinstance(policy, SSPPolicy) and policy.staleness == staleness
+def test_make_policy(mode: str, default: int, expected: Mode) -> None:
+    policy = make_policy(modes.parse(mode), default_staleness=default)
+    assert policy.mode == expected
+    assert make_policy(policy.mode).mode == expected  # a filled-in mode makes the same one
 
 
-@pytest.mark.parametrize("mode", ["bsp", "ssp:-1", "ssp:x", "sync:1", ""])
-def test_make_policy_rejects(mode: str) -> None:
-    with pytest.raises(InvalidArgumentError, match="unknown consistency mode"):
-        make_policy(mode)
+def test_make_policy_rejects_a_negative_default_bound() -> None:
+    with pytest.raises(InvalidArgumentError, match="must be an int >= 0, got -1"):
+        make_policy(modes.SSP, default_staleness=-1)
+    with pytest.raises(InvalidArgumentError, match="staleness must be >= 0, got -2"):
+        SSPPolicy(-2)
+    assert make_policy(modes.SYNC, default_staleness=-1).mode == modes.SYNC  # unused there

@@ -16,6 +16,13 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BFLOAT16: _ClassVar[DType]
     INT64: _ClassVar[DType]
 
+class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODE_UNSPECIFIED: _ClassVar[Mode]
+    SYNC: _ClassVar[Mode]
+    SSP: _ClassVar[Mode]
+    ASYNC: _ClassVar[Mode]
+
 class PushKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     GRADIENT: _ClassVar[PushKind]
@@ -26,6 +33,10 @@ FLOAT64: DType
 FLOAT16: DType
 BFLOAT16: DType
 INT64: DType
+MODE_UNSPECIFIED: Mode
+SYNC: Mode
+SSP: Mode
+ASYNC: Mode
 GRADIENT: PushKind
 ASSIGN: PushKind
 
@@ -79,20 +90,22 @@ class SparseSpec(_message.Message):
     def __init__(self, dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., init: _Optional[_Union[Initializer, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "dense", "sparse", "optimizer", "allow_non_finite", "mode")
+    __slots__ = ("name", "dense", "sparse", "optimizer", "allow_non_finite", "consistency", "staleness")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     ALLOW_NON_FINITE_FIELD_NUMBER: _ClassVar[int]
-    MODE_FIELD_NUMBER: _ClassVar[int]
+    CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
     name: str
     dense: DenseSpec
     sparse: SparseSpec
     optimizer: OptimizerSpec
     allow_non_finite: bool
-    mode: str
-    def __init__(self, name: _Optional[str] = ..., dense: _Optional[_Union[DenseSpec, _Mapping]] = ..., sparse: _Optional[_Union[SparseSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., allow_non_finite: _Optional[bool] = ..., mode: _Optional[str] = ...) -> None: ...
+    consistency: Mode
+    staleness: int
+    def __init__(self, name: _Optional[str] = ..., dense: _Optional[_Union[DenseSpec, _Mapping]] = ..., sparse: _Optional[_Union[SparseSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., allow_non_finite: _Optional[bool] = ..., consistency: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ...) -> None: ...
 
 class DeclareTablesRequest(_message.Message):
     __slots__ = ("tables",)
@@ -353,7 +366,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("shard", "num_shards", "incarnation", "job", "version", "max_message_bytes", "chunk_bytes", "mode", "workers", "backups", "staleness", "open_clock")
+    __slots__ = ("shard", "num_shards", "incarnation", "job", "version", "max_message_bytes", "chunk_bytes", "workers", "backups", "staleness", "open_clock", "consistency")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -361,11 +374,11 @@ class ServerInfo(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
-    MODE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     BACKUPS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     OPEN_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     incarnation: int
@@ -373,12 +386,12 @@ class ServerInfo(_message.Message):
     version: str
     max_message_bytes: int
     chunk_bytes: int
-    mode: str
     workers: int
     backups: int
     staleness: int
     open_clock: int
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., incarnation: _Optional[int] = ..., job: _Optional[str] = ..., version: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., mode: _Optional[str] = ..., workers: _Optional[int] = ..., backups: _Optional[int] = ..., staleness: _Optional[int] = ..., open_clock: _Optional[int] = ...) -> None: ...
+    consistency: Mode
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., incarnation: _Optional[int] = ..., job: _Optional[str] = ..., version: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., backups: _Optional[int] = ..., staleness: _Optional[int] = ..., open_clock: _Optional[int] = ..., consistency: _Optional[_Union[Mode, str]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("pull_log", "history")
@@ -411,7 +424,7 @@ class PullRecord(_message.Message):
     def __init__(self, table: _Optional[str] = ..., worker: _Optional[int] = ..., clock: _Optional[int] = ..., min_live_clock: _Optional[int] = ...) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("name", "kind", "optimizer", "rows", "value_bytes", "state_bytes", "index_bytes", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "rows_pulled", "rows_pushed", "row_start", "row_end", "mode", "pushes_dropped", "gradients_aggregated")
+    __slots__ = ("name", "kind", "optimizer", "rows", "value_bytes", "state_bytes", "index_bytes", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "rows_pulled", "rows_pushed", "row_start", "row_end", "pushes_dropped", "gradients_aggregated", "consistency", "staleness")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
@@ -427,9 +440,10 @@ class TableStats(_message.Message):
     ROWS_PUSHED_FIELD_NUMBER: _ClassVar[int]
     ROW_START_FIELD_NUMBER: _ClassVar[int]
     ROW_END_FIELD_NUMBER: _ClassVar[int]
-    MODE_FIELD_NUMBER: _ClassVar[int]
     PUSHES_DROPPED_FIELD_NUMBER: _ClassVar[int]
     GRADIENTS_AGGREGATED_FIELD_NUMBER: _ClassVar[int]
+    CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     optimizer: str
@@ -445,10 +459,11 @@ class TableStats(_message.Message):
     rows_pushed: int
     row_start: int
     row_end: int
-    mode: str
     pushes_dropped: int
     gradients_aggregated: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., optimizer: _Optional[str] = ..., rows: _Optional[int] = ..., value_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., index_bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., mode: _Optional[str] = ..., pushes_dropped: _Optional[int] = ..., gradients_aggregated: _Optional[int] = ...) -> None: ...
+    consistency: Mode
+    staleness: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., optimizer: _Optional[str] = ..., rows: _Optional[int] = ..., value_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., index_bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., gradients_aggregated: _Optional[int] = ..., consistency: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("info", "tables", "bytes_received", "bytes_sent", "open_clock", "clocks_closed", "clocks", "pull_log", "history")

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from protos import modes
 from ps.coordination import ServerCoordinator, advertised, find_checkpoint, new_incarnation
 from ps.errors import InvalidArgumentError, PSError
 from ps.server import MiB, ParameterServer, ServerConfig, run
@@ -128,18 +129,16 @@ def build(argv: list[str]) -> Built:
         level=a.log_level.upper(),
         format=f"%(asctime)s %(levelname)s server[{a.shard}] %(name)s: %(message)s",
     )
-    mode, staleness = a.mode, a.staleness
-    if mode and mode.startswith("ssp:"):
-        mode, staleness = "ssp", int(mode.split(":", 1)[1])
+    mode, staleness = _mode_flags(a.mode, a.staleness)
     attach = None
     if a.redis:
         if not a.job:
             raise InvalidArgumentError("--redis needs --job NAME (or PSTRAIN_JOB)")
         store = JobStore.connect(a.redis, a.job)
         spec = wait_for_spec(store, a.spec_wait_s)
-        spec.check_agrees(servers=a.num_shards, mode=mode, staleness=staleness,
-                          workers=a.workers, backups=a.backups)
-        mode, staleness = spec.mode, spec.staleness
+        spec.check_agrees(servers=a.num_shards, mode=mode and mode.kind.value,
+                          staleness=staleness, workers=a.workers, backups=a.backups)
+        mode, staleness = modes.parse(spec.mode), spec.staleness
         num_shards, workers, backups = spec.servers, spec.workers, spec.backups
         directory = spec.checkpoint_dir or a.checkpoint_dir
     else:
@@ -155,7 +154,7 @@ def build(argv: list[str]) -> Built:
                            restored.checkpoint_id if restored else "")
     config = ServerConfig(
         bind=a.bind, shard=a.shard, num_shards=num_shards, job=a.job,
-        incarnation=new_incarnation(), mode=mode or "async", staleness=staleness or 0,
+        incarnation=new_incarnation(), mode=mode or modes.ASYNC, staleness=staleness or 0,
         workers=workers, backups=backups, max_wait_s=a.max_wait_s,
         torch_threads=a.torch_threads, grpc_threads=a.grpc_threads,
         chunk_bytes=int(a.chunk_mib * MiB), max_message_bytes=int(a.max_message_mib * MiB),
@@ -170,6 +169,26 @@ def build(argv: list[str]) -> Built:
             server.shard.restore(state)
 
     return config, attach, prepare
+
+
+def _mode_flags(text: str | None, staleness: int | None) -> tuple[modes.Mode | None, int | None]:
+    """--mode and --staleness as (the mode's kind, the bound): "ssp:S" gives S as the bound.
+
+    InvalidArgumentError for a mode outside the grammar, or a bound given twice differently.
+    """
+    if not text:
+        return None, staleness
+    try:
+        mode = modes.parse(text)
+    except modes.ModeError as exc:
+        raise InvalidArgumentError(f"--mode: {exc}") from exc
+    if mode.staleness is None:
+        return mode, staleness
+    if staleness is not None and staleness != mode.staleness:
+        raise InvalidArgumentError(
+            f"--mode {mode} and --staleness {staleness} disagree; give the bound once"
+        )
+    return modes.Mode(mode.kind), mode.staleness
 
 
 def _attacher(

@@ -10,7 +10,7 @@ import collections
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ps.consistency import ClockView
+from ps.consistency import ClockView, Waiters
 from ps.errors import InvalidArgumentError
 
 # Closed sync clocks remembered for inspection.
@@ -137,10 +137,12 @@ class ClockBoard:
     def _entry_clock(self) -> int:
         return max(self.open_clock, self.min_live_clock()) if self.live else self.open_clock
 
+    def waiters(self) -> Waiters:
+        """A frozen copy of who a wait may be waiting for, for a policy's explanation."""
+        return Waiters(
+            tuple(sorted((w, self.clocks[w]) for w in self.live)), frozenset(self.finished)
+        )
+
     def unfinished(self) -> list[tuple[int, int]]:
         """(worker, clock) of live workers the open sync clock still waits for."""
-        return sorted((w, self.clocks[w]) for w in self.live if w not in self.finished)
-
-    def behind(self, clock: int) -> list[tuple[int, int]]:
-        """(worker, clock) of live workers whose clock is below `clock`."""
-        return sorted((w, self.clocks[w]) for w in self.live if self.clocks[w] < clock)
+        return self.waiters().unfinished()

@@ -17,6 +17,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos import rpc
+from protos.modes import ASYNC, Mode
 from protos.runtime import tune_malloc
 from protos.transport import TransportError, parse_choice
 from ps.bulk import BulkEndpoint
@@ -41,8 +42,8 @@ class ServerConfig:
     num_shards: int = 1
     job: str = ""
     incarnation: int = 1
-    mode: str = "async"
-    staleness: int = 0
+    mode: Mode = ASYNC  # of tables declared without a mode of their own
+    staleness: int = 0  # the default ssp bound
     workers: int = 1
     backups: int = 0
     max_wait_s: float = 300.0
@@ -158,7 +159,8 @@ class ParameterServer:
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "shard %d/%d serving on %s (incarnation %d, mode %s)", self.config.shard,
-            self.config.num_shards, self.address, self.config.incarnation, self.config.mode,
+            self.config.num_shards, self.address, self.config.incarnation,
+            self.config.mode.with_default(self.config.staleness),
         )
         if self.config.ready_file:
             tmp = self.config.ready_file + ".tmp"

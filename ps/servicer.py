@@ -21,7 +21,7 @@ import grpc
 import torch
 from prometheus_client import Histogram
 
-from protos import codec, marks, rpc
+from protos import codec, marks, modes, rpc
 from protos import pstrain_pb2 as pb
 from protos.codec import Frame, WireError
 from protos.transport import TransportError
@@ -120,6 +120,12 @@ def spec_from_proto(msg: pb.TableSpec) -> TableSpec:
     optimizer = OptimizerConfig(
         msg.optimizer.name or "sgd", tuple(sorted(msg.optimizer.params.items()))
     )
+    try:
+        mode = modes.from_proto(
+            msg.consistency, msg.staleness if msg.HasField("staleness") else None
+        )
+    except modes.ModeError as exc:
+        raise InvalidArgumentError(f"table {msg.name!r}: {exc}") from exc
     return TableSpec(
         name=msg.name,
         kind=kind,
@@ -130,7 +136,7 @@ def spec_from_proto(msg: pb.TableSpec) -> TableSpec:
         seed=body.seed,
         optimizer=optimizer,
         allow_non_finite=msg.allow_non_finite,
-        mode=msg.mode,
+        mode=mode,
     )
 
 
@@ -219,14 +225,16 @@ def _elements(push: SparsePush | DensePush) -> int:
     return len(push.keys) * push.dim if isinstance(push, SparsePush) else push.values.numel()
 
 
-def _stats_to_proto(s: TableStats, mode: str) -> pb.TableStats:
+def _stats_to_proto(s: TableStats, mode: modes.Mode) -> pb.TableStats:
     c = s.counters
+    consistency, staleness = modes.to_proto(mode)
     return pb.TableStats(
         name=s.name, kind=s.kind, optimizer=s.optimizer, rows=s.rows,
         value_bytes=s.value_bytes, state_bytes=s.state_bytes, index_bytes=s.index_bytes,
         pushes_applied=c.pushes_applied, pushes_duplicate=c.pushes_duplicate,
         pushes_rejected=c.pushes_rejected, pulls=c.pulls, rows_pulled=c.rows_pulled,
-        rows_pushed=c.rows_pushed, row_start=s.row_start, row_end=s.row_end, mode=mode,
+        rows_pushed=c.rows_pushed, row_start=s.row_start, row_end=s.row_end,
+        consistency=consistency, staleness=staleness or 0,
         pushes_dropped=c.pushes_dropped, gradients_aggregated=c.gradients_aggregated,
     )
 
@@ -272,8 +280,8 @@ class ParameterServerServicer:
         return pb.ServerInfo(
             shard=cfg.shard, num_shards=cfg.num_shards, incarnation=cfg.incarnation,
             job=cfg.job, version=self.version, max_message_bytes=self.limits.max_message_bytes,
-            chunk_bytes=self.limits.chunk_bytes, mode=cfg.mode, workers=cfg.quorum.workers,
-            backups=cfg.quorum.backups, staleness=cfg.staleness,
+            chunk_bytes=self.limits.chunk_bytes, consistency=modes.to_proto(cfg.mode)[0],
+            workers=cfg.quorum.workers, backups=cfg.quorum.backups, staleness=cfg.staleness,
             open_clock=self.shard.clock_state().open_clock,
         )
 

@@ -22,12 +22,13 @@ import numpy as np
 import torch
 
 from protos.codec import tensor_from_bytes
+from protos.modes import ASYNC, Mode
 from protos.partition import RowRange, dense_placement
 from ps.aggregate import Aggregate, DenseSum, SparseSum
 from ps.behind import WriteBehind
 from ps.checkpoint import ShardState, TableState
 from ps.clocks import ClockBoard, Quorum
-from ps.consistency import ClockView, Decision, Policy, SSPPolicy, SyncPolicy, make_policy
+from ps.consistency import ClockView, Decision, Policy, make_policy
 from ps.errors import (
     ClockWaitTimeoutError,
     FailedPreconditionError,
@@ -62,8 +63,8 @@ class ShardConfig:
     num_shards: int
     job: str = ""
     incarnation: int = 1
-    mode: str = "async"
-    staleness: int = 0
+    mode: Mode = ASYNC  # of tables declared without a mode of their own
+    staleness: int = 0  # the ssp bound of tables (and a default mode) declared "ssp" without one
     quorum: Quorum = field(default_factory=Quorum)
     # Longest a pull or push may wait for the clocks to move, unless the request asks less.
     max_wait_s: float = 300.0
@@ -80,7 +81,12 @@ class ShardConfig:
             raise InvalidArgumentError(
                 f"shard must be in [0, {self.num_shards}), got {self.shard}"
             )
-        make_policy(self.mode, self.staleness)
+        if self.staleness < 0:
+            raise InvalidArgumentError(f"staleness must be >= 0, got {self.staleness}")
+        if self.mode.staleness not in (None, self.staleness):
+            raise InvalidArgumentError(
+                f"mode {self.mode} and staleness {self.staleness} disagree; give the bound once"
+            )
 
 
 @dataclass(frozen=True)
@@ -193,6 +199,8 @@ class Shard:
         # Guards the clock board, the sync sums' contents and the pull log; waiters wait on it.
         self._clocks = threading.Condition(threading.Lock())
         self.board = ClockBoard(config.quorum)
+        # The default mode's policy: asked when the shard-wide clock closes.
+        self._clock_policy = make_policy(config.mode, config.staleness)
         self._sums: dict[str, Aggregate] = {}
         self._pull_log: collections.deque[PullRecord] = collections.deque(maxlen=PULL_LOG_SIZE)
         self._pending_snapshot: tuple[int, str, Callable[[ShardState | None], None]] | None = None
@@ -227,7 +235,7 @@ class Shard:
                             DenseSum(table) if isinstance(table, DenseTable) else SparseSum(table)
                         )
                     log.info("shard %d: created %s table %r (%s)", self.config.shard,
-                             spec.kind, spec.name, policy.name)
+                             spec.kind, spec.name, policy.mode)
                 placements.append(
                     table.placement
                     if isinstance(table, DenseTable)
@@ -239,7 +247,7 @@ class Shard:
         return make_policy(spec.mode or self.config.mode, self.config.staleness)
 
     def _create(self, spec: TableSpec) -> Table:
-        hogwild = self._policy_for(spec).name == "async"
+        hogwild = self._policy_for(spec).hogwild
         if spec.kind == "sparse":
             return SparseTable(spec, self.config.shard, self.config.num_shards, hogwild)
         ranges = dense_placement(spec.name, spec.shape, spec.itemsize, self.config.num_shards)
@@ -309,22 +317,30 @@ class Shard:
         self, name: str, policy: Policy, worker: int, clock: int, wait_s: float
     ) -> None:
         self._behind.settle(name)
-        if isinstance(policy, SSPPolicy | SyncPolicy):
-            with self._clocks:
-                view = self._wait_for(
-                    lambda: self.board.view(worker, clock), policy.on_pull, wait_s,
-                    lambda waited: self._pull_wait_error(name, policy, worker, clock, waited),
-                )
-                if isinstance(policy, SSPPolicy):
-                    self._pull_log.append(PullRecord(name, worker, clock, view.min_live_clock))
-                if self.observe_staleness is not None:
-                    self.observe_staleness(name, max(0, clock - view.min_live_clock))
+        if not policy.pull_waits:
+            return
+        with self._clocks:
+            view = self._wait_for(
+                lambda: self.board.view(worker, clock), policy.on_pull, wait_s,
+                lambda last, waited: ClockWaitTimeoutError(
+                    f"waited {waited:.1f} s: "
+                    + policy.explain_pull_wait(name, last, self.board.waiters())
+                ),
+            )
+            if policy.records_pulls:
+                self._pull_log.append(PullRecord(name, worker, clock, view.min_live_clock))
+            if self.observe_staleness is not None:
+                self.observe_staleness(name, max(0, clock - view.min_live_clock))
 
     def _wait_for(
         self, view_fn: Callable[[], ClockView], decide: Callable[[ClockView], Decision],
-        wait_s: float, on_timeout: Callable[[float], PSError],
+        wait_s: float, on_timeout: Callable[[ClockView, float], PSError],
     ) -> ClockView:
-        """Asks `decide` until it stops saying WAIT. Caller holds self._clocks."""
+        """Asks `decide` until it stops saying WAIT. Caller holds self._clocks.
+
+        Past the wait's limit, raises what `on_timeout` makes of the last view and the
+        seconds waited.
+        """
         limit = self.config.max_wait_s if wait_s <= 0 else min(wait_s, self.config.max_wait_s)
         start = self._now()
         while True:
@@ -333,27 +349,8 @@ class Shard:
                 return view
             remaining = start + limit - self._now()
             if remaining <= 0:
-                raise on_timeout(self._now() - start)
+                raise on_timeout(view, self._now() - start)
             self._clocks.wait(remaining)
-
-    def _pull_wait_error(
-        self, name: str, policy: Policy, worker: int, clock: int, waited: float
-    ) -> PSError:
-        if isinstance(policy, SyncPolicy):
-            return ClockWaitTimeoutError(
-                f"waited {waited:.1f} s: pull of sync table {name!r} by worker {worker} at "
-                f"clock {clock} needs clock {clock - 1} closed, but clock "
-                f"{self.board.open_clock} is open ({len(self.board.contributors)} of quorum "
-                f"{self.board.quorum} counted); waiting for workers "
-                f"{_workers(self.board.unfinished())}"
-            )
-        staleness = policy.staleness if isinstance(policy, SSPPolicy) else 0
-        bound = clock - staleness
-        return ClockWaitTimeoutError(
-            f"waited {waited:.1f} s: pull of ssp table {name!r} by worker {worker} at clock "
-            f"{clock} needs every live worker at clock >= {bound} (staleness "
-            f"{staleness}); waiting for workers {_workers(self.board.behind(bound))}"
-        )
 
     # ---- pushes ----------------------------------------------------------------------------
 
@@ -511,10 +508,9 @@ class Shard:
                 )
             view = self._wait_for(
                 lambda: self.board.view(meta.worker, meta.clock), policy.on_push, meta.wait_s,
-                lambda waited: ClockWaitTimeoutError(
-                    f"waited {waited:.1f} s: push to sync table {name!r} by worker "
-                    f"{meta.worker} for clock {meta.clock} needs clock {self.board.open_clock} "
-                    f"closed first; waiting for workers {_workers(self.board.unfinished())}"
+                lambda last, waited: ClockWaitTimeoutError(
+                    f"waited {waited:.1f} s: "
+                    + policy.explain_push_wait(name, last, self.board.waiters())
                 ),
             )
             if policy.on_push(view) is Decision.DROP:
@@ -573,7 +569,9 @@ class Shard:
     def _close_ready(self) -> None:
         """Closes every sync clock whose quorum has finished. Caller holds self._clocks."""
         board = self.board
-        while SyncPolicy.closes(len(board.contributors), len(board.finished), board.quorum):
+        while self._clock_policy.closes(
+            len(board.contributors), len(board.finished), board.quorum
+        ):
             divisor = len(board.contributors)
             with self._lock:
                 sums = list(self._sums.values())
@@ -653,7 +651,7 @@ class Shard:
             tables = list(self._tables.items())
         board = self.board
         meta: dict[str, object] = {
-            "mode": self.config.mode, "incarnation": self.config.incarnation,
+            "mode": str(self.config.mode), "incarnation": self.config.incarnation,
             "open_clock": board.open_clock, "clocks_closed": board.clocks_closed,
             "clocks": {str(w): c for w, c in board.clocks.items()}, "live": sorted(board.live),
             "ledger": [[e.worker, e.incarnation, e.floor, list(e.applied)]
@@ -714,15 +712,11 @@ class Shard:
 
     # ---- introspection ---------------------------------------------------------------------
 
-    def stats(self) -> list[tuple[TableStats, str]]:
-        """Each table's stats with its mode's name, counting every acknowledged push."""
+    def stats(self) -> list[tuple[TableStats, Mode]]:
+        """Each table's stats with its mode (bound filled in), counting every acknowledged
+        push."""
         self._behind.wait()
         with self._lock:
-            tables = [(t, self._policies[n].name) for n, t in self._tables.items()]
+            tables = [(t, self._policies[n].mode) for n, t in self._tables.items()]
         return [(t.stats(), mode) for t, mode in tables]
 
-
-def _workers(pairs: list[tuple[int, int]]) -> str:
-    if not pairs:
-        return "none (the quorum is waiting on ticks in flight)"
-    return ", ".join(f"{w} (clock {c})" for w, c in pairs)

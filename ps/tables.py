@@ -18,6 +18,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from protos import modes
 from protos.codec import FLOAT_DTYPES
 from protos.partition import RowRange, shard_of_keys
 from ps.errors import FailedPreconditionError, InvalidArgumentError
@@ -65,7 +66,7 @@ class TableSpec:
     seed: int = 0
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     allow_non_finite: bool = False
-    mode: str = ""
+    mode: modes.Mode | None = None  # None: the server's default mode
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -97,24 +98,34 @@ class TableSpec:
         return self.dtype.itemsize
 
     def to_dict(self) -> dict[str, object]:
-        """A JSON-ready form, for checkpoints."""
+        """A JSON-ready form, for checkpoints. The mode is kept in the user's grammar
+        ("ssp:2"; "" for the server's default), as checkpoints have always stored it."""
         return {
             "name": self.name, "kind": self.kind, "dtype": _name(self.dtype),
             "shape": list(self.shape), "dim": self.dim,
             "init": [self.init.kind, self.init.a, self.init.b], "seed": self.seed,
             "optimizer": [self.optimizer.name, [list(p) for p in self.optimizer.params]],
-            "allow_non_finite": self.allow_non_finite, "mode": self.mode,
+            "allow_non_finite": self.allow_non_finite,
+            "mode": "" if self.mode is None else str(self.mode),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TableSpec:
+        """The spec `to_dict` made. InvalidArgumentError naming the table for a stored mode
+        this build does not know."""
         init = d["init"]
         name, params = d["optimizer"]
+        try:
+            mode = modes.parse_optional(d["mode"])
+        except modes.ModeError as exc:
+            raise InvalidArgumentError(
+                f"table {d['name']!r}: the checkpointed spec has {exc}"
+            ) from exc
         return cls(
             name=d["name"], kind=d["kind"], dtype=getattr(torch, d["dtype"]),
             shape=tuple(d["shape"]), dim=d["dim"], init=InitSpec(init[0], init[1], init[2]),
             seed=d["seed"], optimizer=OptimizerConfig(name, tuple((k, v) for k, v in params)),
-            allow_non_finite=d["allow_non_finite"], mode=d["mode"],
+            allow_non_finite=d["allow_non_finite"], mode=mode,
         )
 
     def describe(self) -> str:

@@ -17,7 +17,9 @@ import sys
 import threading
 import time
 from types import FrameType
+from typing import Any
 
+from protos import modes
 from protos.transport import ENV_VAR as ENV_TRANSPORT
 from protos.transport import TransportError, parse_choice
 from scheduler.admin import check_address, health
@@ -35,9 +37,11 @@ ENV_JOB = "PSTRAIN_JOB"
 def _spec_flags(p: argparse.ArgumentParser, defaults: bool) -> None:
     """Flags that make up a JobSpec. Without defaults, unset flags stay None (adopt)."""
     d = JobSpec("x") if defaults else None
-    p.add_argument("--mode", choices=("sync", "ssp", "async"), default=d and d.mode,
-                   help="consistency mode of the job's tables (default async)")
-    p.add_argument("--staleness", type=int, default=d and d.staleness,
+    p.add_argument("--mode", type=_mode, default=d and d.mode, metavar="MODE",
+                   help="consistency mode of the job's tables: sync, ssp, ssp:S or async "
+                        "(default async)")
+    # No default here: "--mode ssp:S" may give the bound, and JobSpec's default is 0.
+    p.add_argument("--staleness", type=int, default=None,
                    help="ssp staleness bound (default 0)")
     p.add_argument("--servers", type=int, default=d and d.servers,
                    help="parameter servers (shards) (default 1)")
@@ -63,8 +67,32 @@ _SPEC_FIELDS = ("mode", "staleness", "servers", "workers", "backups", "heartbeat
                 "checkpoint_every_clocks")
 
 
+def _mode(text: str) -> modes.Mode:
+    try:
+        return modes.parse(text)
+    except modes.ModeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _given(a: argparse.Namespace) -> dict[str, Any]:
+    """The JobSpec fields the flags set. A job keeps the ssp bound apart from the mode, so
+    "--mode ssp:S" sets mode "ssp" and staleness S."""
+    given = {f: getattr(a, f) for f in _SPEC_FIELDS if getattr(a, f) is not None}
+    mode = given.get("mode")
+    if isinstance(mode, modes.Mode):
+        given["mode"] = mode.kind.value
+        if mode.staleness is not None and (
+            given.setdefault("staleness", mode.staleness) != mode.staleness
+        ):
+            raise ConfigError(
+                f"--mode {mode} and --staleness {given['staleness']} disagree; give the "
+                "bound once"
+            )
+    return given
+
+
 def _spec(job: str, a: argparse.Namespace) -> JobSpec:
-    return JobSpec(job, **{f: getattr(a, f) for f in _SPEC_FIELDS if getattr(a, f) is not None})
+    return JobSpec(job, **_given(a))
 
 
 def _redis_flags(p: argparse.ArgumentParser, job_required: bool = True) -> None:
@@ -231,8 +259,7 @@ def _health(address: str, service: str, timeout_s: float) -> int:
 def _scheduler(a: argparse.Namespace) -> int:
     _need_redis(a)
     store = JobStore.connect(a.redis, a.job)
-    given = {f: getattr(a, f) for f in _SPEC_FIELDS if getattr(a, f) is not None}
-    spec = store.create_job(_spec(a.job, a), adopt=a.adopt, given=given)
+    spec = store.create_job(_spec(a.job, a), adopt=a.adopt, given=_given(a))
     scheduler = Scheduler(store, spec, poll_s=a.poll_s, lease_s=a.lease_s)
     stop = threading.Event()
 

@@ -6,9 +6,8 @@ import json
 import re
 from dataclasses import asdict, dataclass, fields
 
+from protos import modes
 from scheduler.errors import SpecError, SpecMismatchError
-
-MODES = ("sync", "ssp", "async")
 
 # A worker exits with this status to be started again at once: its job rolled back.
 RESTART_EXIT_CODE = 75
@@ -20,7 +19,7 @@ class JobSpec:
     """A job's shape and policies. Validated on construction; compared field by field."""
 
     job: str
-    mode: str = "async"
+    mode: str = "async"  # the kind only: "sync", "ssp" or "async"
     staleness: int = 0
     servers: int = 1
     workers: int = 1
@@ -38,8 +37,15 @@ class JobSpec:
                 f"job name {self.job!r} must be 1-64 letters, digits, '_', '-' or '.', "
                 "starting with a letter or digit"
             )
-        if self.mode not in MODES:
-            raise SpecError(f"mode {self.mode!r} must be one of {', '.join(MODES)}")
+        try:
+            parsed = modes.parse(self.mode)
+        except modes.ModeError as exc:
+            raise SpecError(f"job {self.job!r}: {exc}") from exc
+        if parsed.staleness is not None:
+            raise SpecError(
+                f"mode {self.mode!r}: a job keeps the ssp bound apart; give mode 'ssp' and "
+                f"staleness {parsed.staleness}"
+            )
         checks = [
             ("staleness", self.staleness >= 0, ">= 0"),
             ("servers", self.servers >= 1, ">= 1"),
@@ -58,6 +64,11 @@ class JobSpec:
     def heartbeat_ttl_s(self) -> float:
         """How long a heartbeat lives: a process is dead after `heartbeat_misses` misses."""
         return self.heartbeat_interval_s * self.heartbeat_misses
+
+    @property
+    def consistency(self) -> modes.Mode:
+        """The job's default consistency mode, its ssp bound filled in."""
+        return modes.parse(self.mode).with_default(self.staleness)
 
     @property
     def quorum(self) -> int:

@@ -31,7 +31,7 @@ import grpc
 import numpy as np
 import torch
 
-from protos import codec, marks, rpc
+from protos import codec, marks, modes, rpc
 from protos import pstrain_pb2 as pb
 from protos.codec import Frame
 from protos.marks import marks_of
@@ -267,6 +267,16 @@ def _as_keys(keys: KeysLike) -> np.ndarray:
 
 def _optimizer(name: str, params: dict[str, float]) -> pb.OptimizerSpec:
     return pb.OptimizerSpec(name=name, params=params)
+
+
+def _consistency(mode: str | modes.Mode | None) -> dict[str, Any]:
+    """A TableSpec's mode fields for a declared mode; "" or None keeps the server's."""
+    try:
+        parsed = modes.parse_optional(mode) if isinstance(mode, str) else mode
+    except modes.ModeError as exc:
+        raise PSClientError(str(exc)) from exc
+    consistency, staleness = modes.to_proto(parsed)
+    return {"consistency": consistency, "staleness": staleness}
 
 
 class PSClient:
@@ -641,11 +651,14 @@ class PSClient:
     def declare_dense(
         self, name: str, shape: Sequence[int], *, dtype: torch.dtype = torch.float32,
         optimizer: str = "sgd", init: tuple[str, float, float] = ("zeros", 0.0, 0.0),
-        seed: int = 0, allow_non_finite: bool = False, mode: str = "", **hyper: float,
+        seed: int = 0, allow_non_finite: bool = False, mode: str | modes.Mode | None = "",
+        **hyper: float,
     ) -> None:
         """Declares a dense tensor (split by rows across shards). Idempotent for the same spec.
 
-        `hyper` are the optimizer's hyperparameters (lr, eps, beta1, ...).
+        `hyper` are the optimizer's hyperparameters (lr, eps, beta1, ...). `mode` is the
+        table's consistency mode ("sync", "ssp", "ssp:S", "async", or a protos.modes.Mode);
+        "" keeps the servers' default. PSClientError for a mode outside that grammar.
         """
         spec = pb.TableSpec(
             name=name,
@@ -654,7 +667,7 @@ class PSClient:
                 init=pb.Initializer(kind=init[0], a=init[1], b=init[2]), seed=seed,
             ),
             optimizer=_optimizer(optimizer, hyper), allow_non_finite=allow_non_finite,
-            mode=mode,
+            **_consistency(mode),
         )
         self._declare(spec)
         itemsize = dtype.itemsize
@@ -665,9 +678,13 @@ class PSClient:
     def declare_sparse(
         self, name: str, dim: int, *, dtype: torch.dtype = torch.float32,
         optimizer: str = "sgd", init: tuple[str, float, float] = ("uniform", -0.05, 0.05),
-        seed: int = 0, allow_non_finite: bool = False, mode: str = "", **hyper: float,
+        seed: int = 0, allow_non_finite: bool = False, mode: str | modes.Mode | None = "",
+        **hyper: float,
     ) -> None:
-        """Declares a sparse table of rows of width `dim`, created on first touch. Idempotent."""
+        """Declares a sparse table of rows of width `dim`, created on first touch. Idempotent.
+
+        `mode` and `hyper` as in declare_dense.
+        """
         spec = pb.TableSpec(
             name=name,
             sparse=pb.SparseSpec(
@@ -675,7 +692,7 @@ class PSClient:
                 init=pb.Initializer(kind=init[0], a=init[1], b=init[2]), seed=seed,
             ),
             optimizer=_optimizer(optimizer, hyper), allow_non_finite=allow_non_finite,
-            mode=mode,
+            **_consistency(mode),
         )
         self._declare(spec)
         with self._lock:

@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from protos import modes
 from worker.client import PSClient, Pull, Push
 from worker.errors import PSClientError
 
@@ -98,17 +99,25 @@ def _delay(seconds: float) -> None:
     time.sleep(seconds)
 
 
-def _overlap_staleness(mode: str, default_mode: str, default_staleness: int) -> int | None:
+def _overlap_staleness(
+    mode: modes.Mode | None, default_mode: modes.Mode, default_staleness: int
+) -> int | None:
     """How many clocks stale a read may be under `mode`: None for unbounded (async).
 
-    Sync reads are exact, so sync counts as 0. `mode` "" means the server's default mode.
+    Sync reads are exact, so sync counts as 0. `mode` None means the server's default mode;
+    an ssp mode without a bound has the server's default bound.
     """
-    name, _, arg = (mode or default_mode).partition(":")
-    if name == "async":
+    resolved = (mode or default_mode).with_default(default_staleness)
+    if resolved.kind is modes.Kind.ASYNC:
         return None
-    if name == "ssp":
-        return int(arg) if arg.isdigit() else default_staleness
-    return 0
+    return resolved.staleness or 0
+
+
+def _parse_consistency(text: str) -> modes.Mode | None:
+    try:
+        return modes.parse_optional(text)
+    except modes.ModeError as exc:
+        raise PSModuleError(f"consistency={text!r}: {exc}") from exc
 
 
 def _check_hyper(hyper: dict[str, float]) -> None:
@@ -385,7 +394,8 @@ class _PSModule(nn.Module):
             raise PSModuleError("a PS module needs a non-empty table name")
         self.client = client
         self.table = name
-        self.consistency = mode
+        # The table's own mode; None keeps the servers' default.
+        self.consistency = _parse_consistency(mode)
         self._pipeline: _Pipeline | None = None
         # Pulls asked for ahead of the forward that will use them, oldest first.
         self._tickets: deque[_Ticket] = deque()
@@ -447,7 +457,7 @@ class _SparseLookup(_PSModule):
         self.dtype = dtype
         client.declare_sparse(
             name, embedding_dim, dtype=dtype, optimizer=optimizer, init=init, seed=seed,
-            mode=mode, lr=lr, **_kwargs(hyper),
+            mode=self.consistency, lr=lr, **_kwargs(hyper),
         )
         # No parameters to carry the device, so an empty buffer does: model.to(device)
         # moves it, and outputs follow it.
@@ -539,9 +549,10 @@ class PSEmbedding(_SparseLookup):
     `[*ids.shape, embedding_dim]`. Rows start from `init` ("uniform", a, b),
     ("normal", mean, std), ("zeros", 0, 0) or ("constant", v, 0), a pure function of
     (seed, id), and are updated by the servers' `optimizer` ("sgd", "adagrad", "adam") with
-    `lr` and `hyper` (eps, weight_decay, beta1, ...). `consistency` ("sync", "ssp:S",
-    "async") overrides the servers' default mode for this table ("" keeps it); it is not
-    called `mode` because PSEmbeddingBag's `mode` is its pooling, as in nn.EmbeddingBag.
+    `lr` and `hyper` (eps, weight_decay, beta1, ...). `consistency` ("sync", "ssp", "ssp:S",
+    "async") overrides the servers' default mode for this table ("" keeps it; PSModuleError
+    for anything else); it is not called `mode` because PSEmbeddingBag's `mode` is its
+    pooling, as in nn.EmbeddingBag.
 
     Construction declares the table (blocks on every shard; declaring the same table again,
     from any worker, is harmless). A forward blocks on its pull unless the rows were
@@ -665,10 +676,11 @@ class PSDense(_PSModule):
         dtype = params[0].dtype
         self._ready_table = f"{name}.initialized"
         client.declare_dense(name, (self.numel,), dtype=dtype, optimizer=optimizer,
-                             mode=consistency, lr=lr, **_kwargs(hyper))
+                             mode=self.consistency, lr=lr, **_kwargs(hyper))
         # A one-element flag, set once the values are written: workers that do not
         # initialise wait for it, and a restarted initialiser sees it and keeps its hands off.
-        client.declare_dense(self._ready_table, (1,), optimizer="sgd", mode="async", lr=1.0)
+        client.declare_dense(self._ready_table, (1,), optimizer="sgd", mode=modes.ASYNC,
+                             lr=1.0)
         if initialize is None:
             initialize = client.worker == 0
         if initialize:
@@ -834,10 +846,15 @@ class PSOptimizer:
                  len({m.table for m in modules}), self.overlap)
 
     def _staleness(self, modules: Sequence[_PSModule]) -> dict[str, int | None]:
-        default_mode, default_staleness = "async", 0
-        if any(not m.consistency for m in modules):
+        default_mode, default_staleness = modes.ASYNC, 0
+        # Only the servers know their default mode and bound.
+        if any(m.consistency is None or m.consistency == modes.SSP for m in modules):
             info = self.client.stats()[0].info
-            default_mode, default_staleness = info.mode, int(info.staleness)
+            try:
+                default_mode = modes.from_proto(info.consistency) or modes.ASYNC
+            except modes.ModeError as exc:
+                raise PSModuleError(f"the servers' default mode: {exc}") from exc
+            default_staleness = int(info.staleness)
         return {
             m.table: _overlap_staleness(m.consistency, default_mode, default_staleness)
             for m in modules

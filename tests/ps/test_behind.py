@@ -11,6 +11,7 @@ import pytest
 import torch
 from procs import Procs
 
+from protos import modes
 from ps.behind import WriteBehind
 from ps.errors import ApplyFailedError
 from ps.shard import PushMeta, Shard, ShardConfig
@@ -72,7 +73,8 @@ def test_a_failed_apply_poisons_its_table_until_forgotten() -> None:
 
 
 def _shard(mode: str = "async", write_behind: bool = True) -> Shard:
-    shard = Shard(ShardConfig(shard=0, num_shards=1, mode=mode, write_behind=write_behind))
+    shard = Shard(ShardConfig(shard=0, num_shards=1, mode=modes.parse(mode),
+                              write_behind=write_behind))
     shard.declare([TableSpec("w", "dense", torch.float32, shape=(ROWS, COLS),
                              init=InitSpec("constant", 1.0),
                              optimizer=OptimizerConfig("sgd", (("lr", 1.0),)))])

@@ -19,6 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from protos import modes
+from protos.modes import Kind, Mode
 from ps import checkpoint as ckpt
 from ps.checkpoint import (
     CheckpointCorruptError,
@@ -33,6 +35,9 @@ from ps.checkpoint import (
     write_manifest,
     write_shard,
 )
+from ps.errors import InvalidArgumentError
+from ps.shard import Shard, ShardConfig
+from ps.tables import TableSpec
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = "job-1"
@@ -468,3 +473,52 @@ def test_concurrent_writers_of_one_manifest_lose_no_entry(tmp_path: Path) -> Non
         for k, shard_file in manifest.shards.items():
             tensors = read_shard(shard_file.path, shard_file.sha256).tables[0].tensors
             assert torch.equal(tensors["value"], torch.full((4,), float(k)))
+
+
+# ---- table specs, as a shard's snapshot stores them -------------------------------------------
+
+# A sparse table's spec as checkpoints have always stored it: the consistency mode in the
+# user's grammar, "" for the server's default mode.
+_STORED_SPEC: dict[str, Any] = {
+    "name": "t", "kind": "sparse", "dtype": "float32", "shape": [], "dim": 2,
+    "init": ["zeros", 0.0, 0.0], "seed": 0, "optimizer": ["sgd", [["lr", 1.0]]],
+    "allow_non_finite": False, "mode": "",
+}
+
+
+@pytest.mark.parametrize(
+    ("stored", "mode"),
+    [("", None), ("sync", modes.SYNC), ("async", modes.ASYNC), ("ssp", modes.SSP),
+     ("ssp:0", Mode(Kind.SSP, 0)), ("ssp:2", Mode(Kind.SSP, 2))],
+)
+def test_a_table_spec_keeps_the_stored_form_of_its_mode(stored: str, mode: Mode | None) -> None:
+    spec = TableSpec.from_dict({**_STORED_SPEC, "mode": stored})
+    assert spec.mode == mode
+    assert spec.to_dict() == {**_STORED_SPEC, "mode": stored}
+    assert json.loads(json.dumps(spec.to_dict())) == spec.to_dict()
+
+
+@pytest.mark.parametrize("stored", ["bsp", "ssp:-1", "SYNC"])
+def test_a_stored_mode_this_build_does_not_know_is_refused_by_name(stored: str) -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        TableSpec.from_dict({**_STORED_SPEC, "mode": stored})
+    assert f"table 't': the checkpointed spec has unknown consistency mode {stored!r}" in str(
+        err.value
+    )
+
+
+def test_a_restored_shard_runs_each_table_under_its_mode(tmp_path: Path) -> None:
+    declared = {"default": None, "sync": modes.SYNC, "async": modes.ASYNC, "ssp": modes.SSP,
+                "ssp2": Mode(Kind.SSP, 2)}
+    config = ShardConfig(shard=0, num_shards=1, mode=modes.SYNC, staleness=3)
+    shard = Shard(config)
+    shard.declare([TableSpec(name, "sparse", torch.float32, dim=2, mode=mode)
+                   for name, mode in declared.items()])
+    written = write_shard(tmp_path, shard.snapshot("c000001"))
+    assert {t["spec"]["name"]: t["spec"]["mode"]
+            for t in json.loads(safe_open(written.path, "pt").metadata()["tables"])} == {
+        "default": "", "sync": "sync", "async": "async", "ssp": "ssp", "ssp2": "ssp:2"}
+    back = Shard(config)
+    back.restore(read_shard(written.path, written.sha256))
+    assert {s.name: str(mode) for s, mode in back.stats()} == {
+        "default": "sync", "sync": "sync", "async": "async", "ssp": "ssp:3", "ssp2": "ssp:2"}

@@ -14,6 +14,7 @@ import pytest
 import torch
 from procs import REPO, Procs
 
+from protos import pstrain_pb2 as pb
 from worker.client import PSClient
 from worker.errors import RemoteError
 
@@ -185,3 +186,31 @@ def test_per_table_modes_hold_on_their_own(procs: Procs) -> None:
     assert got and got[0].tolist() == [-2.0, -2.0]
     a.close()
     b.close()
+
+
+def test_modes_travel_as_enum_and_bound_and_the_bound_holds(procs: Procs) -> None:
+    # The server's default, in the user's grammar: ssp with bound 3.
+    servers = procs.servers(1, ["--mode", "ssp:3", "--workers", "2"])
+    with PSClient([servers[0].address], worker=0, timeout_s=1.5) as c:
+        declared = {"default": "", "ssp": "ssp", "ssp1": "ssp:1", "ssp0": "ssp:0",
+                    "sync": "sync", "async": "async"}
+        for name, mode in declared.items():
+            c.declare_sparse(name, 2, optimizer="sgd", lr=1.0, mode=mode)
+        stats = c.stats()[0]
+        assert (stats.info.consistency, stats.info.staleness) == (pb.SSP, 3)
+        assert {t.name: (pb.Mode.Name(t.consistency), t.staleness) for t in stats.tables} == {
+            "default": ("SSP", 3), "ssp": ("SSP", 3), "ssp1": ("SSP", 1), "ssp0": ("SSP", 0),
+            "sync": ("SYNC", 0), "async": ("ASYNC", 0)}
+        # Worker 0 reaches clock 2; worker 1 never starts, and at clock 0 it holds back
+        # pulls at clock 2 only where the bound is below 2.
+        c.end_iteration()
+        c.end_iteration()
+        assert c.clock == 2
+        for name in ("default", "ssp", "async"):
+            assert c.pull_sparse(name, np.array([1])).shape == (1, 2)
+        for name, bound in (("ssp1", 1), ("ssp0", 0)):
+            with pytest.raises(RemoteError) as err:
+                c.pull_sparse(name, np.array([1]))
+            assert err.value.code.name == "DEADLINE_EXCEEDED"
+            assert f"clock >= {2 - bound} (staleness {bound}); waiting for workers 1 (clock 0)" \
+                in err.value.details

@@ -272,3 +272,25 @@ def test_repeated_key_in_one_push_is_refused_and_creates_nothing(
     assert after[2] == before[2]
     rows_after = next(t.rows for t in raw.client.stats()[0].tables if t.name == "e")
     assert rows_after == rows_before
+
+
+@pytest.mark.parametrize(
+    ("consistency", "staleness", "message"),
+    [
+        (pb.SYNC, 2, "table 'm': only ssp takes a staleness bound, got sync with 2"),
+        (pb.MODE_UNSPECIFIED, 1, "table 'm': a staleness bound (1) needs the mode SSP"),
+        (pb.SSP, -1, "table 'm': the ssp staleness bound must be an int >= 0, got -1"),
+        (7, None, "table 'm': unknown consistency mode 7 on the wire"),
+    ],
+)
+def test_a_bad_mode_on_the_wire_is_refused_and_declares_nothing(
+    raw: Raw, consistency: int, staleness: int | None, message: str
+) -> None:
+    spec = pb.TableSpec(name="m", sparse=pb.SparseSpec(dim=2, dtype=pb.FLOAT32),
+                        consistency=consistency, staleness=staleness)  # type: ignore[arg-type]
+    declare = raw.channel.unary_unary(_SERVICE + "DeclareTables")
+    with pytest.raises(grpc.RpcError) as err:
+        declare(pb.DeclareTablesRequest(tables=[spec]).SerializeToString(), timeout=10)
+    assert err.value.code().name == "INVALID_ARGUMENT"
+    assert message in (err.value.details() or "")
+    assert "m" not in {t.name for t in raw.client.stats()[0].tables}

@@ -5,7 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from procs import REPO, Procs, wait_ready
+
+from protos import modes
+from scheduler import cli
 
 
 def _pstrain(*args: str) -> subprocess.CompletedProcess[str]:
@@ -59,3 +63,41 @@ def test_bad_transport_is_named() -> None:
         out = _pstrain(*command)
         assert out.returncode == 2, out
         assert "unknown transport 'rdma'" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "message"),
+    [
+        (["server", "--bind", "127.0.0.1:0", "--mode", "bsp"],
+         f"--mode: unknown consistency mode 'bsp'; choose {modes.CHOICES}"),
+        (["server", "--bind", "127.0.0.1:0", "--mode", "ssp:3", "--staleness", "2"],
+         "--mode ssp:3 and --staleness 2 disagree; give the bound once"),
+        (["up", "--mode", "ssp:x", "script.py"],
+         f"argument --mode: unknown consistency mode 'ssp:x'; choose {modes.CHOICES}"),
+        (["up", "--mode", "ssp:3", "--staleness", "2", "script.py"],
+         "--mode ssp:3 and --staleness 2 disagree; give the bound once"),
+        (["scheduler", "--redis", "redis://127.0.0.1:1/0", "--job", "j", "--mode", "bsp"],
+         "argument --mode: unknown consistency mode 'bsp'"),
+    ],
+)
+def test_bad_modes_are_named_with_the_choices(command: list[str], message: str) -> None:
+    out = _pstrain(*command)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "mode", "staleness"),
+    [
+        ([], "async", 0),
+        (["--mode", "sync"], "sync", 0),
+        (["--mode", "ssp"], "ssp", 0),
+        (["--mode", "ssp", "--staleness", "2"], "ssp", 2),
+        (["--mode", "ssp:3"], "ssp", 3),  # the bound kept apart in the job's spec
+        (["--mode", "ssp:3", "--staleness", "3"], "ssp", 3),
+    ],
+)
+def test_up_takes_the_mode_grammar_into_the_job_spec(
+    flags: list[str], mode: str, staleness: int
+) -> None:
+    spec = cli._spec("j", cli._parser().parse_args(["up", *flags, "script.py"]))
+    assert (spec.mode, spec.staleness) == (mode, staleness)

@@ -14,10 +14,11 @@ from procs import Procs
 
 from protos import codec, rpc
 from protos import pstrain_pb2 as pb
+from protos.modes import Kind, Mode
 from protos.partition import shard_of_keys
 from scheduler.admin import ServerAdmin
 from worker.client import PSClient, Pull, Push
-from worker.errors import ClusterMismatchError, RemoteError, RolledBackError
+from worker.errors import ClusterMismatchError, PSClientError, RemoteError, RolledBackError
 
 pytestmark = pytest.mark.usefixtures("transport")
 
@@ -172,6 +173,18 @@ def test_a_worker_from_before_a_rollback_is_told_to_restart(two_shards: PSClient
     assert told == [0]  # told once, before the error, and not retried
     client.generation = 1  # a process that joined after the rollback is served
     client.push_dense("r", torch.ones(4))
+
+
+def test_a_declared_mode_is_parsed_by_the_client(procs: Procs, transport: str) -> None:
+    server = procs.server()
+    with PSClient([server.address], transport=transport) as c:
+        with pytest.raises(PSClientError, match="unknown consistency mode 'ssp:two'; choose"):
+            c.declare_sparse("m", 2, mode="ssp:two")
+        c.declare_sparse("m", 2, mode="ssp:2")
+        c.declare_sparse("m", 2, mode=Mode(Kind.SSP, 2))  # the same spec: a no-op
+        c.declare_dense("d", (2,))
+        tables = {t.name: (t.consistency, t.staleness) for t in c.stats()[0].tables}
+    assert tables == {"m": (pb.SSP, 2), "d": (pb.ASYNC, 0)}  # d: the server's default
 
 
 def test_servers_listed_out_of_order_are_refused(procs: Procs, transport: str) -> None:

@@ -11,6 +11,8 @@ import torch
 from procs import Procs, run_in_threads
 from torch import nn
 
+from protos import modes
+from protos.modes import Kind, Mode
 from protos.transport import available
 from worker.client import PSClient
 from worker.modules import (
@@ -20,6 +22,7 @@ from worker.modules import (
     PSEmbeddingBag,
     PSModuleError,
     PSOptimizer,
+    _overlap_staleness,
 )
 from worker.training import lookahead
 
@@ -361,6 +364,34 @@ def test_sync_tables_refuse_overlap(client: PSClient) -> None:
     with PSOptimizer(emb) as ps:
         assert not ps.overlap
         emb.prefetch(torch.tensor([1]))  # a no-op under sync, not an error
+
+
+@pytest.mark.parametrize(
+    ("mode", "default", "default_staleness", "stale"),
+    [
+        (modes.ASYNC, modes.SYNC, 5, None),  # unbounded
+        (modes.SYNC, modes.ASYNC, 5, 0),  # exact reads
+        (Mode(Kind.SSP, 2), modes.ASYNC, 5, 2),
+        (Mode(Kind.SSP, 0), modes.ASYNC, 5, 0),
+        (modes.SSP, modes.ASYNC, 5, 5),  # the servers' default bound
+        (None, modes.SSP, 3, 3),  # the servers' default mode
+        (None, modes.ASYNC, 3, None),
+        (None, modes.SYNC, 3, 0),
+    ],
+)
+def test_overlap_staleness(
+    mode: Mode | None, default: Mode, default_staleness: int, stale: int | None
+) -> None:
+    assert _overlap_staleness(mode, default, default_staleness) == stale
+
+
+def test_a_mode_outside_the_grammar_is_refused_before_declaring(client: PSClient) -> None:
+    name = fresh("badmode")
+    with pytest.raises(PSModuleError, match=r"consistency='ssp:-1': unknown consistency mode"):
+        PSEmbedding(client, name, 2, consistency="ssp:-1")
+    with pytest.raises(PSModuleError, match=r"consistency='bsp': unknown consistency mode"):
+        PSDense(client, nn.Linear(2, 1), name, consistency="bsp")
+    assert name not in {t.name for t in client.stats()[0].tables}
 
 
 def test_bad_inputs_get_clear_errors(client: PSClient) -> None:

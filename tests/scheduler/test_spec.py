@@ -1,0 +1,45 @@
+"""The job spec's consistency mode: validated by the one parser, its bound kept apart."""
+
+from __future__ import annotations
+
+import pytest
+
+from protos import modes
+from protos.modes import Kind, Mode
+from scheduler.errors import SpecError
+from scheduler.spec import JobSpec
+
+
+@pytest.mark.parametrize(
+    ("mode", "staleness", "consistency"),
+    [
+        ("async", 0, modes.ASYNC),
+        ("sync", 5, modes.SYNC),  # the bound only matters to ssp tables
+        ("ssp", 0, Mode(Kind.SSP, 0)),
+        ("ssp", 4, Mode(Kind.SSP, 4)),
+    ],
+)
+def test_consistency(mode: str, staleness: int, consistency: Mode) -> None:
+    spec = JobSpec("j", mode=mode, staleness=staleness)
+    assert spec.consistency == consistency
+    assert JobSpec.from_json(spec.to_json()) == spec
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        ("bsp", f"job 'j': unknown consistency mode 'bsp'; choose {modes.CHOICES}"),
+        ("", "job 'j': unknown consistency mode ''"),
+        ("ssp:3", "mode 'ssp:3': a job keeps the ssp bound apart; give mode 'ssp' and "
+                  "staleness 3"),
+    ],
+)
+def test_bad_modes_are_refused(mode: str, message: str) -> None:
+    with pytest.raises(SpecError) as err:
+        JobSpec("j", mode=mode)
+    assert message in str(err.value)
+
+
+def test_a_stored_spec_with_a_bad_mode_is_refused() -> None:
+    with pytest.raises(SpecError, match="unknown consistency mode 'bsp'"):
+        JobSpec.from_json('{"job": "j", "mode": "bsp"}')

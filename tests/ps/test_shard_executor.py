@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from protos import codec
+from protos import codec, modes
 from ps.clocks import Quorum
 from ps.errors import ClockWaitTimeoutError, InvalidArgumentError
 from ps.initializers import InitSpec
@@ -108,7 +108,7 @@ def settle(call: Call, clock: FakeClock, reads_before: int = -1) -> bool:
 def make_shard(mode: str, workers: int = 2, staleness: int = 0, max_wait_s: float = 10.0,
                ) -> tuple[Shard, FakeClock]:
     clock = FakeClock()
-    config = ShardConfig(0, 1, mode=mode, staleness=staleness, quorum=Quorum(workers),
+    config = ShardConfig(0, 1, mode=modes.parse(mode), staleness=staleness, quorum=Quorum(workers),
                          max_wait_s=max_wait_s)
     shard = Shard(config, clock=clock)
     shard.declare([
@@ -278,7 +278,7 @@ def test_a_refused_push_changes_nothing_and_its_number_stays_free(
 
 
 def test_a_table_that_allows_non_finite_values_takes_them() -> None:
-    shard = Shard(ShardConfig(0, 1, mode="async"), clock=FakeClock())
+    shard = Shard(ShardConfig(0, 1, mode=modes.ASYNC), clock=FakeClock())
     shard.declare([TableSpec("w", "dense", F32, shape=(2,), init=ONES, optimizer=SGD_1,
                              allow_non_finite=True)])
     grad = torch.tensor([float("inf"), 1.0])

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from protos import modes
 from protos.partition import RowRange, shard_of_keys
 from ps.errors import FailedPreconditionError, InvalidArgumentError
 from ps.initializers import InitSpec, init_rows
@@ -105,9 +106,9 @@ def test_a_bad_spec_is_refused_at_declaration(make: Any, message: str) -> None:
     "spec",
     [
         dense_spec(),
-        dense_spec(shape=(), dtype=torch.bfloat16, mode="sync"),
+        dense_spec(shape=(), dtype=torch.bfloat16, mode=modes.SYNC),
         sparse_spec(optimizer=ADAM, allow_non_finite=True, init=InitSpec("normal", 0.0, 2.0)),
-        sparse_spec(dtype=torch.float16, mode="ssp:3", seed=-4),
+        sparse_spec(dtype=torch.float16, mode=modes.parse("ssp:3"), seed=-4),
     ],
 )
 def test_a_spec_survives_its_dict_form(spec: TableSpec) -> None:
@@ -129,7 +130,7 @@ def test_the_same_spec_may_be_declared_again() -> None:
          "optimizer=sgd(lr=0.5)", "optimizer=sgd(lr=0.25)"),
         (dense_spec(optimizer=ADAM), "optimizer=sgd(lr=0.5)", "optimizer=adam(lr=0.1)"),
         (dense_spec(allow_non_finite=True), "allow_non_finite=False", "allow_non_finite=True"),
-        (dense_spec(mode="sync"), "mode=job default", "mode=sync"),
+        (dense_spec(mode=modes.SYNC), "mode=job default", "mode=sync"),
         (sparse_spec(name="w"), "dense shape=[6, 3]", "sparse dim=4"),
     ],
 )

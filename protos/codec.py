@@ -1,18 +1,10 @@
-"""The wire codec: messages with bulk fields, and arrays to and from raw bytes.
+"""The wire codec: messages with bulk fields (`protos.frames`, re-exported here), and arrays
+to and from raw bytes.
 
 This is the one place that knows how arrays are laid out on the wire. Both ends use it.
-
-A message travels as ordinary protobuf bytes, but its bulk fields (the `bytes` fields that
-carry keys, values and gradients) are written and read here rather than by protobuf: the
-encoder appends them after the serialized header with one copy, and the decoder returns them
-as `memoryview` slices of the received buffer, with no copy at all. The bytes are identical to
-what protobuf would write for the same message, so any protobuf implementation can talk to a
-pstrain server; only the Python cost differs (protobuf copies a 16 MiB field several times).
-
 Arrays are raw little-endian, row-major bytes; `tensor_from_bytes` views them without copying.
 Views over received buffers are read-only: nothing in pstrain writes through them.
 """
-
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -72,3 +73,14 @@ def last_json(proc: Proc) -> dict[str, Any]:
     assert lines, proc.log()
     result: dict[str, Any] = json.loads(lines[-1])
     return result
+
+
+def executable(name: str, where: str) -> str:
+    """The path a container's command runs here: `pstrain` from this interpreter's
+    environment, anything else from PATH; fails naming `where` (the pod or service) when
+    it is not installed."""
+    if name == "pstrain":
+        return str(Path(sys.executable).parent / "pstrain")
+    found = shutil.which(name)
+    assert found is not None, f"{name} ({where}) is not installed"
+    return found

@@ -49,7 +49,7 @@ from typing import Any, cast
 import kubernetes_validate
 import pytest
 import yaml
-from deployment import last_json, parse_pstrain
+from deployment import executable, last_json, parse_pstrain
 from procs import Proc, Procs, free_port, wait_until
 
 from scheduler.spec import RESTART_EXIT_CODE
@@ -366,12 +366,7 @@ class LocalCluster:
             # each pod's own network namespace has port 9100 to itself.
             pod.metrics_port = pod.metrics_port or free_port()
             args[args.index("--metrics-port") + 1] = str(pod.metrics_port)
-        if args[0] == "pstrain":
-            args[0] = str(Path(sys.executable).parent / "pstrain")
-        else:
-            found = shutil.which(args[0])
-            assert found is not None, f"{args[0]} (pod {pod.name}) is not installed"
-            args[0] = found
+        args[0] = executable(args[0], f"pod {pod.name}")
         return args
 
     def process_env(self, pod: Pod) -> dict[str, str]:
@@ -589,8 +584,10 @@ def test_the_settings_are_the_compose_files_variables_with_its_defaults() -> Non
     compose_defaults = dict(re.findall(r"\$\{(PSTRAIN_\w+):-([^}]*)\}", COMPOSE.read_text()))
     config = generated(rendered(), "ConfigMap", "pstrain-job")["data"]
     # Not settings here: the worker count is the Job's completions and the scheduler's
-    # --workers; the image is kustomize's `images`; Prometheus is not deployed.
-    elsewhere = {"PSTRAIN_WORKERS", "PSTRAIN_IMAGE", "PSTRAIN_PROMETHEUS_PORT"}
+    # --workers; the images are kustomize's `images`; the Redis password is the Secret
+    # pstrain-redis (checked below); Prometheus is not deployed.
+    elsewhere = {"PSTRAIN_WORKERS", "PSTRAIN_IMAGE", "PSTRAIN_REDIS_IMAGE",
+                 "PSTRAIN_REDIS_PASSWORD", "PSTRAIN_PROMETHEUS_PORT"}
     assert set(config) == set(compose_defaults) - elsewhere
     assert config == {k: compose_defaults[k] for k in config}
     for w in workloads(rendered()):

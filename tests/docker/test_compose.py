@@ -16,7 +16,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from typing import Any
 import pytest
 import redis
 import yaml
-from deployment import last_json
+from deployment import executable, last_json
 from procs import Proc, Procs, free_port, wait_until
 
 from scheduler.store import JobStore
@@ -276,12 +275,7 @@ class LocalCompose:
         for arg in args[1:]:
             # Nothing outside the test's directories: an unmapped path would land on this host.
             assert not arg.startswith("/") or arg.startswith(str(self.volume_root)), arg
-        if args[0] == "pstrain":
-            args[0] = str(Path(sys.executable).parent / "pstrain")
-        else:
-            found = shutil.which(args[0])
-            assert found is not None, f"{args[0]} (service {replica.service}) is not installed"
-            args[0] = found
+        args[0] = executable(args[0], f"service {replica.service}")
         return args
 
     def env(self, replica: Replica) -> dict[str, str]:

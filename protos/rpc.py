@@ -118,10 +118,6 @@ class Stubs:
             raise TypeError(f"{rpc.name} is a {rpc.shape} call")
         return self._bound[rpc.name]
 
-    def raw(self, rpc: Rpc[Any, Any]) -> Any:
-        """gRPC's own multi-callable, for callers that need its other forms."""
-        return self._bound[rpc.name]
-
     def unary(self, rpc: Rpc[Any, Resp], request: bytes, timeout: float,
               **options: Any) -> Frame[Resp]:
         """One request, one answer. `options` go to gRPC (e.g. wait_for_ready)."""

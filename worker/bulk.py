@@ -26,6 +26,7 @@ from protos import pstrain_pb2 as pb
 from protos.codec import Frame
 from protos.marks import marks_of
 from protos.rpc import Rpc, Stubs
+from protos.transport import ENV_VAR as ENV_TRANSPORT
 from protos.transport import (
     PREFERENCE,
     ChannelBrokenError,
@@ -48,7 +49,6 @@ class TransportChoiceError(PSClientError):
     """A forced transport cannot be used (here, or with a server); the message says why."""
 
 
-ENV_TRANSPORT = "PSTRAIN_TRANSPORT"
 ENV_LANES = "PSTRAIN_SHM_LANE"
 
 

@@ -134,6 +134,7 @@ def init(*, timeout_s: float = 120.0, env: Mapping[str, str] | None = None) -> W
     to list this worker live. Raises PSClientError when the job cannot be joined in time.
     """
     env = os.environ if env is None else env
+    transport = asdict(TransportSettings.from_env(env))
     torch.set_num_threads(int(env.get("PSTRAIN_TORCH_THREADS", "1")))
     tune_malloc()
     incarnation = time.time_ns() // 1000
@@ -145,8 +146,7 @@ def init(*, timeout_s: float = 120.0, env: Mapping[str, str] | None = None) -> W
                 "pstrain worker), or PSTRAIN_SERVERS=HOST:PORT,... for servers run by hand"
             )
         rank = int(env.get("PSTRAIN_RANK", "0"))
-        client = PSClient(servers, worker=rank, incarnation=incarnation,
-                          **asdict(TransportSettings.from_env(env)))
+        client = PSClient(servers, worker=rank, incarnation=incarnation, **transport)
         client.join()
         standalone = WorkerContext(rank, int(env.get("PSTRAIN_WORLD_SIZE", "1")), "", client)
         _serve_metrics(standalone, env)
@@ -167,7 +167,7 @@ def init(*, timeout_s: float = 120.0, env: Mapping[str, str] | None = None) -> W
 
     client = PSClient(addresses, worker=rank, incarnation=incarnation, retry=RECOVERY_RETRY,
                       resolve=resolve, connect_timeout_s=max(1.0, deadline - time.monotonic()),
-                      **asdict(TransportSettings.from_env(env)))
+                      **transport)
     ctx = WorkerContext(rank, spec.workers, job, client, spec, store)
     generation = ride_out("generation", store.generation, 0)
     client.generation = generation

@@ -565,9 +565,6 @@ def main() -> None:
                         help="run only these parts (repeatable); figures of others are absent")
     parser.add_argument("--chunk-mib", type=float, default=None,
                         help="chunk size of the pstrain server (default: the server's own)")
-    parser.add_argument("--apply-inline", action="store_true",
-                        help="start the pstrain server with --apply-inline (every push applied "
-                             "before its answer), to compare with write-behind applies")
     parser.add_argument("--transports", default="",
                         help="comma-separated transports to compare with PyTorch RPC "
                              "(default: grpc, shm, ucx where available, and auto)")
@@ -605,8 +602,7 @@ def main() -> None:
             server, address = spawn(
                 [sys.executable, "-m", "ps", "--bind", "127.0.0.1:0",
                  "--ready-file", str(tmp / "ps.ready"), "--log-level", "WARNING",
-                 *(["--chunk-mib", str(args.chunk_mib)] if args.chunk_mib else []),
-                 *(["--apply-inline"] if args.apply_inline else [])],
+                 *(["--chunk-mib", str(args.chunk_mib)] if args.chunk_mib else [])],
                 tmp / "ps.ready",
             )
             procs.append(server)
@@ -662,7 +658,6 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
         "quick": args.quick,
-        "apply_inline": args.apply_inline,
         "torch": torch.__version__,
         "grpc": grpc.__version__,
         **({"dense_pull_ratio_16MiB": dense["16MiB"]["ratio_pull"],
@@ -679,7 +674,7 @@ def main() -> None:
     out_dir = REPO / "benchmarks" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     # A partial run names its parts, so it never overwrites another run's figures.
-    suffix = ("-quick" if args.quick else "") + ("-inline" if args.apply_inline else "") + (
+    suffix = ("-quick" if args.quick else "") + (
         "" if parts == set(PARTS) else "-" + "-".join(p for p in PARTS if p in parts))
     paths = [out_dir / f"dataplane-{results['date']}{suffix}.json"]
     if args.json:

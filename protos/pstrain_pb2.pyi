@@ -22,11 +22,6 @@ class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SYNC: _ClassVar[Mode]
     SSP: _ClassVar[Mode]
     ASYNC: _ClassVar[Mode]
-
-class PushKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    GRADIENT: _ClassVar[PushKind]
-    ASSIGN: _ClassVar[PushKind]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT64: DType
@@ -37,8 +32,6 @@ MODE_UNSPECIFIED: Mode
 SYNC: Mode
 SSP: Mode
 ASYNC: Mode
-GRADIENT: PushKind
-ASSIGN: PushKind
 
 class Initializer(_message.Message):
     __slots__ = ("kind", "a", "b")
@@ -128,148 +121,6 @@ class DeclareTablesResponse(_message.Message):
     TABLES_FIELD_NUMBER: _ClassVar[int]
     tables: _containers.RepeatedCompositeFieldContainer[TablePlacement]
     def __init__(self, tables: _Optional[_Iterable[_Union[TablePlacement, _Mapping]]] = ...) -> None: ...
-
-class PushId(_message.Message):
-    __slots__ = ("worker", "incarnation", "seq")
-    WORKER_FIELD_NUMBER: _ClassVar[int]
-    INCARNATION_FIELD_NUMBER: _ClassVar[int]
-    SEQ_FIELD_NUMBER: _ClassVar[int]
-    worker: int
-    incarnation: int
-    seq: int
-    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
-
-class PullDenseRequest(_message.Message):
-    __slots__ = ("table", "worker", "clock", "wait_ms", "generation", "bulk")
-    TABLE_FIELD_NUMBER: _ClassVar[int]
-    WORKER_FIELD_NUMBER: _ClassVar[int]
-    CLOCK_FIELD_NUMBER: _ClassVar[int]
-    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
-    GENERATION_FIELD_NUMBER: _ClassVar[int]
-    BULK_FIELD_NUMBER: _ClassVar[int]
-    table: str
-    worker: int
-    clock: int
-    wait_ms: int
-    generation: int
-    bulk: BulkRef
-    def __init__(self, table: _Optional[str] = ..., worker: _Optional[int] = ..., clock: _Optional[int] = ..., wait_ms: _Optional[int] = ..., generation: _Optional[int] = ..., bulk: _Optional[_Union[BulkRef, _Mapping]] = ...) -> None: ...
-
-class DenseChunk(_message.Message):
-    __slots__ = ("dtype", "shape", "offset", "data", "in_bulk")
-    DTYPE_FIELD_NUMBER: _ClassVar[int]
-    SHAPE_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_FIELD_NUMBER: _ClassVar[int]
-    DATA_FIELD_NUMBER: _ClassVar[int]
-    IN_BULK_FIELD_NUMBER: _ClassVar[int]
-    dtype: DType
-    shape: _containers.RepeatedScalarFieldContainer[int]
-    offset: int
-    data: bytes
-    in_bulk: bool
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., in_bulk: _Optional[bool] = ...) -> None: ...
-
-class PushDenseHeader(_message.Message):
-    __slots__ = ("table", "id", "clock", "kind", "dtype", "shape", "wait_ms", "generation", "bulk")
-    TABLE_FIELD_NUMBER: _ClassVar[int]
-    ID_FIELD_NUMBER: _ClassVar[int]
-    CLOCK_FIELD_NUMBER: _ClassVar[int]
-    KIND_FIELD_NUMBER: _ClassVar[int]
-    DTYPE_FIELD_NUMBER: _ClassVar[int]
-    SHAPE_FIELD_NUMBER: _ClassVar[int]
-    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
-    GENERATION_FIELD_NUMBER: _ClassVar[int]
-    BULK_FIELD_NUMBER: _ClassVar[int]
-    table: str
-    id: PushId
-    clock: int
-    kind: PushKind
-    dtype: DType
-    shape: _containers.RepeatedScalarFieldContainer[int]
-    wait_ms: int
-    generation: int
-    bulk: BulkRef
-    def __init__(self, table: _Optional[str] = ..., id: _Optional[_Union[PushId, _Mapping]] = ..., clock: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., wait_ms: _Optional[int] = ..., generation: _Optional[int] = ..., bulk: _Optional[_Union[BulkRef, _Mapping]] = ...) -> None: ...
-
-class PushDenseChunk(_message.Message):
-    __slots__ = ("header", "offset", "data")
-    HEADER_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_FIELD_NUMBER: _ClassVar[int]
-    DATA_FIELD_NUMBER: _ClassVar[int]
-    header: PushDenseHeader
-    offset: int
-    data: bytes
-    def __init__(self, header: _Optional[_Union[PushDenseHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
-
-class PullSparseRequest(_message.Message):
-    __slots__ = ("table", "worker", "clock", "wait_ms", "generation", "keys", "bulk", "bulk_keys")
-    TABLE_FIELD_NUMBER: _ClassVar[int]
-    WORKER_FIELD_NUMBER: _ClassVar[int]
-    CLOCK_FIELD_NUMBER: _ClassVar[int]
-    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
-    GENERATION_FIELD_NUMBER: _ClassVar[int]
-    KEYS_FIELD_NUMBER: _ClassVar[int]
-    BULK_FIELD_NUMBER: _ClassVar[int]
-    BULK_KEYS_FIELD_NUMBER: _ClassVar[int]
-    table: str
-    worker: int
-    clock: int
-    wait_ms: int
-    generation: int
-    keys: bytes
-    bulk: BulkRef
-    bulk_keys: BulkRef
-    def __init__(self, table: _Optional[str] = ..., worker: _Optional[int] = ..., clock: _Optional[int] = ..., wait_ms: _Optional[int] = ..., generation: _Optional[int] = ..., keys: _Optional[bytes] = ..., bulk: _Optional[_Union[BulkRef, _Mapping]] = ..., bulk_keys: _Optional[_Union[BulkRef, _Mapping]] = ...) -> None: ...
-
-class SparseChunk(_message.Message):
-    __slots__ = ("dtype", "dim", "row_offset", "rows", "values", "in_bulk")
-    DTYPE_FIELD_NUMBER: _ClassVar[int]
-    DIM_FIELD_NUMBER: _ClassVar[int]
-    ROW_OFFSET_FIELD_NUMBER: _ClassVar[int]
-    ROWS_FIELD_NUMBER: _ClassVar[int]
-    VALUES_FIELD_NUMBER: _ClassVar[int]
-    IN_BULK_FIELD_NUMBER: _ClassVar[int]
-    dtype: DType
-    dim: int
-    row_offset: int
-    rows: int
-    values: bytes
-    in_bulk: bool
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., dim: _Optional[int] = ..., row_offset: _Optional[int] = ..., rows: _Optional[int] = ..., values: _Optional[bytes] = ..., in_bulk: _Optional[bool] = ...) -> None: ...
-
-class PushSparseHeader(_message.Message):
-    __slots__ = ("table", "id", "clock", "kind", "dtype", "dim", "wait_ms", "generation", "bulk_keys", "bulk")
-    TABLE_FIELD_NUMBER: _ClassVar[int]
-    ID_FIELD_NUMBER: _ClassVar[int]
-    CLOCK_FIELD_NUMBER: _ClassVar[int]
-    KIND_FIELD_NUMBER: _ClassVar[int]
-    DTYPE_FIELD_NUMBER: _ClassVar[int]
-    DIM_FIELD_NUMBER: _ClassVar[int]
-    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
-    GENERATION_FIELD_NUMBER: _ClassVar[int]
-    BULK_KEYS_FIELD_NUMBER: _ClassVar[int]
-    BULK_FIELD_NUMBER: _ClassVar[int]
-    table: str
-    id: PushId
-    clock: int
-    kind: PushKind
-    dtype: DType
-    dim: int
-    wait_ms: int
-    generation: int
-    bulk_keys: BulkRef
-    bulk: BulkRef
-    def __init__(self, table: _Optional[str] = ..., id: _Optional[_Union[PushId, _Mapping]] = ..., clock: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., dim: _Optional[int] = ..., wait_ms: _Optional[int] = ..., generation: _Optional[int] = ..., bulk_keys: _Optional[_Union[BulkRef, _Mapping]] = ..., bulk: _Optional[_Union[BulkRef, _Mapping]] = ...) -> None: ...
-
-class PushSparseChunk(_message.Message):
-    __slots__ = ("header", "keys", "values")
-    HEADER_FIELD_NUMBER: _ClassVar[int]
-    KEYS_FIELD_NUMBER: _ClassVar[int]
-    VALUES_FIELD_NUMBER: _ClassVar[int]
-    header: PushSparseHeader
-    keys: bytes
-    values: bytes
-    def __init__(self, header: _Optional[_Union[PushSparseHeader, _Mapping]] = ..., keys: _Optional[bytes] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("duplicate", "elements", "dropped")
@@ -562,7 +413,7 @@ class Span(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class ExchangePush(_message.Message):
-    __slots__ = ("table", "seq", "dtype", "dim", "shape", "keys", "values", "dense")
+    __slots__ = ("table", "seq", "dtype", "dim", "shape", "keys", "values", "dense", "assign")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -571,6 +422,7 @@ class ExchangePush(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
+    ASSIGN_FIELD_NUMBER: _ClassVar[int]
     table: str
     seq: int
     dtype: DType
@@ -579,7 +431,8 @@ class ExchangePush(_message.Message):
     keys: Span
     values: Span
     dense: bool
-    def __init__(self, table: _Optional[str] = ..., seq: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., dim: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., keys: _Optional[_Union[Span, _Mapping]] = ..., values: _Optional[_Union[Span, _Mapping]] = ..., dense: _Optional[bool] = ...) -> None: ...
+    assign: bool
+    def __init__(self, table: _Optional[str] = ..., seq: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., dim: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., keys: _Optional[_Union[Span, _Mapping]] = ..., values: _Optional[_Union[Span, _Mapping]] = ..., dense: _Optional[bool] = ..., assign: _Optional[bool] = ...) -> None: ...
 
 class ExchangePull(_message.Message):
     __slots__ = ("table", "keys", "dense")
@@ -642,6 +495,30 @@ class ExchangeResponse(_message.Message):
     payload: bytes
     in_bulk: bool
     def __init__(self, pushes: _Optional[_Iterable[_Union[PushResponse, _Mapping]]] = ..., open_clock: _Optional[int] = ..., pulled: _Optional[_Iterable[_Union[ExchangePulled, _Mapping]]] = ..., payload: _Optional[bytes] = ..., in_bulk: _Optional[bool] = ...) -> None: ...
+
+class ExchangePart(_message.Message):
+    __slots__ = ("request", "payload_bytes", "offset", "payload")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    request: ExchangeRequest
+    payload_bytes: int
+    offset: int
+    payload: bytes
+    def __init__(self, request: _Optional[_Union[ExchangeRequest, _Mapping]] = ..., payload_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class ExchangeAnswerPart(_message.Message):
+    __slots__ = ("response", "payload_bytes", "offset", "payload")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    response: ExchangeResponse
+    payload_bytes: int
+    offset: int
+    payload: bytes
+    def __init__(self, response: _Optional[_Union[ExchangeResponse, _Mapping]] = ..., payload_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class LaneHello(_message.Message):
     __slots__ = ("session", "token")

@@ -45,26 +45,6 @@ class ParameterServerStub:
                 request_serializer=protos_dot_pstrain__pb2.DeclareTablesRequest.SerializeToString,
                 response_deserializer=protos_dot_pstrain__pb2.DeclareTablesResponse.FromString,
                 _registered_method=True)
-        self.PullDense = channel.unary_stream(
-                '/pstrain.v1.ParameterServer/PullDense',
-                request_serializer=protos_dot_pstrain__pb2.PullDenseRequest.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.DenseChunk.FromString,
-                _registered_method=True)
-        self.PushDense = channel.stream_unary(
-                '/pstrain.v1.ParameterServer/PushDense',
-                request_serializer=protos_dot_pstrain__pb2.PushDenseChunk.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.PushResponse.FromString,
-                _registered_method=True)
-        self.PullSparse = channel.unary_stream(
-                '/pstrain.v1.ParameterServer/PullSparse',
-                request_serializer=protos_dot_pstrain__pb2.PullSparseRequest.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.SparseChunk.FromString,
-                _registered_method=True)
-        self.PushSparse = channel.stream_unary(
-                '/pstrain.v1.ParameterServer/PushSparse',
-                request_serializer=protos_dot_pstrain__pb2.PushSparseChunk.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.PushResponse.FromString,
-                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/pstrain.v1.ParameterServer/GetStats',
                 request_serializer=protos_dot_pstrain__pb2.StatsRequest.SerializeToString,
@@ -100,6 +80,11 @@ class ParameterServerStub:
                 request_serializer=protos_dot_pstrain__pb2.ExchangeRequest.SerializeToString,
                 response_deserializer=protos_dot_pstrain__pb2.ExchangeResponse.FromString,
                 _registered_method=True)
+        self.ExchangeStream = channel.stream_stream(
+                '/pstrain.v1.ParameterServer/ExchangeStream',
+                request_serializer=protos_dot_pstrain__pb2.ExchangePart.SerializeToString,
+                response_deserializer=protos_dot_pstrain__pb2.ExchangeAnswerPart.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -113,30 +98,6 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DeclareTables(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PullDense(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PushDense(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PullSparse(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PushSparse(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -184,6 +145,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExchangeStream(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -196,26 +163,6 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.DeclareTables,
                     request_deserializer=protos_dot_pstrain__pb2.DeclareTablesRequest.FromString,
                     response_serializer=protos_dot_pstrain__pb2.DeclareTablesResponse.SerializeToString,
-            ),
-            'PullDense': grpc.unary_stream_rpc_method_handler(
-                    servicer.PullDense,
-                    request_deserializer=protos_dot_pstrain__pb2.PullDenseRequest.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.DenseChunk.SerializeToString,
-            ),
-            'PushDense': grpc.stream_unary_rpc_method_handler(
-                    servicer.PushDense,
-                    request_deserializer=protos_dot_pstrain__pb2.PushDenseChunk.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.PushResponse.SerializeToString,
-            ),
-            'PullSparse': grpc.unary_stream_rpc_method_handler(
-                    servicer.PullSparse,
-                    request_deserializer=protos_dot_pstrain__pb2.PullSparseRequest.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.SparseChunk.SerializeToString,
-            ),
-            'PushSparse': grpc.stream_unary_rpc_method_handler(
-                    servicer.PushSparse,
-                    request_deserializer=protos_dot_pstrain__pb2.PushSparseChunk.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.PushResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -251,6 +198,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Exchange,
                     request_deserializer=protos_dot_pstrain__pb2.ExchangeRequest.FromString,
                     response_serializer=protos_dot_pstrain__pb2.ExchangeResponse.SerializeToString,
+            ),
+            'ExchangeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ExchangeStream,
+                    request_deserializer=protos_dot_pstrain__pb2.ExchangePart.FromString,
+                    response_serializer=protos_dot_pstrain__pb2.ExchangeAnswerPart.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,114 +260,6 @@ class ParameterServer:
             '/pstrain.v1.ParameterServer/DeclareTables',
             protos_dot_pstrain__pb2.DeclareTablesRequest.SerializeToString,
             protos_dot_pstrain__pb2.DeclareTablesResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PullDense(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/pstrain.v1.ParameterServer/PullDense',
-            protos_dot_pstrain__pb2.PullDenseRequest.SerializeToString,
-            protos_dot_pstrain__pb2.DenseChunk.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PushDense(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
-            target,
-            '/pstrain.v1.ParameterServer/PushDense',
-            protos_dot_pstrain__pb2.PushDenseChunk.SerializeToString,
-            protos_dot_pstrain__pb2.PushResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PullSparse(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/pstrain.v1.ParameterServer/PullSparse',
-            protos_dot_pstrain__pb2.PullSparseRequest.SerializeToString,
-            protos_dot_pstrain__pb2.SparseChunk.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PushSparse(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
-            target,
-            '/pstrain.v1.ParameterServer/PushSparse',
-            protos_dot_pstrain__pb2.PushSparseChunk.SerializeToString,
-            protos_dot_pstrain__pb2.PushResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -605,6 +449,33 @@ class ParameterServer:
             '/pstrain.v1.ParameterServer/Exchange',
             protos_dot_pstrain__pb2.ExchangeRequest.SerializeToString,
             protos_dot_pstrain__pb2.ExchangeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExchangeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pstrain.v1.ParameterServer/ExchangeStream',
+            protos_dot_pstrain__pb2.ExchangePart.SerializeToString,
+            protos_dot_pstrain__pb2.ExchangeAnswerPart.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -85,20 +85,17 @@ def _rpc(name: str, request: type[Req], response: type[Resp]) -> Rpc[Req, Resp]:
 GET_SERVER_INFO = _rpc("GetServerInfo", pb.ServerInfoRequest, pb.ServerInfo)
 DECLARE_TABLES = _rpc("DeclareTables", pb.DeclareTablesRequest, pb.DeclareTablesResponse)
 GET_STATS = _rpc("GetStats", pb.StatsRequest, pb.StatsResponse)
-PULL_DENSE = _rpc("PullDense", pb.PullDenseRequest, pb.DenseChunk)
-PUSH_DENSE = _rpc("PushDense", pb.PushDenseChunk, pb.PushResponse)
-PULL_SPARSE = _rpc("PullSparse", pb.PullSparseRequest, pb.SparseChunk)
-PUSH_SPARSE = _rpc("PushSparse", pb.PushSparseChunk, pb.PushResponse)
 TICK = _rpc("Tick", pb.TickRequest, pb.TickResponse)
 JOIN = _rpc("Join", pb.JoinRequest, pb.JoinResponse)
 SET_MEMBERSHIP = _rpc("SetMembership", pb.MembershipRequest, pb.MembershipResponse)
 RESTORE = _rpc("Restore", pb.RestoreRequest, pb.RestoreResponse)
 HANDSHAKE = _rpc("Handshake", pb.HandshakeRequest, pb.HandshakeResponse)
 EXCHANGE = _rpc("Exchange", pb.ExchangeRequest, pb.ExchangeResponse)
+EXCHANGE_STREAM = _rpc("ExchangeStream", pb.ExchangePart, pb.ExchangeAnswerPart)
 
 METHODS: tuple[Rpc[Any, Any], ...] = (
-    GET_SERVER_INFO, DECLARE_TABLES, GET_STATS, PULL_DENSE, PUSH_DENSE, PULL_SPARSE,
-    PUSH_SPARSE, TICK, JOIN, SET_MEMBERSHIP, RESTORE, HANDSHAKE, EXCHANGE,
+    GET_SERVER_INFO, DECLARE_TABLES, GET_STATS, TICK, JOIN, SET_MEMBERSHIP, RESTORE, HANDSHAKE,
+    EXCHANGE, EXCHANGE_STREAM,
 )
 
 
@@ -125,14 +122,18 @@ class Stubs:
                                                                **options)
         return frame
 
-    def stream_out(self, rpc: Rpc[Any, Resp], request: bytes,
-                   timeout: float) -> Iterator[Frame[Resp]]:
-        """One request, a stream of answers."""
-        frames: Iterator[Frame[Resp]] = self._method(rpc, False, True)(request, timeout=timeout)
-        return frames
+    def stream(self, rpc: Rpc[Any, Resp], requests: Iterator[bytes],
+               timeout: float) -> StreamCall[Resp]:
+        """A stream of requests, a stream of answers. The call can be cancelled."""
+        call: StreamCall[Resp] = self._method(rpc, True, True)(requests, timeout=timeout)
+        return call
 
-    def stream_in(self, rpc: Rpc[Any, Resp], requests: Iterator[bytes],
-                  timeout: float) -> Frame[Resp]:
-        """A stream of requests, one answer."""
-        frame: Frame[Resp] = self._method(rpc, True, False)(requests, timeout=timeout)
-        return frame
+
+class StreamCall(Protocol[Resp]):
+    """A streamed call in flight: its answers, in order, and a way to abandon it."""
+
+    def __iter__(self) -> Iterator[Frame[Resp]]: ...
+
+    def __next__(self) -> Frame[Resp]: ...
+
+    def cancel(self) -> bool: ...

@@ -90,10 +90,6 @@ def parser() -> argparse.ArgumentParser:
                    help="bulk transport offered to workers: auto (every one that works here; "
                         "each worker gets the fastest both share), grpc, shm or ucx "
                         "(env PSTRAIN_TRANSPORT, default auto)")
-    p.add_argument("--apply-inline", action="store_true",
-                   help="apply every push before answering it; by default a push streamed "
-                        "over gRPC to an async or ssp table is answered once checked and "
-                        "applied right after (every read still sees it)")
     p.add_argument("--ready-file", default="",
                    help="write {address, pid} as JSON here once serving")
     p.add_argument("--log-level", default=env.get("PSTRAIN_LOG_LEVEL", "INFO"),
@@ -159,7 +155,7 @@ def build(argv: list[str]) -> Built:
         torch_threads=a.torch_threads, grpc_threads=a.grpc_threads,
         chunk_bytes=int(a.chunk_mib * MiB), max_message_bytes=int(a.max_message_mib * MiB),
         max_request_bytes=int(a.max_request_mib * MiB), ready_file=a.ready_file,
-        metrics_port=a.metrics_port, transport=a.transport, write_behind=not a.apply_inline,
+        metrics_port=a.metrics_port, transport=a.transport,
     )
     prepare = None
     if restored is not None:

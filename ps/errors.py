@@ -41,6 +41,5 @@ class ClockWaitTimeoutError(DeadlineExceededError):
     wait again, so clients do not retry it (the servicer marks it for them)."""
 
 
-class ApplyFailedError(PSError):
-    """An acknowledged push failed to apply; its table is unusable until a restore. Reported
-    as INTERNAL: it is the server's fault, not the request's."""
+class StreamEndedError(PSError):
+    """A streamed request ended before all of it arrived; nothing of it was applied."""

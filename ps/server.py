@@ -56,7 +56,6 @@ class ServerConfig:
     grace_s: float = 2.0
     metrics_port: int = 0  # 0: no metrics
     transport: str = "auto"  # bulk transport: auto, grpc, shm or ucx
-    write_behind: bool = True  # see ShardConfig.write_behind
 
     def __post_init__(self) -> None:
         host, sep, port = self.bind.rpartition(":")
@@ -83,7 +82,6 @@ class ServerConfig:
             shard=self.shard, num_shards=self.num_shards, job=self.job,
             incarnation=self.incarnation, mode=self.mode, staleness=self.staleness,
             quorum=Quorum(self.workers, self.backups), max_wait_s=self.max_wait_s,
-            write_behind=self.write_behind,
         )
 
 

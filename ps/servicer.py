@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import itertools
 import logging
 import math
 import threading
@@ -24,6 +23,8 @@ from prometheus_client import Histogram
 from protos import codec, marks, modes, rpc
 from protos import pstrain_pb2 as pb
 from protos.codec import Frame, WireError
+from protos.parts import cut
+from protos.parts import join as joined
 from protos.transport import TransportError
 from protos.transport.lane import LaneContext
 from ps.bulk import BulkEndpoint
@@ -37,6 +38,7 @@ from ps.errors import (
     PSError,
     ResourceExhaustedError,
     RolledBackError,
+    StreamEndedError,
 )
 from ps.initializers import InitSpec
 from ps.shard import (
@@ -50,7 +52,7 @@ from ps.shard import (
     Shard,
     SparsePush,
 )
-from ps.tables import OptimizerConfig, SparseRows, TableSpec, TableStats
+from ps.tables import OptimizerConfig, TableSpec, TableStats
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ _STATUS: dict[type[PSError], grpc.StatusCode] = {
     FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
     ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
+    StreamEndedError: grpc.StatusCode.CANCELLED,
 }
 
 R = TypeVar("R")
@@ -140,27 +143,11 @@ def spec_from_proto(msg: pb.TableSpec) -> TableSpec:
     )
 
 
-def _meta(msg: pb.PushDenseHeader | pb.PushSparseHeader) -> PushMeta:
-    return PushMeta(
-        worker=msg.id.worker,
-        incarnation=msg.id.incarnation,
-        seq=msg.id.seq,
-        clock=msg.clock,
-        assign=msg.kind == pb.ASSIGN,
-        wait_s=msg.wait_ms / 1000,
-        generation=msg.generation,
-    )
-
-
 def _push_result(outcome: PushOutcome, elements: int) -> pb.PushResponse:
     return pb.PushResponse(
         duplicate=outcome is PushOutcome.DUPLICATE, dropped=outcome is PushOutcome.DROPPED,
         elements=elements,
     )
-
-
-def _push_response(outcome: PushOutcome, elements: int) -> bytes:
-    return _push_result(outcome, elements).SerializeToString()
 
 
 def exchange_from_proto(msg: pb.ExchangeRequest, payload: memoryview) -> Exchange:
@@ -170,7 +157,8 @@ def exchange_from_proto(msg: pb.ExchangeRequest, payload: memoryview) -> Exchang
     for p in msg.pushes:
         what = f"push to {p.table!r}"
         meta = PushMeta(worker=msg.worker, incarnation=msg.incarnation, seq=p.seq,
-                        clock=msg.push_clock, wait_s=wait_s, generation=msg.generation)
+                        clock=msg.push_clock, assign=p.assign, wait_s=wait_s,
+                        generation=msg.generation)
         dtype = codec.dtype_from_wire(p.dtype)
         values = codec.span_of(payload, p.values, what)
         if not p.dense:
@@ -367,229 +355,6 @@ class ParameterServerServicer:
             raise InvalidArgumentError("this server serves no bulk transport; send data inline")
         return self.bulk
 
-    # ---- dense -----------------------------------------------------------------------------
-
-    def PullDense(self, request: Frame[pb.PullDenseRequest], context: Any) -> Iterator[bytes]:
-        msg = request.msg
-        block = _guard(
-            lambda: self.shard.pull_dense(msg.table, msg.worker, msg.clock, msg.wait_ms / 1000,
-                                          msg.generation),
-            context,
-        )
-        if msg.HasField("bulk"):
-            yield _guard(lambda: self._pull_dense_bulk(msg.bulk, block), context)
-            return
-        data = codec.tensor_bytes(block)
-        dtype = codec.dtype_to_wire(block.dtype)
-        itemsize = block.element_size()
-        step = max(itemsize, self.limits.chunk_bytes // itemsize * itemsize)
-        for start in range(0, max(data.nbytes, 1), step):
-            head = pb.DenseChunk(offset=start // itemsize)
-            if start == 0:
-                head.dtype = dtype
-                head.shape.extend(block.shape)
-            chunk = data[start : start + step]
-            self.bytes.add(sent=chunk.nbytes)
-            yield codec.encode(head, {"data": chunk})
-
-    def PushDense(self, chunks: Iterator[Frame[pb.PushDenseChunk]], context: Any) -> bytes:
-        def push() -> bytes:
-            first = next(chunks, None)
-            if first is None or not first.msg.HasField("header"):
-                raise InvalidArgumentError("a dense push must start with a chunk carrying a header")
-            head = first.msg.header
-            with self._refused(*([head.bulk] if head.HasField("bulk") else [])):
-                dtype = codec.dtype_from_wire(head.dtype)
-                shape = tuple(head.shape)
-                itemsize = dtype.itemsize
-                expected = math.prod(shape) * itemsize
-                self._check_request_size(expected)
-            if head.HasField("bulk"):
-                return self._push_dense_bulk(head, chunks, dtype, shape, expected)
-
-            def parts() -> Iterator[tuple[int, torch.Tensor]]:
-                # Decoded lazily, so the shard checks each chunk while later ones arrive.
-                received = 0
-                for frame in itertools.chain((first,), chunks):
-                    if frame.msg.offset * itemsize != received:
-                        raise InvalidArgumentError(
-                            f"dense push chunk at element {frame.msg.offset} does not follow "
-                            f"the {received // itemsize} elements received so far"
-                        )
-                    data = frame.payload("data")
-                    if data.nbytes % itemsize:
-                        raise InvalidArgumentError(
-                            f"dense push chunk of {data.nbytes} bytes is not a whole number "
-                            f"of {codec.dtype_name(head.dtype)} elements"
-                        )
-                    received += data.nbytes
-                    self._check_request_size(received)
-                    self.bytes.add(received=data.nbytes)
-                    if data.nbytes:
-                        n = data.nbytes // itemsize
-                        yield received // itemsize - n, codec.tensor_from_bytes(data, dtype, (n,))
-                if received != expected:
-                    raise InvalidArgumentError(
-                        f"dense push carries {received} bytes but shape {list(shape)} of "
-                        f"{codec.dtype_name(head.dtype)} needs {expected}"
-                    )
-
-            # The parts are views of the request's own bytes, which they keep alive.
-            outcome = self.shard.push_dense(head.table, _meta(head), dtype, shape, parts(),
-                                            owned=True)
-            return _push_response(outcome, expected // itemsize)
-
-        return _guard(push, context)
-
-    # ---- sparse ----------------------------------------------------------------------------
-
-    def PullSparse(self, request: Frame[pb.PullSparseRequest], context: Any) -> Iterator[bytes]:
-        msg = request.msg
-        if msg.HasField("bulk"):
-            yield _guard(lambda: self._pull_sparse_bulk(msg), context)
-            return
-
-        def pull() -> SparseRows:
-            keys = codec.keys_from_bytes(request.payload("keys"))
-            self.bytes.add(received=keys.nbytes)
-            return self.shard.pull_sparse(
-                msg.table, msg.worker, msg.clock, keys, msg.wait_ms / 1000, msg.generation
-            )
-
-        rows = _guard(pull, context)
-        dtype = codec.dtype_to_wire(rows.dtype)
-        n, dim = len(rows), rows.dim
-        row_bytes = dim * rows.dtype.itemsize
-        per_chunk = max(1, self.limits.chunk_bytes // row_bytes)
-        for start in range(0, max(n, 1), per_chunk):
-            count = min(per_chunk, n - start)
-            head = pb.SparseChunk(dtype=dtype, dim=dim, row_offset=start, rows=count)
-            chunk = codec.tensor_bytes(rows.gather(start, start + count))
-            self.bytes.add(sent=chunk.nbytes)
-            yield codec.encode(head, {"values": chunk})
-
-    def PushSparse(self, chunks: Iterator[Frame[pb.PushSparseChunk]], context: Any) -> bytes:
-        def push() -> bytes:
-            first = next(chunks, None)
-            if first is None or not first.msg.HasField("header"):
-                raise InvalidArgumentError(
-                    "a sparse push must start with a chunk carrying a header"
-                )
-            head = first.msg.header
-            bulk_refs = [head.bulk_keys, head.bulk] if head.HasField("bulk") else []
-            with self._refused(*bulk_refs):
-                dtype = codec.dtype_from_wire(head.dtype)
-            if head.HasField("bulk"):
-                return self._push_sparse_bulk(head, chunks, dtype)
-            key_parts = [first.payload("keys")]
-            value_parts = [first.payload("values")]
-            received = key_parts[0].nbytes + value_parts[0].nbytes
-            for frame in chunks:
-                key_parts.append(frame.payload("keys"))
-                value_parts.append(frame.payload("values"))
-                received += key_parts[-1].nbytes + value_parts[-1].nbytes
-                self._check_request_size(received)
-            self.bytes.add(received=received)
-            keys = codec.keys_from_bytes(_join(key_parts))
-            values = _join(value_parts)
-            outcome = self.shard.push_sparse(
-                head.table, _meta(head), dtype, head.dim, keys, values, owned=True
-            )
-            return _push_response(outcome, len(keys) * head.dim)
-
-        return _guard(push, context)
-
-    # ---- bulk transports (shared memory, UCX) -----------------------------------------------
-
-    def _pull_dense_bulk(self, ref: pb.BulkRef, block: torch.Tensor) -> bytes:
-        data = codec.tensor_bytes(block)
-        if ref.length != data.nbytes:
-            raise InvalidArgumentError(
-                f"the pull's bulk region holds {ref.length} bytes; the block needs {data.nbytes}"
-            )
-
-        def fill(view: memoryview) -> None:
-            view[:] = data
-
-        self._bulk().write(ref, data.nbytes, fill, BULK_TIMEOUT_S)
-        self.bytes.add(sent=data.nbytes)
-        head = pb.DenseChunk(dtype=codec.dtype_to_wire(block.dtype), shape=block.shape,
-                             in_bulk=True)
-        return head.SerializeToString()
-
-    def _push_dense_bulk(
-        self, head: pb.PushDenseHeader, more: Iterator[Frame[pb.PushDenseChunk]],
-        dtype: torch.dtype, shape: tuple[int, ...], expected: int,
-    ) -> bytes:
-        with self._refused(head.bulk):
-            if next(more, None) is not None:
-                raise InvalidArgumentError(
-                    "a dense push with a bulk reference has one chunk only"
-                )
-            if head.bulk.length != expected:
-                raise InvalidArgumentError(
-                    f"dense push names {head.bulk.length} bulk bytes but shape {list(shape)} "
-                    f"of {codec.dtype_name(head.dtype)} needs {expected}"
-                )
-        itemsize = dtype.itemsize
-        with self._bulk().read(head.bulk, BULK_TIMEOUT_S) as view:
-            self.bytes.add(received=view.nbytes)
-            n = view.nbytes // itemsize
-            parts = [(0, codec.tensor_from_bytes(view, dtype, (n,)))] if n else []
-            outcome = self.shard.push_dense(head.table, _meta(head), dtype, shape, parts)
-        return _push_response(outcome, n)
-
-    def _pull_sparse_bulk(self, msg: pb.PullSparseRequest) -> bytes:
-        bulk = self._bulk()
-        with bulk.read(msg.bulk_keys, BULK_TIMEOUT_S) as view:
-            keys = codec.keys_from_bytes(view)
-            self.bytes.add(received=keys.nbytes)
-            rows = self.shard.pull_sparse(
-                msg.table, msg.worker, msg.clock, keys, msg.wait_ms / 1000, msg.generation
-            )
-        n, dim = len(rows), rows.dim
-        row_bytes = dim * rows.dtype.itemsize
-        if msg.bulk.length != n * row_bytes:
-            raise InvalidArgumentError(
-                f"the pull's bulk region holds {msg.bulk.length} bytes; {n} rows of dim {dim} "
-                f"need {n * row_bytes}"
-            )
-        per_chunk = max(1, self.limits.chunk_bytes // max(1, row_bytes))
-
-        def fill(out: memoryview) -> None:
-            # Gathered a slice at a time straight into the client's region.
-            for start in range(0, n, per_chunk):
-                end = min(n, start + per_chunk)
-                target = codec.tensor_from_bytes(out[start * row_bytes : end * row_bytes],
-                                                 rows.dtype, (end - start, dim))
-                rows.gather(start, end, out=target)
-
-        bulk.write(msg.bulk, n * row_bytes, fill, BULK_TIMEOUT_S)
-        self.bytes.add(sent=n * row_bytes)
-        return pb.SparseChunk(dtype=codec.dtype_to_wire(rows.dtype), dim=dim, row_offset=0,
-                              rows=n, in_bulk=True).SerializeToString()
-
-    def _push_sparse_bulk(
-        self, head: pb.PushSparseHeader, more: Iterator[Frame[pb.PushSparseChunk]],
-        dtype: torch.dtype,
-    ) -> bytes:
-        with self._refused(head.bulk_keys, head.bulk):
-            if next(more, None) is not None:
-                raise InvalidArgumentError(
-                    "a sparse push with a bulk reference has one chunk only"
-                )
-            self._check_request_size(head.bulk.length + head.bulk_keys.length)
-        bulk = self._bulk()
-        with contextlib.ExitStack() as stack:
-            with self._refused(head.bulk):  # the values, if the keys cannot be had
-                key_view = stack.enter_context(bulk.read(head.bulk_keys, BULK_TIMEOUT_S))
-            values = stack.enter_context(bulk.read(head.bulk, BULK_TIMEOUT_S))
-            self.bytes.add(received=key_view.nbytes + values.nbytes)
-            keys = codec.keys_from_bytes(key_view)
-            outcome = self.shard.push_sparse(head.table, _meta(head), dtype, head.dim, keys,
-                                             values)
-        return _push_response(outcome, len(keys) * head.dim)
-
     # ---- a whole step ----------------------------------------------------------------------
 
     def Exchange(self, request: Frame[pb.ExchangeRequest], context: Any) -> bytes:
@@ -599,13 +364,40 @@ class ParameterServerServicer:
             if request.msg.HasField("bulk"):
                 return self._exchange_bulk(request.msg)
             self._check_request_size(payload.nbytes)
-            self.bytes.add(received=payload.nbytes)
-            exchange = exchange_from_proto(request.msg, payload)
-            response, out = exchange_to_proto(exchange, self.shard.exchange(exchange))
-            self.bytes.add(sent=out.nbytes)
+            response, out = self._exchange(request.msg, payload)
             return codec.encode(response, {"payload": out.parts})
 
         return _guard(run, context)
+
+    def ExchangeStream(self, parts: Iterator[Frame[pb.ExchangePart]],
+                       context: Any) -> Iterator[bytes]:
+        """An exchange too large for one message. Nothing of it applies until every part
+        has arrived: a stream cut short (cancelled, past its deadline, its client gone) is
+        refused whole, so its retry applies everything once."""
+
+        def run() -> tuple[pb.ExchangeResponse, codec.Payload]:
+            try:
+                msg, payload = joined(parts, self._check_request_size, "ExchangeStream")
+            except grpc.RpcError as exc:  # the client ended the call mid-stream
+                raise StreamEndedError("the client ended the stream before its last part; "
+                                       "nothing of it was applied") from exc
+            if not isinstance(msg, pb.ExchangeRequest) or msg.HasField("bulk") or msg.payload:
+                raise InvalidArgumentError(
+                    "a streamed exchange carries its payload in its parts, not in the request"
+                )
+            return self._exchange(msg, payload)
+
+        response, out = _guard(run, context)
+        yield from cut(pb.ExchangeAnswerPart, response, out.parts, out.nbytes,
+                       self.limits.chunk_bytes)
+
+    def _exchange(self, msg: pb.ExchangeRequest,
+                  payload: memoryview) -> tuple[pb.ExchangeResponse, codec.Payload]:
+        self.bytes.add(received=payload.nbytes)
+        exchange = exchange_from_proto(msg, payload)
+        response, out = exchange_to_proto(exchange, self.shard.exchange(exchange))
+        self.bytes.add(sent=out.nbytes)
+        return response, out
 
     def _exchange_bulk(self, msg: pb.ExchangeRequest) -> bytes:
         """An exchange whose payload, and answer, lie in the client's bulk region."""
@@ -697,7 +489,3 @@ class ParameterServerServicer:
             for method in rpc.METHODS
         }
         return grpc.method_handlers_generic_handler(rpc.SERVICE, methods)
-
-
-def _join(parts: list[memoryview]) -> memoryview:
-    return parts[0] if len(parts) == 1 else memoryview(b"".join(parts))

@@ -25,7 +25,6 @@ from protos.codec import tensor_from_bytes
 from protos.modes import ASYNC, Mode
 from protos.partition import RowRange, dense_placement
 from ps.aggregate import Aggregate, DenseSum, SparseSum
-from ps.behind import WriteBehind
 from ps.checkpoint import ShardState, TableState
 from ps.clocks import ClockBoard, Quorum
 from ps.consistency import ClockView, Decision, Policy, make_policy
@@ -70,9 +69,6 @@ class ShardConfig:
     max_wait_s: float = 300.0
     # How long a retried push waits for its first attempt, still being applied, to finish.
     inflight_wait_s: float = 30.0
-    # Answer pushes streamed over gRPC (async and ssp tables) once checked, and apply them
-    # right after on the shard's applier thread (ps/behind.py).
-    write_behind: bool = True
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -210,7 +206,6 @@ class Shard:
         # Called with (table, clocks behind the slowest live worker) for each served ssp or
         # sync pull: the metrics' staleness histogram.
         self.observe_staleness: Callable[[str, int], None] | None = None
-        self._behind = WriteBehind(f"shard{config.shard}-apply")
 
     # ---- tables ----------------------------------------------------------------------------
 
@@ -287,36 +282,9 @@ class Shard:
                 "restart and rejoin"
             )
 
-    def pull_dense(
-        self, name: str, worker: int, clock: int, wait_s: float = 0.0, generation: int = 0
-    ) -> torch.Tensor:
-        """This shard's block of dense table `name` (the live tensor, not a copy).
-
-        Blocks while the table's consistency mode makes the pull wait.
-        """
-        self.check_generation(worker, generation)
-        table, policy = self._dense(name)
-        self._await_pull(name, policy, worker, clock, wait_s)
-        return table.read()
-
-    def pull_sparse(
-        self, name: str, worker: int, clock: int, keys: np.ndarray, wait_s: float = 0.0,
-        generation: int = 0,
-    ) -> SparseRows:
-        """Rows of `keys` from sparse table `name`, created on first touch, in key order.
-
-        Blocks while the table's consistency mode makes the pull wait.
-        """
-        self.check_generation(worker, generation)
-        table, policy = self._sparse(name)
-        table.check_keys(keys)
-        self._await_pull(name, policy, worker, clock, wait_s)
-        return table.pull(keys)
-
     def _await_pull(
         self, name: str, policy: Policy, worker: int, clock: int, wait_s: float
     ) -> None:
-        self._behind.settle(name)
         if not policy.pull_waits:
             return
         with self._clocks:
@@ -354,33 +322,6 @@ class Shard:
 
     # ---- pushes ----------------------------------------------------------------------------
 
-    def push_dense(
-        self, name: str, meta: PushMeta, dtype: torch.dtype, shape: tuple[int, ...],
-        parts: Iterable[tuple[int, torch.Tensor]], owned: bool = False,
-    ) -> PushOutcome:
-        """Applies a dense push once, as the table's mode says.
-
-        `parts` yields (flat element offset, values) slices covering the block exactly once,
-        typically as they come off the wire: each is checked on arrival, so validation
-        overlaps the transfer, and nothing is applied until every part has passed.
-        `owned`: the parts' memory stays valid after this returns (not a buffer the sender
-        reuses), so an async or ssp table may apply it after answering (write_behind).
-        """
-        behind = owned and self.config.write_behind
-        return self._commit(self._prepare_dense(name, meta, dtype, shape, parts), behind)
-
-    def push_sparse(
-        self, name: str, meta: PushMeta, dtype: torch.dtype, dim: int, keys: np.ndarray,
-        values: memoryview, owned: bool = False,
-    ) -> PushOutcome:
-        """Applies a sparse push once, as the table's mode says.
-
-        `values` are the raw row bytes in key order, checked against the keys here. `owned`
-        as in push_dense.
-        """
-        behind = owned and self.config.write_behind
-        return self._commit(self._prepare_sparse(name, meta, dtype, dim, keys, values), behind)
-
     def exchange(self, request: Exchange) -> ExchangeResult:
         """A worker's step in one call: its pushes, the end of its iteration, its pulls.
 
@@ -394,7 +335,7 @@ class Shard:
         prepared = [
             self._prepare_sparse(p.table, p.meta, p.dtype, p.dim, p.keys, p.values)
             if isinstance(p, SparsePush)
-            else self._prepare_dense(p.table, p.meta, p.dtype, p.shape, ((0, p.values),))
+            else self._prepare_dense(p.table, p.meta, p.dtype, p.shape, p.values)
             for p in request.pushes
         ]
         # Resolved and checked once, here, before anything changes: each pull's policy and
@@ -420,17 +361,14 @@ class Shard:
 
     def _prepare_dense(
         self, name: str, meta: PushMeta, dtype: torch.dtype, shape: tuple[int, ...],
-        parts: Iterable[tuple[int, torch.Tensor]],
+        values: torch.Tensor,
     ) -> _Prepared:
         table, policy = self._dense(name)
-        check = not meta.assign and not table.spec.allow_non_finite
-        received: list[tuple[int, torch.Tensor]] = []
+        received = [(0, values)] if values.numel() else []
         try:
             table.check_push(dtype, shape)
-            for offset, part in parts:
-                if check:
-                    check_finite(name, part, offset)
-                received.append((offset, part))
+            if not meta.assign and not table.spec.allow_non_finite:
+                check_finite(name, values)
         except PSError:
             table.count(pushes_rejected=1)
             raise
@@ -461,13 +399,10 @@ class Shard:
             aggregate=lambda: self._sum(name, SparseSum).add(keys, rows),
         )
 
-    def _commit(self, p: _Prepared, behind: bool = False) -> PushOutcome:
-        return self._push(p.name, p.table, p.policy, p.meta, p.apply, p.aggregate, behind)
-
-    def _push(
-        self, name: str, table: Table, policy: Policy, meta: PushMeta,
-        apply: Callable[[], None], aggregate: Callable[[], None], behind: bool = False,
-    ) -> PushOutcome:
+    def _commit(self, p: _Prepared) -> PushOutcome:
+        """Applies (or aggregates, or drops) a checked push once, as its table's mode says;
+        answers when that is done."""
+        name, table, policy, meta = p.name, p.table, p.policy, p.meta
         self.check_generation(meta.worker, meta.generation)
         admission = self.ledger.admit(
             meta.worker, meta.incarnation, meta.seq, self.config.inflight_wait_s
@@ -476,7 +411,7 @@ class Shard:
             table.count(pushes_duplicate=1)
             return PushOutcome.DUPLICATE
         try:
-            outcome = self._run_push(name, table, policy, meta, apply, aggregate, behind)
+            outcome = self._run_push(name, table, policy, meta, p.apply, p.aggregate)
         except BaseException:
             self.ledger.abandon(meta.worker, meta.incarnation, meta.seq)
             raise
@@ -485,18 +420,14 @@ class Shard:
 
     def _run_push(
         self, name: str, table: Table, policy: Policy, meta: PushMeta,
-        apply: Callable[[], None], aggregate: Callable[[], None], behind: bool,
+        apply: Callable[[], None], aggregate: Callable[[], None],
     ) -> PushOutcome:
-        self._behind.settle(name)  # the pushes before this one apply first
         if meta.assign:
             apply()
             return PushOutcome.APPLIED
         if not policy.aggregates:
             with self._clocks:
                 self.board.report(meta.worker, meta.clock)
-                if behind:  # queued under the lock that restores and snapshots take
-                    self._behind.submit(name, apply)
-                    return PushOutcome.APPLIED
             # Async and ssp apply at once; the table serialises whole pushes.
             apply()
             return PushOutcome.APPLIED
@@ -646,7 +577,6 @@ class Shard:
 
     def _snapshot(self, checkpoint_id: str) -> ShardState:
         """Caller holds self._clocks."""
-        self._behind.settle_all()
         with self._lock:
             tables = list(self._tables.items())
         board = self.board
@@ -682,7 +612,6 @@ class Shard:
         with self._clocks:
             if generation is not None:
                 self.generation = max(self.generation, generation)
-            self._behind.forget()
             with self._lock:
                 self._tables.clear()
                 self._policies.clear()
@@ -715,7 +644,6 @@ class Shard:
     def stats(self) -> list[tuple[TableStats, Mode]]:
         """Each table's stats with its mode (bound filled in), counting every acknowledged
         push."""
-        self._behind.wait()
         with self._lock:
             tables = [(t, self._policies[n].mode) for n, t in self._tables.items()]
         return [(t.stats(), mode) for t, mode in tables]

@@ -170,17 +170,14 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def check_finite(table: str, values: torch.Tensor, offset: int = 0) -> None:
-    """InvalidArgumentError naming the first NaN or Inf element of a gradient.
-
-    `offset` is added to element positions in the message (for slices of a larger push).
-    """
+def check_finite(table: str, values: torch.Tensor) -> None:
+    """InvalidArgumentError naming the first NaN or Inf element of a gradient."""
     first = rows_first_nonfinite(values)
     if first >= 0:
         bad = values.reshape(-1)[first].item()
         raise InvalidArgumentError(
             f"gradient for table {table!r} has a non-finite value ({bad}) at flat element "
-            f"{offset + first}; the push was refused whole. Fix the gradient (clip it, lower "
+            f"{first}; the push was refused whole. Fix the gradient (clip it, lower "
             f"the learning rate) or declare the table with allow_non_finite"
         )
 
@@ -225,7 +222,10 @@ class DenseTable(_Counted):
         width = math.prod(tail) if spec.shape else 1
         keys = np.arange(placement.start, placement.end, dtype=np.int64)
         block = init_rows(keys, max(width, 1), spec.init, spec.seed, spec.dtype)
-        self.block_shape: tuple[int, ...] = (placement.rows, *tail) if spec.shape else ()
+        # A scalar is one row: () on its shard, an empty (0,) block on the others.
+        self.block_shape: tuple[int, ...] = (
+            (placement.rows, *tail) if spec.shape or not placement.rows else ()
+        )
         if width == 0:
             block = torch.empty(self.block_shape, dtype=spec.dtype)
         self.value = block.reshape(self.block_shape).contiguous()

@@ -1,31 +1,27 @@
 """The worker's side of bulk transports: meeting each server, and moving payloads.
 
 `BulkClient.meet` runs the handshake with one server and records which transport that
-server and this worker share (`Peer`). The functions below carry one request's payload
-through that transport; each returns None when the payload should travel inline instead,
-and raises ChannelBrokenError when the transport failed, after which the caller marks the
-peer and sends the same request (the same push id) inline over gRPC.
+server and this worker share (`Peer`). `exchange` carries one request's payload and its
+answer through that transport; it returns None when the payload should travel inline
+instead, and raises ChannelBrokenError when the transport failed, after which the caller
+(worker/link.py) marks the peer and sends the same request (the same push ids) over gRPC.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
-import numpy as np
-import torch
-from google.protobuf.message import Message
 
 from protos import codec, marks, rpc
 from protos import pstrain_pb2 as pb
 from protos.codec import Frame
 from protos.marks import marks_of
-from protos.rpc import Rpc, Stubs
+from protos.rpc import Stubs
 from protos.transport import ENV_VAR as ENV_TRANSPORT
 from protos.transport import (
     PREFERENCE,
@@ -260,120 +256,6 @@ def _named(region: Region, build: Callable[[], T]) -> T:
         region.abort()
         region.release()
         raise
-
-
-def _answered_in_bulk(stubs: Stubs, method: Rpc[Any, Any], request: Message,
-                      timeout_s: float) -> None:
-    """Sends a pull whose answer the server writes into the region (one streamed frame)."""
-    frames = list(stubs.stream_out(method, request.SerializeToString(), timeout_s))
-    if len(frames) != 1 or not frames[0].msg.in_bulk:
-        raise ChannelBrokenError("the server answered a bulk pull inline")
-
-
-def region_tensor(region: Region, offset: int, nbytes: int, dtype: torch.dtype,
-                  shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor viewing the region without a copy; the region goes back to its pool when
-    the tensor (and every view of it) is gone."""
-    array = np.frombuffer(region.view, dtype=np.uint8, count=nbytes, offset=offset)
-    weakref.finalize(array, region.release)
-    return torch.from_numpy(array).view(dtype).view(shape)
-
-
-def pull_dense(peer: Peer, stubs: Stubs, msg: pb.PullDenseRequest, nbytes: int,
-               timeout_s: float) -> Region | None:
-    """Pulls a dense block into a region (the caller releases it), or None: go inline."""
-    region = _lease(peer, nbytes)
-    if region is None:
-        return None
-
-    def build() -> pb.PullDenseRequest:
-        request = pb.PullDenseRequest()
-        request.CopyFrom(msg)
-        request.bulk.CopyFrom(region.recv_ref(0, nbytes))
-        return request
-
-    request = _named(region, build)
-    _run(region, lambda: _answered_in_bulk(stubs, rpc.PULL_DENSE, request, timeout_s),
-         timeout_s)
-    return region
-
-
-def push_dense(peer: Peer, stubs: Stubs, header: pb.PushDenseHeader,
-               data: memoryview, timeout_s: float) -> Frame[pb.PushResponse] | None:
-    """Pushes a dense block through a region, or None: go inline."""
-    region = _lease(peer, data.nbytes)
-    if region is None:
-        return None
-
-    def build() -> pb.PushDenseChunk:
-        region.view[: data.nbytes] = data.cast("B")
-        msg = pb.PushDenseChunk(offset=0)
-        msg.header.CopyFrom(header)
-        msg.header.bulk.CopyFrom(region.send_ref(0, data.nbytes))
-        return msg
-
-    msg = _named(region, build)
-    frame: Frame[pb.PushResponse] = _run(
-        region,
-        lambda: stubs.stream_in(rpc.PUSH_DENSE, iter([msg.SerializeToString()]), timeout_s),
-        timeout_s,
-    )
-    region.release()
-    return frame
-
-
-def pull_sparse(peer: Peer, stubs: Stubs, msg: pb.PullSparseRequest,
-                keys: np.ndarray, row_bytes: int, timeout_s: float) -> Region | None:
-    """Pulls rows of `keys` into a region, rows from byte `keys.nbytes` on (the caller
-    releases it), or None: go inline."""
-    key_bytes = codec.keys_bytes(keys).cast("B")
-    nbytes = len(keys) * row_bytes
-    region = _lease(peer, key_bytes.nbytes + nbytes)
-    if region is None:
-        return None
-
-    def build() -> pb.PullSparseRequest:
-        region.view[: key_bytes.nbytes] = key_bytes
-        request = pb.PullSparseRequest()
-        request.CopyFrom(msg)
-        request.bulk_keys.CopyFrom(region.send_ref(0, key_bytes.nbytes))
-        request.bulk.CopyFrom(region.recv_ref(key_bytes.nbytes, nbytes))
-        return request
-
-    request = _named(region, build)
-    _run(region, lambda: _answered_in_bulk(stubs, rpc.PULL_SPARSE, request, timeout_s),
-         timeout_s)
-    return region
-
-
-def push_sparse(peer: Peer, stubs: Stubs, header: pb.PushSparseHeader,
-                keys: np.ndarray, values: memoryview, timeout_s: float
-                ) -> Frame[pb.PushResponse] | None:
-    """Pushes keys and gradient rows through a region, or None: go inline."""
-    key_bytes = codec.keys_bytes(keys).cast("B")
-    values = values.cast("B")
-    region = _lease(peer, key_bytes.nbytes + values.nbytes)
-    if region is None:
-        return None
-
-    def build() -> pb.PushSparseChunk:
-        view = region.view
-        view[: key_bytes.nbytes] = key_bytes
-        view[key_bytes.nbytes : key_bytes.nbytes + values.nbytes] = values
-        msg = pb.PushSparseChunk()
-        msg.header.CopyFrom(header)
-        msg.header.bulk_keys.CopyFrom(region.send_ref(0, key_bytes.nbytes))
-        msg.header.bulk.CopyFrom(region.send_ref(key_bytes.nbytes, values.nbytes))
-        return msg
-
-    msg = _named(region, build)
-    frame: Frame[pb.PushResponse] = _run(
-        region,
-        lambda: stubs.stream_in(rpc.PUSH_SPARSE, iter([msg.SerializeToString()]), timeout_s),
-        timeout_s,
-    )
-    region.release()
-    return frame
 
 
 def exchange(peer: Peer, stubs: Stubs, msg: pb.ExchangeRequest,

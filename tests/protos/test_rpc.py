@@ -46,6 +46,6 @@ def test_a_call_of_the_wrong_shape_is_refused_before_it_is_sent() -> None:
     with grpc.insecure_channel("127.0.0.1:1") as channel:
         stubs = rpc.Stubs(channel)
         with pytest.raises(TypeError, match="Exchange is a unary_unary call"):
-            stubs.stream_out(rpc.EXCHANGE, b"", 0.1)
-        with pytest.raises(TypeError, match="PushDense is a stream_unary call"):
-            stubs.unary(rpc.PUSH_DENSE, b"", 0.1)
+            stubs.stream(rpc.EXCHANGE, iter([b""]), 0.1)
+        with pytest.raises(TypeError, match="ExchangeStream is a stream_stream call"):
+            stubs.unary(rpc.EXCHANGE_STREAM, b"", 0.1)

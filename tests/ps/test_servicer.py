@@ -16,6 +16,7 @@ from procs import Procs
 
 from protos import codec
 from protos import pstrain_pb2 as pb
+from protos.parts import cut
 from worker.client import PSClient
 
 _SERVICE = "/pstrain.v1.ParameterServer/"
@@ -26,20 +27,13 @@ class Raw:
     channel: grpc.Channel
     client: PSClient
 
-    def push_sparse(self, frames: list[bytes]) -> pb.PushResponse:
-        call = self.channel.stream_unary(_SERVICE + "PushSparse")
-        return pb.PushResponse.FromString(call(iter(frames), timeout=10))
-
-    def push_dense(self, frames: list[bytes]) -> pb.PushResponse:
-        call = self.channel.stream_unary(_SERVICE + "PushDense")
-        return pb.PushResponse.FromString(call(iter(frames), timeout=10))
-
-    def pull_sparse(self, request: bytes) -> list[bytes]:
-        return list(self.channel.unary_stream(_SERVICE + "PullSparse")(request, timeout=10))
-
     def exchange(self, request: bytes) -> pb.ExchangeResponse:
         call = self.channel.unary_unary(_SERVICE + "Exchange")
         return pb.ExchangeResponse.FromString(call(request, timeout=10))
+
+    def stream(self, parts: list[bytes]) -> list[bytes]:
+        call = self.channel.stream_stream(_SERVICE + "ExchangeStream")
+        return list(call(iter(parts), timeout=10))
 
     def snapshot(self) -> tuple[torch.Tensor, torch.Tensor, int, list[tuple[int, int]]]:
         dense = self.client.pull_dense("w")
@@ -53,27 +47,45 @@ KEYS = np.array([1, 2, 3], dtype=np.int64)
 _seq = iter(range(1, 10_000))
 
 
-def _sparse_header(**kw: object) -> pb.PushSparseHeader:
-    args: dict[str, object] = {
-        "table": "e", "id": pb.PushId(worker=1, incarnation=1, seq=next(_seq)),
-        "dtype": pb.FLOAT32, "dim": 4,
-    }
-    args.update(kw)
-    return pb.PushSparseHeader(**args)  # type: ignore[arg-type]
+def _one(add: Callable[[pb.ExchangeRequest, codec.Payload], None]) -> tuple[
+    pb.ExchangeRequest, codec.Payload
+]:
+    msg = pb.ExchangeRequest(worker=1, incarnation=1)
+    payload = codec.Payload()
+    add(msg, payload)
+    return msg, payload
 
 
-def _sparse_push(keys: bytes | memoryview, values: bytes | memoryview, **kw: object) -> bytes:
-    return codec.encode(
-        pb.PushSparseChunk(header=_sparse_header(**kw)), {"keys": keys, "values": values}
-    )
+def _sparse_push(keys: bytes | memoryview, values: bytes | memoryview, *, table: str = "e",
+                 dtype: int = pb.FLOAT32, dim: int = 4) -> bytes:
+    """A request of one sparse push."""
+    def add(msg: pb.ExchangeRequest, payload: codec.Payload) -> None:
+        msg.pushes.append(pb.ExchangePush(
+            table=table, seq=next(_seq), dtype=dtype, dim=dim,  # type: ignore[arg-type]
+            keys=payload.add(keys), values=payload.add(values),
+        ))
+    msg, payload = _one(add)
+    return codec.encode(msg, {"payload": payload.parts})
 
 
 def _dense_push(values: torch.Tensor, shape: list[int], dtype: int = pb.FLOAT32) -> bytes:
-    header = pb.PushDenseHeader(
-        table="w", id=pb.PushId(worker=1, incarnation=1, seq=next(_seq)), dtype=dtype,
-        shape=shape,
-    )
-    return codec.encode(pb.PushDenseChunk(header=header), {"data": codec.tensor_bytes(values)})
+    """A request of one dense push."""
+    msg, payload = _one(_then_dense(values, shape, dtype))
+    return codec.encode(msg, {"payload": payload.parts})
+
+
+def _sparse_pull(keys: bytes, table: str = "e") -> bytes:
+    """A request of one sparse pull."""
+    def add(msg: pb.ExchangeRequest, payload: codec.Payload) -> None:
+        msg.pulls.append(pb.ExchangePull(table=table, keys=payload.add(keys)))
+    msg, payload = _one(add)
+    return codec.encode(msg, {"payload": payload.parts})
+
+
+def _streamed(values: torch.Tensor, chunk_bytes: int = 40) -> list[bytes]:
+    """The parts of a streamed request of one dense push to "w"."""
+    msg, payload = _one(_then_dense(values, list(values.shape)))
+    return list(cut(pb.ExchangePart, msg, payload.parts, payload.nbytes, chunk_bytes))
 
 
 def _exchange(then: Callable[[pb.ExchangeRequest, codec.Payload], None]) -> bytes:
@@ -89,12 +101,12 @@ def _exchange(then: Callable[[pb.ExchangeRequest, codec.Payload], None]) -> byte
     return codec.encode(msg, {"payload": payload.parts})
 
 
-def _then_dense(values: torch.Tensor, shape: list[int]) -> Callable[
+def _then_dense(values: torch.Tensor, shape: list[int], dtype: int = pb.FLOAT32) -> Callable[
     [pb.ExchangeRequest, codec.Payload], None
 ]:
     def add(msg: pb.ExchangeRequest, payload: codec.Payload) -> None:
         msg.pushes.append(pb.ExchangePush(
-            table="w", seq=next(_seq), dtype=pb.FLOAT32, dense=True, shape=shape,
+            table="w", seq=next(_seq), dtype=dtype, dense=True, shape=shape,  # type: ignore[arg-type]
             values=payload.add(codec.tensor_bytes(values)),
         ))
     return add
@@ -127,59 +139,81 @@ def _values(n: int, dim: int = 4, dtype: torch.dtype = torch.float32) -> memoryv
 
 CASES = [
     pytest.param(
-        lambda r: r.push_sparse([_sparse_push(codec.keys_bytes(KEYS),
+        lambda r: r.exchange(_sparse_push(codec.keys_bytes(KEYS),
                                               _values(3, dtype=torch.float64),
-                                              dtype=pb.FLOAT64)]),
+                                              dtype=pb.FLOAT64)),
         "INVALID_ARGUMENT", "holds float32 rows; the push carries float64", id="wrong-dtype",
     ),
     pytest.param(
-        lambda r: r.push_dense([_dense_push(torch.ones(8, 5), [8, 5])]),
+        lambda r: r.exchange(_dense_push(torch.ones(8, 5), [8, 5])),
         "INVALID_ARGUMENT", "block shape [8, 4]; the push carries shape [8, 5]", id="wrong-shape",
     ),
     pytest.param(
-        lambda r: r.push_sparse([_sparse_push(codec.keys_bytes(KEYS), _values(3, dim=6),
-                                              dim=6)]),
+        lambda r: r.exchange(_sparse_push(codec.keys_bytes(KEYS), _values(3, dim=6),
+                                              dim=6)),
         "INVALID_ARGUMENT", "has dim 4; the push carries dim 6", id="wrong-dim",
     ),
     pytest.param(
-        lambda r: r.push_sparse([_sparse_push(codec.keys_bytes(KEYS).cast("B")[:20], _values(3))]),
+        lambda r: r.exchange(_sparse_push(codec.keys_bytes(KEYS).cast("B")[:20], _values(3))),
         "INVALID_ARGUMENT", "20 bytes, not a multiple of 8", id="keys-not-multiple-of-8",
     ),
     pytest.param(
-        lambda r: r.pull_sparse(
-            codec.encode(pb.PullSparseRequest(table="e"), {"keys": b"\x00" * 12})
-        ),
+        lambda r: r.exchange(_sparse_pull(b"\x00" * 12)),
         "INVALID_ARGUMENT", "12 bytes, not a multiple of 8", id="pull-keys-not-multiple-of-8",
     ),
     pytest.param(
-        lambda r: r.push_sparse([_sparse_push(codec.keys_bytes(KEYS), _values(2))]),
+        lambda r: r.exchange(_sparse_push(codec.keys_bytes(KEYS), _values(2))),
         "INVALID_ARGUMENT", "carries 3 keys but 2 rows of values", id="counts-disagree",
     ),
     pytest.param(
-        lambda r: r.push_sparse([_sparse_push(codec.keys_bytes(KEYS), _values(3),
-                                              table="nope")]),
+        lambda r: r.exchange(_sparse_push(codec.keys_bytes(KEYS), _values(3),
+                                              table="nope")),
         "NOT_FOUND", "no table 'nope'", id="unknown-table",
     ),
     pytest.param(
-        lambda r: r.pull_sparse(
-            codec.encode(pb.PullSparseRequest(table="nope"), {"keys": codec.keys_bytes(KEYS)})
-        ),
+        lambda r: r.exchange(_sparse_pull(codec.keys_bytes(KEYS).tobytes(), "nope")),
         "NOT_FOUND", "no table 'nope'", id="unknown-table-pull",
     ),
     pytest.param(
-        lambda r: r.push_dense([_dense_push(torch.ones(8, 4), [8, 4]) + b"\x00" * (5 << 20)]),
+        lambda r: r.exchange(_dense_push(torch.ones(8, 4), [8, 4]) + b"\x00" * (5 << 20)),
         "RESOURCE_EXHAUSTED", "larger than max", id="over-size-limit",
     ),
     pytest.param(
-        lambda r: r.push_sparse([_sparse_push(
+        lambda r: r.exchange(_sparse_push(
             codec.keys_bytes(KEYS),
             codec.tensor_bytes(torch.tensor([[1.0, 2, 3, 4], [1, float("nan"), 1, 1],
-                                             [1, 1, 1, 1]])))]),
+                                             [1, 1, 1, 1]])))),
         "INVALID_ARGUMENT", "non-finite value (nan) at flat element 5", id="nan-gradient",
     ),
     pytest.param(
-        lambda r: r.push_dense([_dense_push(torch.full((8, 4), float("inf")), [8, 4])]),
+        lambda r: r.exchange(_dense_push(torch.full((8, 4), float("inf")), [8, 4])),
         "INVALID_ARGUMENT", "non-finite value (inf) at flat element 0", id="inf-gradient",
+    ),
+    # A streamed exchange applies nothing until all of it has arrived and been checked.
+    pytest.param(
+        lambda r: r.stream(_streamed(torch.ones(8, 4))[:-1]),
+        "INVALID_ARGUMENT", "the stream ended after 120 of the 128 bytes announced",
+        id="stream-ended-short",
+    ),
+    pytest.param(
+        lambda r: r.stream([_streamed(torch.ones(8, 4))[0], *_streamed(torch.ones(8, 4))[2:]]),
+        "INVALID_ARGUMENT", "a part at byte 80 does not follow the 40 bytes received",
+        id="stream-part-out-of-order",
+    ),
+    pytest.param(
+        lambda r: r.stream(_streamed(torch.ones(8, 4))[1:]),
+        "INVALID_ARGUMENT", "the first part of a stream must carry the request",
+        id="stream-without-request",
+    ),
+    pytest.param(
+        lambda r: r.stream([codec.encode(pb.ExchangePart(request=pb.ExchangeRequest(worker=1),
+                                                         payload_bytes=1 << 40))]),
+        "RESOURCE_EXHAUSTED", "request of 1099511627776 bytes is over this server's limit",
+        id="stream-over-request-limit",
+    ),
+    pytest.param(
+        lambda r: r.stream(_streamed(torch.full((8, 4), float("nan")))),
+        "INVALID_ARGUMENT", "non-finite value (nan) at flat element 0", id="stream-nan",
     ),
     # An exchange is checked whole before its first push applies or its iteration ends.
     pytest.param(
@@ -263,7 +297,7 @@ def test_repeated_key_in_one_push_is_refused_and_creates_nothing(
     rows_before = next(t.rows for t in raw.client.stats()[0].tables if t.name == "e")
     array = np.array(keys, dtype=np.int64)
     with pytest.raises(grpc.RpcError) as err:
-        raw.push_sparse([_sparse_push(codec.keys_bytes(array), _values(3))])
+        raw.exchange(_sparse_push(codec.keys_bytes(array), _values(3)))
     assert err.value.code().name == "INVALID_ARGUMENT"
     repeated = next(k for i, k in enumerate(keys) if k in keys[:i])
     assert f"key {repeated} appears more than once" in (err.value.details() or "")

@@ -118,17 +118,54 @@ def make_shard(mode: str, workers: int = 2, staleness: int = 0, max_wait_s: floa
     return shard, clock
 
 
+
+# ---- one-item exchanges, as a worker's single pull or push arrives ------------------------------
+
+
+def _one(shard: Shard, worker: int, push: SparsePush | DensePush | None = None,
+         pull: Pull | None = None, clock: int = 0, wait_s: float = 0.0) -> Any:
+    exchange = Exchange(worker=worker, incarnation=push.meta.incarnation if push else 1,
+                        generation=0, push_clock=clock, pushes=[push] if push else [],
+                        end_iteration=False, pull_clock=clock, pulls=[pull] if pull else [],
+                        wait_s=wait_s)
+    result = shard.exchange(exchange)
+    return result.outcomes[0] if push else result.pulled[0]
+
+
+def pull_dense(shard: Shard, name: str, worker: int, clock: int,
+               wait_s: float = 0.0) -> torch.Tensor:
+    pulled: torch.Tensor = _one(shard, worker, pull=Pull(name), clock=clock, wait_s=wait_s)
+    return pulled
+
+
+def pull_sparse(shard: Shard, name: str, worker: int, clock: int, keys: np.ndarray,
+                wait_s: float = 0.0) -> Any:
+    return _one(shard, worker, pull=Pull(name, keys), clock=clock, wait_s=wait_s)
+
+
+def push_dense(shard: Shard, name: str, meta: PushMeta, values: torch.Tensor) -> PushOutcome:
+    push = DensePush(name, meta, values.dtype, tuple(values.shape), values.reshape(-1))
+    outcome: PushOutcome = _one(shard, meta.worker, push, clock=meta.clock)
+    return outcome
+
+
+def push_sparse(shard: Shard, name: str, meta: PushMeta, dim: int, keys: np.ndarray,
+                values: memoryview) -> PushOutcome:
+    outcome: PushOutcome = _one(shard, meta.worker, SparsePush(name, meta, F32, dim, keys,
+                                                                values), clock=meta.clock)
+    return outcome
+
 def push_w(shard: Shard, worker: int, seq: int, clock: int, value: float,
            wait_s: float = 0.0) -> PushOutcome:
     meta = PushMeta(worker, 1, seq, clock, wait_s=wait_s)
-    return shard.push_dense("w", meta, F32, (4,), [(0, torch.full((4,), value))])
+    return push_dense(shard, "w", meta, torch.full((4,), value))
 
 
 def push_emb(shard: Shard, worker: int, seq: int, keys: list[int], rows: list[list[float]]
              ) -> PushOutcome:
     values = codec.tensor_bytes(torch.tensor(rows, dtype=F32).reshape(len(keys), 2))
-    return shard.push_sparse("emb", PushMeta(worker, 1, seq), F32, 2,
-                             np.array(keys, dtype=np.int64), values)
+    return push_sparse(shard, "emb", PushMeta(worker, 1, seq), 2,
+                       np.array(keys, dtype=np.int64), values)
 
 
 def values(shard: Shard) -> tuple[list[float], dict[int, list[float]]]:
@@ -147,10 +184,10 @@ def test_a_sync_pull_waits_until_its_clock_closes() -> None:
     shard, clock = make_shard("sync")
     assert push_w(shard, 0, 1, 0, 2.0) is PushOutcome.APPLIED
     assert shard.tick(0, 1, 0) == 0  # worker 1 has not finished clock 0
-    pull = Call(lambda: shard.pull_dense("w", 0, 1).clone())
+    pull = Call(lambda: pull_dense(shard, "w", 0, 1).clone())
     assert settle(pull, clock), "a pull for clock 1 was served while clock 0 was open"
     # A pull at the open clock is served at once, without the unfinished clock's gradients.
-    assert shard.pull_dense("w", 1, 0).tolist() == [1.0] * 4
+    assert pull_dense(shard, "w", 1, 0).tolist() == [1.0] * 4
     assert push_w(shard, 1, 1, 0, 4.0) is PushOutcome.APPLIED
     assert shard.tick(1, 1, 0) == 1
     assert pull.outcome().tolist() == [1 - (2 + 4) / 2] * 4  # the mean, applied once
@@ -164,7 +201,7 @@ def test_an_ssp_pull_is_released_when_the_slowest_worker_advances() -> None:
         shard.tick(0, 1, c)  # worker 0 reaches clock 3
     for c in range(2):
         shard.tick(1, 1, c)  # worker 1 reaches clock 2; worker 2 stays at 0
-    pull = Call(lambda: shard.pull_dense("w", 0, 3).clone())  # needs every worker at >= 2
+    pull = Call(lambda: pull_dense(shard, "w", 0, 3).clone())  # needs every worker at >= 2
     assert settle(pull, clock)
     reads = clock.reads
     shard.tick(2, 1, 0)  # the slowest reaches 1: not enough
@@ -173,17 +210,17 @@ def test_an_ssp_pull_is_released_when_the_slowest_worker_advances() -> None:
     pull.outcome()
     assert shard.pull_log() == [PullRecord("w", 0, 3, 2)]
     # A pull within the bound never waits.
-    shard.pull_dense("w", 2, 3)
+    pull_dense(shard, "w", 2, 3)
     assert shard.pull_log()[-1] == PullRecord("w", 2, 3, 2)
 
 
 @pytest.mark.parametrize(
     ("mode", "call", "message"),
     [
-        ("sync", lambda s: s.pull_dense("w", 0, 1),
+        ("sync", lambda s: pull_dense(s, "w", 0, 1),
          "waited 10.0 s: pull of sync table 'w' by worker 0 at clock 1 needs clock 0 closed, but "
          "clock 0 is open (0 of quorum 2 counted); waiting for workers 0 (clock 0), 1 (clock 0)"),
-        ("ssp", lambda s: s.pull_sparse("emb", 1, 1, np.array([5], dtype=np.int64), wait_s=10.0),
+        ("ssp", lambda s: pull_sparse(s, "emb", 1, 1, np.array([5], dtype=np.int64), wait_s=10.0),
          "waited 10.0 s: pull of ssp table 'emb' by worker 1 at clock 1 needs every live worker "
          "at clock >= 1 (staleness 0); waiting for workers 0 (clock 0), 1 (clock 0)"),
         ("sync", lambda s: push_w(s, 0, 1, 1, 2.0, wait_s=25.0),  # over the limit: the limit
@@ -243,10 +280,10 @@ def test_a_duplicate_push_is_applied_once(mode: str) -> None:
 def test_the_same_number_from_a_new_incarnation_is_a_new_push() -> None:
     shard, _ = make_shard("async")
     meta = PushMeta(0, 1, 7)
-    grad = [(0, torch.ones(4))]
-    assert shard.push_dense("w", meta, F32, (4,), grad) is PushOutcome.APPLIED
+    grad = torch.ones(4)
+    assert push_dense(shard, "w", meta, grad) is PushOutcome.APPLIED
     restarted = PushMeta(0, 2, 7)
-    assert shard.push_dense("w", restarted, F32, (4,), grad) is PushOutcome.APPLIED
+    assert push_dense(shard, "w", restarted, grad) is PushOutcome.APPLIED
     assert values(shard)[0] == [-1.0] * 4
 
 
@@ -282,8 +319,8 @@ def test_a_table_that_allows_non_finite_values_takes_them() -> None:
     shard.declare([TableSpec("w", "dense", F32, shape=(2,), init=ONES, optimizer=SGD_1,
                              allow_non_finite=True)])
     grad = torch.tensor([float("inf"), 1.0])
-    shard.push_dense("w", PushMeta(0, 1, 1), F32, (2,), [(0, grad)])
-    assert shard.pull_dense("w", 0, 0).tolist() == [float("-inf"), 0.0]
+    push_dense(shard, "w", PushMeta(0, 1, 1), grad)
+    assert pull_dense(shard, "w", 0, 0).tolist() == [float("-inf"), 0.0]
 
 
 def test_a_refused_exchange_changes_nothing() -> None:

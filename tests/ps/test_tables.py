@@ -232,20 +232,20 @@ def test_a_dense_pull_counts_and_returns_the_live_block() -> None:
 
 
 @pytest.mark.parametrize(
-    ("values", "offset", "message"),
+    ("values", "message"),
     [
-        ([0.0, float("nan"), 1.0], 0, r"non-finite value \(nan\) at flat element 1"),
-        ([float("inf"), 0.0], 0, r"\(inf\) at flat element 0"),
-        ([1.0, 2.0, 3.0, float("-inf")], 100, r"\(-inf\) at flat element 103"),
-        ([float("nan"), float("inf")], 4, r"\(nan\) at flat element 4"),  # the first one
+        ([0.0, float("nan"), 1.0], r"non-finite value \(nan\) at flat element 1"),
+        ([float("inf"), 0.0], r"\(inf\) at flat element 0"),
+        ([1.0, 2.0, 3.0, float("-inf")], r"\(-inf\) at flat element 3"),
+        ([float("nan"), float("inf")], r"\(nan\) at flat element 0"),  # the first one
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_a_non_finite_gradient_is_named_with_its_position(
-    values: list[float], offset: int, message: str, dtype: torch.dtype
+    values: list[float], message: str, dtype: torch.dtype
 ) -> None:
     with pytest.raises(InvalidArgumentError, match=message) as caught:
-        check_finite("emb", torch.tensor(values, dtype=dtype), offset)
+        check_finite("emb", torch.tensor(values, dtype=dtype))
     assert "table 'emb'" in str(caught.value) and "allow_non_finite" in str(caught.value)
 
 

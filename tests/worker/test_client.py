@@ -16,6 +16,7 @@ from protos import codec, rpc
 from protos import pstrain_pb2 as pb
 from protos.modes import Kind, Mode
 from protos.partition import shard_of_keys
+from protos.parts import cut
 from scheduler.admin import ServerAdmin
 from worker.client import PSClient, Pull, Push
 from worker.errors import ClusterMismatchError, PSClientError, RemoteError, RolledBackError
@@ -113,39 +114,51 @@ def test_routing_agrees_and_no_key_is_lost_or_duplicated(two_shards: PSClient) -
     assert 4500 < per_shard[0] < 5500
     # A key sent to the wrong shard is refused and not created.
     wrong = keys[owners == 1][:3]
-    shard0 = client._shards[0]
-    request = codec.encode(pb.PullSparseRequest(table="e"), {"keys": codec.keys_bytes(wrong)})
+    msg = pb.ExchangeRequest(worker=0)
+    payload = codec.Payload()
+    msg.pulls.append(pb.ExchangePull(table="e", keys=payload.add(codec.keys_bytes(wrong))))
+    request = codec.encode(msg, {"payload": payload.parts})
     with pytest.raises(Exception) as err:
-        list(shard0.stubs.stream_out(rpc.PULL_SPARSE, request, 10))
+        client.links[0].unary(rpc.EXCHANGE, request)
     assert "belongs to shard 1" in str(err.value)
     assert next(t.rows for t in client.stats()[0].tables if t.name == "e") == per_shard[0]
 
 
-def test_retried_push_with_same_seq_is_applied_once(two_shards: PSClient) -> None:
+def test_retried_streamed_push_with_same_seq_is_applied_once(two_shards: PSClient) -> None:
     client = two_shards
     client.declare_sparse("e", 4, optimizer="sgd", lr=1.0, init=("zeros", 0, 0))
-    keys = np.array([42], dtype=np.int64)
-    shard = client._shards[int(shard_of_keys(keys, 2)[0])]
-    header = pb.PushSparseHeader(
-        table="e", id=pb.PushId(worker=7, incarnation=1, seq=1), dtype=pb.FLOAT32, dim=4
-    )
-    frames = list(client._sparse_frames(header, keys, torch.ones(1, 4), shard.chunk_bytes))
-    first = shard.stubs.stream_in(rpc.PUSH_SPARSE, iter(frames), 10)
-    again = shard.stubs.stream_in(rpc.PUSH_SPARSE, iter(frames), 10)
-    assert not first.msg.duplicate and again.msg.duplicate
-    torch.testing.assert_close(client.pull_sparse("e", keys), -torch.ones(1, 4))
-    stats = next(t for t in client.stats()[shard.index].tables if t.name == "e")
+    keys = np.arange(1000, dtype=np.int64) * 2
+    keys = keys[shard_of_keys(keys, 2) == 0]
+    link = client.links[0]
+    msg = pb.ExchangeRequest(worker=7, incarnation=1)
+    payload = codec.Payload()
+    msg.pushes.append(pb.ExchangePush(
+        table="e", seq=1, dtype=pb.FLOAT32, dim=4, keys=payload.add(codec.keys_bytes(keys)),
+        values=payload.add(codec.tensor_bytes(torch.ones(len(keys), 4))),
+    ))
+
+    def send() -> pb.ExchangeResponse:
+        parts = cut(pb.ExchangePart, msg, payload.parts, payload.nbytes, 1000)
+        answers = list(link._stubs().stream(rpc.EXCHANGE_STREAM, parts, 10))
+        assert len(answers) == 1
+        return answers[0].msg.response
+
+    assert payload.nbytes > 5000  # several parts
+    first, again = send(), send()
+    assert not first.pushes[0].duplicate and again.pushes[0].duplicate
+    torch.testing.assert_close(client.pull_sparse("e", keys), -torch.ones(len(keys), 4))
+    stats = next(t for t in client.stats()[0].tables if t.name == "e")
     assert (stats.pushes_applied, stats.pushes_duplicate) == (1, 1)
 
 
 def test_stale_incarnation_is_refused(two_shards: PSClient, transport: str) -> None:
     client = two_shards
     client.declare_dense("b", (4,), optimizer="sgd", lr=1.0)
-    with PSClient([s.address for s in client._shards], worker=3, incarnation=2,
+    with PSClient([s.address for s in client.links], worker=3, incarnation=2,
                   transport=transport) as new:
         new.declare_dense("b", (4,), optimizer="sgd", lr=1.0)
         new.push_dense("b", torch.ones(4))
-    with PSClient([s.address for s in client._shards], worker=3, incarnation=1,
+    with PSClient([s.address for s in client.links], worker=3, incarnation=1,
                   transport=transport) as old:
         old.declare_dense("b", (4,), optimizer="sgd", lr=1.0)
         with pytest.raises(RemoteError) as err:
@@ -163,7 +176,7 @@ def test_a_worker_from_before_a_rollback_is_told_to_restart(two_shards: PSClient
     client.on_rolled_back = lambda: told.append(client.clock)
     admin = ServerAdmin()
     try:  # The job rolls back to an empty checkpoint: generation 1.
-        for shard in client._shards:
+        for shard in client.links:
             admin.restore(shard.address, "", "", "", generation=1)
     finally:
         admin.close()
@@ -239,7 +252,7 @@ def test_retried_exchange_applies_its_pushes_once(two_shards: PSClient) -> None:
     client = two_shards
     client.declare_sparse("e", 4, optimizer="sgd", lr=1.0, init=("zeros", 0, 0))
     keys = np.array([42], dtype=np.int64)
-    shard = client._shards[int(shard_of_keys(keys, 2)[0])]
+    link = client.links[int(shard_of_keys(keys, 2)[0])]
     msg = pb.ExchangeRequest(worker=7, incarnation=1, end_iteration=True)
     payload = codec.Payload()
     msg.pushes.append(pb.ExchangePush(
@@ -247,17 +260,18 @@ def test_retried_exchange_applies_its_pushes_once(two_shards: PSClient) -> None:
         values=payload.add(codec.tensor_bytes(torch.ones(1, 4))),
     ))
     request = codec.encode(msg, {"payload": payload.parts})
-    first = shard.stubs.unary(rpc.EXCHANGE, request, 10)
-    again = shard.stubs.unary(rpc.EXCHANGE, request, 10)
+    first = link.unary(rpc.EXCHANGE, request)
+    again = link.unary(rpc.EXCHANGE, request)
     assert not first.msg.pushes[0].duplicate and again.msg.pushes[0].duplicate
     torch.testing.assert_close(client.pull_sparse("e", keys), -torch.ones(1, 4))
 
 
-def test_exchange_too_large_for_one_message_goes_as_separate_calls(
+def test_exchange_too_large_for_one_message_travels_streamed(
     two_shards: PSClient,
 ) -> None:
     client = two_shards
-    # 2 x 5 MiB blocks: past one message, so the exchange streams them like push_dense.
+    # 2 x 5 MiB blocks: past one message, so the exchange streams them (or sends them through
+    # the bulk transport).
     client.declare_dense("big", (2560, 1024), optimizer="sgd", lr=1.0, init=("zeros", 0, 0))
     g = torch.ones(2560, 1024)
     (pulled,) = client.exchange([Push("big", g)], end_iteration=True, pulls=[Pull("big")])

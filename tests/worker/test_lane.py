@@ -56,9 +56,9 @@ def test_exchanges_take_the_lane_and_answer_as_over_grpc(procs: Procs) -> None:
         for client in (laned, plain):
             declare(client)
         got_lane, got_plain = steps(laned, 5), steps(plain, 5)
-        lane = laned._shards[0].bulk.lane
+        lane = laned.links[0].peer.lane
         assert lane is not None and lane.calls == 5
-        assert plain._shards[0].bulk.lane is None
+        assert plain.links[0].peer.lane is None
         assert laned.transports() == plain.transports() == ["shm"]
     for x, y in zip(got_lane, got_plain, strict=True):
         torch.testing.assert_close(x, y, atol=0, rtol=0)
@@ -77,7 +77,7 @@ def test_a_refusal_on_the_lane_is_the_rpcs_and_changes_nothing(procs: Procs) -> 
             client.exchange([Push("e", bad, keys)], end_iteration=True, pulls=[Pull("w")])
         assert err.value.code.name == "INVALID_ARGUMENT"
         assert "non-finite value (nan)" in err.value.details and "'e'" in err.value.details
-        lane = client._shards[0].bulk.lane
+        lane = client.links[0].peer.lane
         assert lane is not None and lane.calls == 2
         # Nothing applied, no iteration ended; the same connection serves the next call.
         (rows,) = client.exchange(pulls=[Pull("e", [3, 1_000_000_007, -5, 42])])
@@ -101,7 +101,7 @@ def test_a_worker_from_before_a_rollback_is_told_on_the_lane(procs: Procs) -> No
         with pytest.raises(RolledBackError) as err:
             steps(client, 1)
         assert "must restart" in err.value.details and told == [1]
-        lane = client._shards[0].bulk.lane
+        lane = client.links[0].peer.lane
         assert lane is not None and lane.calls == 2  # refused on the lane, not retried
 
 
@@ -117,7 +117,7 @@ def test_a_lost_session_falls_back_to_grpc_without_repeating_a_push(
             client.exchange([Push("e", g, keys)])
         # The server forgets the session (as after losing its state): the next exchange
         # is refused on the lane as a failed bulk transfer and sent again over gRPC.
-        peer = client._shards[0].bulk
+        peer = client.links[0].peer
         lane = peer.lane
         assert lane is not None
         channel = grpc.insecure_channel(server.address)
@@ -136,9 +136,9 @@ def test_a_lost_session_falls_back_to_grpc_without_repeating_a_push(
 def test_the_lane_refuses_strangers(procs: Procs) -> None:
     server = procs.server()
     with PSClient([server.address], worker=0) as client:
-        peer = client._shards[0].bulk
+        peer = client.links[0].peer
         assert peer.lane is not None
-        token = client._bulk.channel("shm").token()  # type: ignore[union-attr]
+        token = client._reach.bulk.channel("shm").token()  # type: ignore[union-attr]
         with pytest.raises(ChannelBrokenError, match="does not match"):
             LaneClient(peer.lane.address, peer.session, "0" * 24).check(5.0)
         with pytest.raises(ChannelBrokenError, match="not an open shm session"):

@@ -213,7 +213,7 @@ def test_broken_channel_falls_back_to_grpc_without_losing_or_repeating_a_push(
             client.push_dense("w", gw)
         # The server forgets this client's session, as after losing its state: the next
         # bulk request, a push or a pull, finds its region (or endpoint) unusable.
-        peer = client._shards[0].bulk
+        peer = client.links[0].peer
         channel = grpc.insecure_channel(server.address)
         end = pb.HandshakeRequest(worker=0, end_session=peer.session).SerializeToString()
         channel.unary_unary("/pstrain.v1.ParameterServer/Handshake")(end, timeout=10)

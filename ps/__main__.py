@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 from protos import modes
 from ps.coordination import ServerCoordinator, advertised, find_checkpoint, new_incarnation
@@ -20,7 +21,7 @@ from ps.errors import InvalidArgumentError, PSError
 from ps.server import MiB, ParameterServer, ServerConfig, run
 from scheduler.errors import CoordinationError
 from scheduler.spec import JobSpec
-from scheduler.store import JobStore
+from scheduler.store import JobStore, ride_out
 
 log = logging.getLogger("ps")
 
@@ -98,10 +99,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def wait_for_spec(store: JobStore, timeout_s: float) -> JobSpec:
-    """The job's spec, waiting for its scheduler to write it."""
+    """The job's spec, waiting for its scheduler to write it (through Redis outages)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        spec = store.spec()
+        spec = ride_out("spec", store.spec, None)
         if spec is not None:
             return spec
         if time.monotonic() > deadline:
@@ -141,13 +142,15 @@ def build(argv: list[str]) -> Built:
         store, spec = None, None
         num_shards, workers, backups = a.num_shards or 1, a.workers or 1, a.backups or 0
         directory = a.checkpoint_dir
-    restored = None
+    found = None
     if a.restore != "none":
-        restored = find_checkpoint(store, spec, a.shard, num_shards, a.job, directory,
-                                   from_disk=a.restore == "latest")
+        found = find_checkpoint(store, spec, a.shard, num_shards, a.job, directory,
+                                from_disk=a.restore == "latest")
+    restored = found[0] if found is not None else None
     if store is not None and spec is not None:
         attach = _attacher(store, spec, a.bind, a.advertise,
-                           restored.checkpoint_id if restored else "")
+                           restored.checkpoint_id if restored else "",
+                           found[1] if found is not None else {})
     config = ServerConfig(
         bind=a.bind, shard=a.shard, num_shards=num_shards, job=a.job,
         incarnation=new_incarnation(), mode=mode or modes.ASYNC, staleness=staleness or 0,
@@ -188,11 +191,12 @@ def _mode_flags(text: str | None, staleness: int | None) -> tuple[modes.Mode | N
 
 
 def _attacher(
-    store: JobStore, spec: JobSpec, bind: str, advertise: str, restored: str
+    store: JobStore, spec: JobSpec, bind: str, advertise: str, restored: str,
+    entries: dict[int, dict[str, Any]],
 ) -> Callable[[ParameterServer], Callable[[], None]]:
     def attach(server: ParameterServer) -> Callable[[], None]:
         address = advertised(bind.rpartition(":")[0], server.port, advertise)
-        coordinator = ServerCoordinator(store, spec, server, address, restored)
+        coordinator = ServerCoordinator(store, spec, server, address, restored, entries)
         coordinator.start()
         return coordinator.stop
 

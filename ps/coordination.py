@@ -1,7 +1,10 @@
 """A server's part in its job: registration, heartbeats and checkpoint requests via Redis.
 
 Nothing here is on the data plane: pulls and pushes never wait on Redis, and a Redis
-outage only pauses heartbeats.
+outage only pauses heartbeats. When Redis comes back empty, each beat writes the server's
+registration again, and the checkpoint it last restored or wrote is listed again, so the
+scheduler can rebuild the job from the live servers (heartbeats also carry the rollback
+generation the shard holds).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from ps.checkpoint import ShardState, latest_complete, read_shard, write_manifest, write_shard
@@ -43,8 +47,10 @@ class ServerCoordinator:
 
     def __init__(
         self, store: JobStore, spec: JobSpec, server: ParameterServer, address: str,
-        restored: str = "",
+        restored: str = "", entries: Mapping[int, Mapping[str, Any]] | None = None,
     ) -> None:
+        """`restored` names the checkpoint the shard was loaded from and `entries` its
+        listing (shard -> {path, sha256, nbytes, clock}), every shard's."""
         self.store = store
         self.spec = spec
         self.server = server
@@ -57,8 +63,15 @@ class ServerCoordinator:
         self.heartbeat = Heartbeat(
             store, "server", shard, interval_s=spec.heartbeat_interval_s,
             ttl_s=spec.heartbeat_ttl_s, payload=self.payload, registration=self.registration,
-            on_beat=self.serve_checkpoint_request,
+            on_beat=self.on_beat,
         )
+        # The newest checkpoint this server restored or wrote, and the entries it knows of
+        # it; relisted on each beat where Redis lost them. Guarded by its lock (the heartbeat
+        # thread and checkpoint writers).
+        self._listed_lock = threading.Lock()
+        self._listed: tuple[str, dict[int, dict[str, Any]]] | None = None
+        if restored and entries:
+            self._listed = (restored, {int(k): dict(v) for k, v in entries.items()})
         self._handled: str | None = None
         # Only the newest request matters: one already pending when this process starts
         # belongs to an earlier incarnation's time.
@@ -73,12 +86,26 @@ class ServerCoordinator:
         return {
             **self.registration,
             "open_clock": state.open_clock,
+            "generation": shard.generation,
             "tables": len(stats),
             "rows": sum(s.rows for s in stats),
             "bytes": sum(s.value_bytes + s.state_bytes + s.index_bytes for s in stats),
             "pushes": sum(s.counters.pushes_applied for s in stats),
             "dropped": sum(s.counters.pushes_dropped for s in stats),
         }
+
+    def on_beat(self) -> None:
+        """Runs in the heartbeat thread after each beat."""
+        self.relist_checkpoint()
+        self.serve_checkpoint_request()
+
+    def relist_checkpoint(self) -> None:
+        """Lists this server's newest checkpoint again where Redis lacks it (it came back
+        empty), so a restart or rollback still finds it. Costs one write per beat."""
+        with self._listed_lock:
+            listed = self._listed
+        if listed is not None:
+            ride_out("checkpoint", lambda: self.store.relist_checkpoint(*listed), None)
 
     def serve_checkpoint_request(self) -> None:
         """Runs in the heartbeat thread: starts a checkpoint the scheduler or CLI asked for."""
@@ -109,6 +136,11 @@ class ServerCoordinator:
             return
         entry = {"path": written.path, "sha256": written.sha256, "nbytes": written.nbytes,
                  "clock": state.clock}
+        with self._listed_lock:
+            if self._listed is not None and self._listed[0] == state.checkpoint_id:
+                self._listed[1][state.shard] = entry
+            elif self._listed is None or state.clock >= self._newest_clock():
+                self._listed = (state.checkpoint_id, {state.shard: entry})
         ride_out("checkpoint", lambda: self.store.record_checkpoint(
             state.checkpoint_id, state.shard, entry), None)
         ride_out("checkpoint", lambda: self.store.event(
@@ -117,6 +149,12 @@ class ServerCoordinator:
         log.info("shard %d: checkpoint %s at clock %d, %.1f MB in %.2f s", state.shard,
                  state.checkpoint_id, state.clock, written.nbytes / 1e6,
                  time.monotonic() - started)
+
+    def _newest_clock(self) -> int:
+        """The clock of the checkpoint listed now (its lock held)."""
+        if self._listed is None:
+            return -1
+        return min(int(e.get("clock", 0)) for e in self._listed[1].values())
 
     def start(self) -> None:
         if self.spec.mode == "sync" and self.spec.checkpoint_dir:
@@ -129,11 +167,15 @@ class ServerCoordinator:
         self.heartbeat.stop(forget=True)
 
 
+Found = tuple[ShardState, dict[int, dict[str, Any]]]
+
+
 def find_checkpoint(
     store: JobStore | None, spec: JobSpec | None, shard: int, num_shards: int, job: str,
     directory: str, from_disk: bool,
-) -> ShardState | None:
-    """The newest complete checkpoint's state of this shard, or None.
+) -> Found | None:
+    """The newest complete checkpoint's state of this shard with the checkpoint's entries
+    (shard -> {path, sha256, nbytes, clock}, every shard's), or None.
 
     Inside a running job Redis lists the checkpoints. If it lists none (it may have come
     back empty after an outage) the checkpoint directory is searched for one written since
@@ -143,11 +185,13 @@ def find_checkpoint(
         latest = store.latest_checkpoint(num_shards)
         if latest is not None:
             entry = latest[1][shard]
-            return read_shard(entry["path"], entry["sha256"])
+            return read_shard(entry["path"], entry["sha256"]), latest[1]
     if directory and (from_disk or spec is not None):
         manifest = latest_complete(directory, job)
         created_ns = 0 if from_disk or spec is None else int(spec.created_s * 1e9)
         if manifest is not None and manifest.written_at_ns >= created_ns:
             file = manifest.shards[shard]
-            return read_shard(file.path, file.sha256)
+            entries = {k: {"path": f.path, "sha256": f.sha256, "nbytes": f.nbytes,
+                           "clock": manifest.clock} for k, f in manifest.shards.items()}
+            return read_shard(file.path, file.sha256), entries
     return None

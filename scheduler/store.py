@@ -13,7 +13,7 @@ Every key of a job lives under the prefix ``pstrain:{job}:``:
 | ``checkpoint:request`` | string | JSON {id, clock} of the newest checkpoint asked for |
 | ``checkpoints`` | sorted set | checkpoint ids by time of completion of their first shard |
 | ``checkpoint:{id}`` | hash | shard -> JSON {path, sha256, nbytes, clock} |
-| ``generation`` | integer | bumped by each sync rollback; workers restart when it changes |
+| ``generation`` | integer | raised by each sync rollback, never to a used value; workers restart |
 | ``rank:{rank}`` | string | the `pstrain worker` holding the rank: {holder, pid, host}; expires |
 | ``finished`` | set | ranks whose worker ran its script to exit status 0; never claimed again |
 
@@ -400,6 +400,16 @@ class JobStore:
         pipe.zadd(self.keys.checkpoints(), {checkpoint_id: time.time()}, nx=True)
         pipe.execute()
 
+    def relist_checkpoint(self, checkpoint_id: str, entries: Mapping[int, Mapping[str, Any]]
+                          ) -> None:
+        """Lists a checkpoint's entries again where Redis lacks them (it came back empty);
+        entries and times already listed are left as they are."""
+        pipe = self.redis.pipeline(transaction=False)
+        for shard, entry in entries.items():
+            pipe.hsetnx(self.keys.checkpoint(checkpoint_id), str(shard), json.dumps(dict(entry)))
+        pipe.zadd(self.keys.checkpoints(), {checkpoint_id: time.time()}, nx=True)
+        pipe.execute()
+
     def checkpoint(self, checkpoint_id: str) -> dict[int, dict[str, Any]]:
         raw = self.redis.hgetall(self.keys.checkpoint(checkpoint_id))
         return {int(k): json.loads(v) for k, v in raw.items()}
@@ -415,6 +425,16 @@ class JobStore:
             if len(entries) == num_shards:
                 return checkpoint_id, entries
         return None
+
+    def complete_checkpoints(self, num_shards: int) -> list[tuple[str, int]]:
+        """(id, clock) of every checkpoint that every shard has written, newest listed first;
+        the clock is the smallest its shards recorded. One read per checkpoint listed."""
+        out = []
+        for checkpoint_id in self.checkpoint_ids():
+            entries = self.checkpoint(checkpoint_id)
+            if len(entries) == num_shards:
+                out.append((checkpoint_id, min(int(e.get("clock", 0)) for e in entries.values())))
+        return out
 
 
 def _text(value: object) -> str:

@@ -3,7 +3,10 @@
 One scheduler per job leads; others wait as standbys and take over when the lease lapses.
 The leader polls heartbeats every `poll_s`, turns them into membership events, tells every
 server which workers are live, and asks for periodic checkpoints. Redis outages pause it;
-they never stop it.
+they never stop it: when Redis comes back (with its data or empty) the leader rebuilds the
+job from its own memory and the live processes' registrations, believes a missing heartbeat
+only once Redis has been back for a heartbeat's life, and rolls a sync job back only for a
+server that really restarted (a new incarnation).
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from scheduler.admin import ServerAdmin
 from scheduler.membership import MembershipTracker, Transition
+from scheduler.recovery import RedisWatch, next_generation, restarted, rollback_target
 from scheduler.spec import JobSpec
 from scheduler.store import REDIS_DOWN, JobStore, ride_out
 
@@ -45,11 +50,19 @@ class Scheduler:
         self.admin = ServerAdmin()
         self._pushed: dict[int, tuple[int, tuple[int, ...]]] = {}
         self._next_checkpoint_s = 0.0
-        # Shards this leader has seen serve: one coming back again was restarted.
-        self._seen_servers: set[int] = set()
-        # A sync rollback not yet carried out everywhere: (checkpoint id, shards done).
-        self._rollback: tuple[str, set[int]] | None = None
+        # The incarnation each shard last served under, as this scheduler saw it (kept across
+        # outages and lease changes): another one later is a restarted server.
+        self._incarnations: dict[int, int] = {}
+        # A sync rollback not yet carried out everywhere.
+        self._rollback: _Rollback | None = None
+        # The newest generation this scheduler published.
         self._generation = 0
+        # When a missing heartbeat means a dead process: not while Redis is down, nor until it
+        # has been back for a heartbeat's life (the beats that lapsed meanwhile are renewed).
+        self._redis = RedisWatch(settle_s=spec.heartbeat_ttl_s + spec.heartbeat_interval_s,
+                                 max_call_s=spec.heartbeat_interval_s)
+        # Whether the registered-but-silent check of a new lease has been made.
+        self._adopted = True
         # Ranks that exit to restart after a rollback, and until when they may take: they
         # keep their place in the quorum meanwhile.
         self._restarting: dict[int, float] = {}
@@ -61,10 +74,13 @@ class Scheduler:
             started = self._now()
             try:
                 self._lead()
+                self._reached_redis(started)
                 if self.leading:
                     self.step()
             except REDIS_DOWN as exc:
-                log.warning("scheduler: Redis unavailable (%s); retrying", exc)
+                if self._redis.failed():
+                    log.warning("scheduler: Redis unavailable (%s); joins and failure handling "
+                                "pause until it is back (training goes on)", exc)
             if stop.wait(max(0.0, self.poll_s - (self._now() - started))):
                 break
         if self.leading:
@@ -76,6 +92,7 @@ class Scheduler:
         if self.leading:
             self.leading = self.store.renew_lease(self.ident, self.lease_s)
             if not self.leading:
+                self._redis.emptied(self._now())
                 log.warning("scheduler %s lost the leader lease", self.ident)
             return
         if self.store.acquire_lease(self.ident, self.lease_s):
@@ -84,26 +101,40 @@ class Scheduler:
             self.store.event("leader", "scheduler", self.ident)
             self._adopt()
 
+    def _reached_redis(self, started: float) -> None:
+        """Records a Redis call begun at `started` that answered; logs Redis's return."""
+        now = self._now()
+        if self._redis.ok(now, now - started):
+            log.warning("scheduler: Redis is back; rebuilding the job from the live processes "
+                        "(deaths are believed again after %.1f s)", self._redis.settle_s)
+
     def _adopt(self) -> None:
-        """A new leader starts from the registrations: registered but silent means dead."""
-        self.workers = MembershipTracker()
-        self.servers = MembershipTracker()
+        """A new lease: servers get their membership again, and (once missing heartbeats are
+        believed) members registered but silent are declared dead. What this scheduler knew
+        as an earlier leader (its trackers, the incarnations it saw) stays: losing the lease
+        to an outage changes nothing about the processes."""
         self._pushed.clear()
+        self._adopted = False
+
+    def _find_dead_at_takeover(self) -> None:
         for role, tracker in (("worker", self.workers), ("server", self.servers)):
             registered = self.store.members(role)
             beats = self.store.heartbeats(role, sorted(registered))
             for member, info in registered.items():
-                if beats.get(member) is None:
+                known = member in tracker.alive or member in tracker.dead
+                if beats.get(member) is None and not known:
                     tracker.dead.add(member)
-                    tracker.alive.pop(member, None)
                     self.store.event("dead", role, member, incarnation=info.get("incarnation", 0),
                                      note="found dead at takeover")
+        self._adopted = True
 
     # ---- one poll ----------------------------------------------------------------------------
 
     def step(self) -> None:
+        started = self._now()
         if self.store.spec() is None:
             # Redis came back empty: the leader's memory rebuilds the job.
+            self._redis.emptied(self._now())
             self.store.put_spec(self.spec)
             self.store.event("rebuilt", "scheduler", self.ident)
             log.warning("scheduler: job %r was missing from Redis; rebuilt it", self.spec.job)
@@ -111,7 +142,12 @@ class Scheduler:
         server_ids = list(range(self.spec.servers))
         worker_beats = self.store.heartbeats("worker", worker_ids)
         server_beats = self.store.heartbeats("server", server_ids)
-        for t in self.workers.update(_incarnations(worker_beats)):
+        self._reached_redis(started)
+        now = self._now()
+        believe = self._redis.trusts_lapses(now)
+        if believe and not self._adopted:
+            self._find_dead_at_takeover()
+        for t in self.workers.update(_incarnations(worker_beats, believe)):
             if t.kind == "dead" and t.member in self._restarting:
                 self.workers.dead.discard(t.member)
                 self.store.event("restarting", "worker", t.member, incarnation=t.incarnation)
@@ -119,27 +155,48 @@ class Scheduler:
             if t.kind == "joined":
                 self._restarting.pop(t.member, None)
             self._announce("worker", t)
-        now = self._now()
         for rank, until in list(self._restarting.items()):
             if now > until and rank not in self.workers.alive:
                 del self._restarting[rank]
                 self.workers.dead.add(rank)
                 self.store.event("dead", "worker", rank, note="did not restart after rollback")
-        for t in self.servers.update(_incarnations(server_beats)):
+        for t in self.servers.update(_incarnations(server_beats, believe)):
             self._announce("server", t)
-            if t.kind in ("joined", "restored") and t.member in self._seen_servers \
-                    and self.spec.mode == "sync":
-                restored = str(self.store.members("server").get(t.member, {}).get("restored", ""))
-                self._rollback = (restored, set())
-                self._generation = self.store.generation() + 1
-                log.warning("server %d came back with checkpoint %r: rolling the job back",
-                            t.member, restored or "(none: empty)")
-            self._seen_servers.add(t.member)
+            if t.kind == "dead":
+                continue
+            last_seen = self._incarnations.get(t.member)
+            self._incarnations[t.member] = t.incarnation
+            if restarted(last_seen, t.incarnation) and self.spec.mode == "sync":
+                self._start_rollback(t.member, server_beats)
         if self._rollback is not None:
             self._roll_back(server_beats)
             return
+        if self.spec.mode == "sync":
+            self._restore_generation(server_beats)
         self._drive_servers(server_beats)
         self._checkpoints(server_beats)
+
+    def _start_rollback(self, shard: int, beats: dict[int, dict[str, Any] | None]) -> None:
+        """A sync server restarted: the job goes back to the newest checkpoint, under a
+        generation never used before (Redis's count may have been lost with its data)."""
+        restored = str((beats.get(shard) or {}).get("restored", ""))
+        generation = next_generation([self.store.generation(), self._generation,
+                                      *_generations(beats)])
+        if self._rollback is not None:
+            generation = max(generation, self._rollback.generation)
+        self._rollback = _Rollback(shard, restored, generation)
+        log.warning("server %d restarted (checkpoint %r): rolling the job back (generation %d)",
+                    shard, restored or "(none: empty)", generation)
+
+    def _restore_generation(self, beats: dict[int, dict[str, Any] | None]) -> None:
+        """Puts back the rollback generation when Redis lost it: workers restarted later
+        must join under the one the servers hold, and the next rollback must exceed it."""
+        known = max([self._generation, *_generations(beats)])
+        if known > self.store.generation():
+            self.store.set_generation(known)
+            self._generation = known
+            log.warning("scheduler: Redis had lost the rollback generation; set it back to %d",
+                        known)
 
     def _announce(self, role: str, t: Transition) -> None:
         detail: dict[str, Any] = {"incarnation": t.incarnation}
@@ -174,9 +231,21 @@ class Scheduler:
         later polls until all have; shards then refuse the old workers. Then publishes the
         new generation: workers see it, exit, are restarted, and rejoin at the checkpoint.
         """
-        if self._rollback is None:
+        rollback = self._rollback
+        if rollback is None:
             return
-        checkpoint_id, done = self._rollback
+        if rollback.target is None:
+            target = rollback_target(rollback.restored,
+                                     self.store.complete_checkpoints(self.spec.servers))
+            if target is None:
+                if not rollback.waiting:
+                    rollback.waiting = True
+                    log.warning("scheduler: checkpoint %r (restored by server %d) is not "
+                                "listed in Redis; waiting for its server to list it again",
+                                rollback.restored, rollback.shard)
+                return
+            rollback.target = target
+        checkpoint_id, done = rollback.target, rollback.done
         entries = self.store.checkpoint(checkpoint_id) if checkpoint_id else {}
         for shard, beat in sorted(beats.items()):
             if shard in done or beat is None:
@@ -185,7 +254,7 @@ class Scheduler:
             try:
                 self.admin.restore(str(beat["address"]), checkpoint_id,
                                    str(entry.get("path", "")), str(entry.get("sha256", "")),
-                                   self._generation)
+                                   rollback.generation)
                 done.add(shard)
             except grpc.RpcError as exc:
                 log.warning("scheduler: restoring shard %d failed (%s); retrying", shard,
@@ -193,7 +262,7 @@ class Scheduler:
         if len(done) < self.spec.servers:
             return
         clock = int(next(iter(entries.values()), {}).get("clock", 0)) if entries else 0
-        generation = self._generation
+        generation = self._generation = rollback.generation
         until = self._now() + self.restart_grace_s
         self._restarting = {rank: until for rank in self.live_workers()}
         self.store.set_generation(generation)
@@ -216,5 +285,27 @@ class Scheduler:
                 self._next_checkpoint_s = now + spec.checkpoint_every_s
 
 
-def _incarnations(beats: dict[int, dict[str, Any] | None]) -> dict[int, int | None]:
-    return {m: (None if b is None else int(b.get("incarnation", 0))) for m, b in beats.items()}
+@dataclass
+class _Rollback:
+    """A sync rollback under way: the restarted shard and the checkpoint it restored, the
+    generation, the checkpoint chosen (None until it is listed), and the shards restored."""
+
+    shard: int
+    restored: str
+    generation: int
+    target: str | None = None
+    done: set[int] = field(default_factory=set)
+    waiting: bool = False  # the wait for `restored` to be listed was logged
+
+
+def _incarnations(beats: dict[int, dict[str, Any] | None], believe_lapses: bool
+                  ) -> dict[int, int | None]:
+    """Each member's incarnation, None where its beat lapsed; with `believe_lapses` False
+    the lapsed ones are left out (they say nothing about their process)."""
+    return {m: (None if b is None else int(b.get("incarnation", 0))) for m, b in beats.items()
+            if b is not None or believe_lapses}
+
+
+def _generations(beats: dict[int, dict[str, Any] | None]) -> list[int]:
+    """The rollback generation each live server reports holding."""
+    return [int(b.get("generation", 0)) for b in beats.values() if b is not None]

@@ -30,6 +30,18 @@ def batch(rank: int, clock: int, dim: int, size: int = 64) -> tuple[torch.Tensor
     return x, y
 
 
+def local_sync_run(workers: int, steps: int, dim: int = 16, lr: float = 0.5) -> torch.Tensor:
+    """What a sync job computes: SGD on the mean of the workers' gradients per clock."""
+    w = torch.zeros(dim)
+    for t in range(steps):
+        grads = []
+        for r in range(workers):
+            x, y = batch(r, t, dim)
+            grads.append(x.T @ (torch.sigmoid(x @ w) - y) / len(y))
+        w -= lr * torch.stack(grads).sum(0) / workers
+    return w
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, required=True)

@@ -18,7 +18,7 @@ from scheduler.store import JobStore
 JOB_WORKER = str(REPO / "tests" / "job_worker.py")
 sys.path.insert(0, str(REPO / "tests"))
 
-from job_worker import batch  # noqa: E402
+from job_worker import local_sync_run  # noqa: E402
 
 
 def children_of(pid: int) -> set[int]:
@@ -42,18 +42,6 @@ def alive(pid: int) -> bool:
         return False
     state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     return state != "Z"
-
-
-def local_sync_run(workers: int, steps: int, dim: int = 16, lr: float = 0.5) -> torch.Tensor:
-    """What a sync job computes: SGD on the mean of the workers' gradients per clock."""
-    w = torch.zeros(dim)
-    for t in range(steps):
-        grads = []
-        for r in range(workers):
-            x, y = batch(r, t, dim)
-            grads.append(x.T @ (torch.sigmoid(x @ w) - y) / len(y))
-        w -= lr * torch.stack(grads).sum(0) / workers
-    return w
 
 
 def test_up_runs_a_sync_job_to_the_single_process_result(procs: Procs) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -10,12 +11,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from procs import REPO, Proc, Procs, wait_until
 
 from scheduler.store import JobStore
 from worker.client import PSClient
 
 JOB_WORKER = str(REPO / "tests" / "job_worker.py")
+sys.path.insert(0, str(REPO / "tests"))
+
+from job_worker import local_sync_run  # noqa: E402
 
 
 def start_job(procs: Procs, redis: str, job: str, mode: str, workers: int, servers: int = 1,
@@ -191,3 +196,151 @@ def test_redis_outage_pauses_coordination_not_training(procs: Procs) -> None:
     assert fresh.members("server")[0]["address"] == address
     for w in workers:
         assert w.popen.wait(timeout=120) == 0, w.log()
+
+
+# ---- Redis outages during a sync job ---------------------------------------------------------
+# A sync job under `pstrain up` with an external Redis the test stalls, kills or wipes. Its
+# batches follow its clock, so an outage that changes nothing leaves the uninterrupted result.
+
+OUTAGE_STEPS = 600
+
+
+def up_sync_job(procs: Procs, redis: str, job: str, steps: int = OUTAGE_STEPS,
+                restart: bool = False) -> Proc:
+    return procs.pstrain([
+        "up", "--redis", redis, "--job", job, "--servers", "2", "--workers", "2", "--mode",
+        "sync", *(["--restart"] if restart else []), "--checkpoint-dir",
+        str(procs.workdir / "ckpt"), "--checkpoint-every-clocks", "20", "--log-dir",
+        str(procs.workdir / "logs"), "--no-view", JOB_WORKER, "--", "--steps", str(steps),
+        "--sleep-ms", "20", "--out", str(procs.workdir / "out")], "up")
+
+
+def worker_clock(store: JobStore, rank: int) -> int:
+    beat = store.heartbeats("worker", [rank]).get(rank)
+    return -1 if beat is None else int(beat["clock"])
+
+
+def server_pid(store: JobStore, shard: int) -> int | None:
+    beat = store.heartbeats("server", [shard]).get(shard)
+    return None if beat is None else int(beat["pid"])
+
+
+def worker_restarts(up: Proc) -> int:
+    return up.log().count("exited with 75; restarting it")
+
+
+def assert_uninterrupted_result(procs: Procs, up: Proc, steps: int = OUTAGE_STEPS) -> None:
+    assert up.popen.wait(timeout=120) == 0, up.log()[-5000:]
+    expected = local_sync_run(2, steps)
+    for r in range(2):
+        result = json.loads((procs.workdir / "out" / f"worker{r}.json").read_text())
+        assert result["clock"] == steps
+        torch.testing.assert_close(torch.tensor(result["w"]), expected, atol=1e-6, rtol=0)
+
+
+def finished_at(procs: Procs) -> float:
+    """When the first worker wrote its result (after it, processes leave the job)."""
+    return min((procs.workdir / "out" / f"worker{r}.json").stat().st_mtime for r in range(2))
+
+
+def unavailable_lines(procs: Procs) -> int:
+    text = (procs.workdir / "logs" / "scheduler.log").read_text(errors="replace")
+    return text.count("Redis unavailable")
+
+
+@pytest.mark.timeout(150)
+def test_sync_job_rides_out_a_redis_stall_without_rollback(procs: Procs) -> None:
+    redis_proc = procs.redis()
+    store = JobStore.connect(redis_proc.address, "stall")
+    up = up_sync_job(procs, redis_proc.address, "stall")
+    wait_until(lambda: worker_clock(store, 0) >= 30 and store.latest_checkpoint(2), 90,
+               "training to pass a checkpoint")
+    os.kill(redis_proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(5)  # longer than the leader lease (2 s) and the heartbeats' life (1.5 s)
+    finally:
+        os.kill(redis_proc.pid, signal.SIGCONT)
+    assert up.popen.poll() is None, "the job ended before Redis came back: raise OUTAGE_STEPS"
+    resumed = time.time()
+    wait_until(lambda: all(store.heartbeats("worker", [0, 1]).values()), 30,
+               "the workers to beat again")
+    assert worker_clock(store, 0) < OUTAGE_STEPS, "the job ended too soon: raise OUTAGE_STEPS"
+    assert_uninterrupted_result(procs, up)
+    assert not [e for e in store.events() if e.type in ("rollback", "restarting")]
+    end = finished_at(procs)
+    assert not [e for e in store.events() if e.type == "dead" and resumed <= e.time_s < end]
+    assert worker_restarts(up) == 0, up.log()
+
+
+@pytest.mark.timeout(150)
+def test_sync_job_rides_out_redis_restarted_empty(procs: Procs) -> None:
+    redis_proc = procs.redis()
+    redis = redis_proc.address
+    port = int(redis.rsplit(":", 1)[1].split("/")[0])
+    store = JobStore.connect(redis, "empty")
+    up = up_sync_job(procs, redis, "empty")
+    wait_until(lambda: worker_clock(store, 0) >= 30 and store.latest_checkpoint(2), 90,
+               "training to pass a checkpoint")
+    procs.kill(redis_proc, signal.SIGKILL)
+    time.sleep(6)
+    procs.redis(port=port)  # back, and empty
+    assert up.popen.poll() is None, "the job ended before Redis came back: raise OUTAGE_STEPS"
+    fresh = JobStore.connect(redis, "empty")
+    wait_until(lambda: fresh.spec() is not None, 30, "the scheduler to rebuild the job")
+    wait_until(lambda: all(fresh.heartbeats("worker", [0, 1]).values()), 30,
+               "the workers to register again")
+    assert worker_clock(fresh, 0) < OUTAGE_STEPS, "the job ended too soon: raise OUTAGE_STEPS"
+    assert_uninterrupted_result(procs, up)
+    assert not [e for e in fresh.events() if e.type in ("rollback", "restarting")]
+    assert not [e for e in fresh.events() if e.type == "dead" and e.time_s < finished_at(procs)]
+    assert worker_restarts(up) == 0, up.log()
+    # Once when Redis went away (the scheduler says so once, not on every poll).
+    assert unavailable_lines(procs) <= 2
+
+
+@pytest.mark.timeout(180)
+def test_redis_wiped_around_a_server_restart_neither_wedges_nor_repeats_a_generation(
+        procs: Procs) -> None:
+    steps = 600
+    redis = procs.redis().address
+    store = JobStore.connect(redis, "wipe")
+    up = up_sync_job(procs, redis, "wipe", steps=steps, restart=True)
+    wait_until(lambda: worker_clock(store, 0) >= 25 and store.latest_checkpoint(2), 90,
+               "training to pass a checkpoint")
+    victim = server_pid(store, 0)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    first = wait_until(lambda: next((e for e in store.events() if e.type == "rollback"), None),
+                       60, "the first rollback")
+    assert first.detail["generation"] == 1  # type: ignore[attr-defined]
+    back_at = int(first.detail["clock"])  # type: ignore[attr-defined]
+    wait_until(lambda: worker_clock(store, 0) >= back_at + 30, 60, "training to resume")
+    restarts = worker_restarts(up)
+    assert restarts == 2, up.log()
+
+    # Wiped after the restart: the restarted server still names its checkpoint, which Redis
+    # no longer lists. Nothing rolls back; the generation comes back from the servers.
+    wiped_at = time.time()
+    store.redis.flushdb()
+    wait_until(lambda: store.spec() is not None, 30, "the scheduler to rebuild the job")
+    wait_until(lambda: store.generation() == 1, 30, "the generation to be rebuilt")
+    clock = worker_clock(store, 0)
+    wait_until(lambda: worker_clock(store, 0) >= clock + 20, 60, "training to go on")
+    assert not [e for e in store.events() if e.type == "rollback"]
+    assert worker_restarts(up) == restarts
+    wait_until(lambda: store.latest_checkpoint(2), 10, "the servers to list a checkpoint again")
+
+    # Restarted after the wipe: rolled back to the newest checkpoint on disk (not to the
+    # empty model) under a generation never used before.
+    victim = server_pid(store, 0)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    second = wait_until(
+        lambda: next((e for e in store.events() if e.type == "rollback"), None), 60,
+        "the second rollback")
+    assert second.time_s > wiped_at  # type: ignore[attr-defined]
+    assert second.detail["generation"] == 2  # type: ignore[attr-defined]
+    assert int(second.detail["clock"]) > back_at, second  # type: ignore[attr-defined]
+    assert worker_clock(store, 0) < steps, "the job ended too soon: raise steps"
+    assert_uninterrupted_result(procs, up, steps)
+    assert worker_restarts(up) == restarts + 2

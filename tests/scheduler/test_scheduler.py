@@ -344,3 +344,32 @@ def test_redis_wiped_around_a_server_restart_neither_wedges_nor_repeats_a_genera
     assert worker_clock(store, 0) < steps, "the job ended too soon: raise steps"
     assert_uninterrupted_result(procs, up, steps)
     assert worker_restarts(up) == restarts + 2
+
+
+@pytest.mark.timeout(180)
+def test_server_killed_during_a_redis_outage_rolls_back_to_the_newest_checkpoint(
+        procs: Procs) -> None:
+    steps = 800
+    redis_proc = procs.redis()
+    redis = redis_proc.address
+    port = int(redis.rsplit(":", 1)[1].split("/")[0])
+    store = JobStore.connect(redis, "died")
+    up = up_sync_job(procs, redis, "died", steps=steps, restart=True)
+    wait_until(lambda: worker_clock(store, 0) >= 45 and store.latest_checkpoint(2), 90,
+               "training to pass a checkpoint")
+    victim = server_pid(store, 0)
+    assert victim is not None
+    procs.kill(redis_proc, signal.SIGKILL)
+    os.kill(victim, signal.SIGKILL)  # restarted by pstrain up, it cannot register yet
+    time.sleep(6)
+    procs.redis(port=port)  # back, and empty: no checkpoint listed
+    fresh = JobStore.connect(redis, "died")
+    rollback = wait_until(
+        lambda: next((e for e in fresh.events() if e.type == "rollback"), None), 90,
+        "the rollback")
+    # The newest checkpoint on disk (re-listed by the servers), not the empty model.
+    assert int(rollback.detail["clock"]) >= 40, rollback  # type: ignore[attr-defined]
+    assert rollback.detail["generation"] == 1  # type: ignore[attr-defined]
+    assert worker_clock(fresh, 0) < steps, "the job ended too soon: raise steps"
+    assert_uninterrupted_result(procs, up, steps)
+    assert worker_restarts(up) == 2, up.log()

@@ -1,8 +1,9 @@
 """Training benchmark: does distributed training learn as well, and how fast, and at scale?
 
-    python benchmarks/training.py [--quick] [--json PATH]
+    python benchmarks/training.py [--quick] [--only auc,speed,cpu,growth] [--json PATH]
 
-Runs the examples as a user does (`--local`, and under `pstrain up`), in one run:
+Runs the examples as a user does (`--local`, and under `pstrain up`), in one run (or the
+sections --only names):
 - AUC: MovieLens-100k test AUC over 3 seeds for single-process PyTorch (`local`) and for
   2 workers on 1 server in sync, ssp (s=2) and async. Goals: sync >= local - 0.005; ssp
   and async >= local - 0.01.
@@ -12,13 +13,16 @@ Runs the examples as a user does (`--local`, and under `pstrain up`), in one run
   example's default prefetch depth ("auto": 2 under async for batches under 512, else 1)
   and with the other of 1 and 2; each the ratio of the medians of --repeats alternated
   runs. For reference also over 1 epoch.
-  Goals: >= 0.6x and >= 0.8x.
+  Goals: >= 0.8x and >= 1.0x.
+- cpu: at batch 1024, CPU seconds per training sample of every process of the 1 + 1 job
+  (Redis, scheduler, server, worker) against single-process PyTorch (`cpu_ratio_b1024`, goal
+  <= 2.0), and of the model with its seven feature tables declared separately against fused
+  into one (`table_count_cpu_ratio`, goal <= 1.15). See bench_cpu for how start-up is kept out.
 - growth: examples/synthetic_ctr.py on 2 servers until the tables hold --growth-rows rows:
   samples/s at the end against the start (goal >= 0.8x), and server memory per row against
   the raw bytes of its value and Adagrad state.
 Prints a table; writes JSON and a PNG (test AUC after each epoch against wall time, per
-mode and run) under
-benchmarks/results/ (and --json PATH).
+mode and run) under benchmarks/results/ (and --json PATH).
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ import json
 import os
 import platform
 import re
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -52,26 +58,39 @@ MODES = {"sync": ["--mode", "sync"], "ssp": ["--mode", "ssp", "--staleness", "2"
          "async": ["--mode", "async"]}
 
 
-def run_local(args: list[str]) -> dict[str, float]:
-    done = subprocess.run([PY, MOVIELENS, "--local", *args], cwd=REPO, capture_output=True,
-                          text=True, check=True, timeout=1800)
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+def children_cpu_s() -> float:
+    """CPU seconds (user + system) of every child process waited for so far, with theirs:
+    `pstrain up` waits for its Redis, scheduler, servers and workers."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
-def run_up(servers: int, workers: int, mode: list[str], args: list[str]) -> dict[str, float]:
-    """`pstrain up ... movielens.py`; the result of worker 0."""
-    done = subprocess.run([PY, "-m", "scheduler.cli", "up", "--servers", str(servers),
-                           "--workers", str(workers), *mode, "--no-view", MOVIELENS, "--",
-                           *args], cwd=REPO, capture_output=True, text=True, check=True,
+def run(command: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Runs `command` to its end; its output and the CPU seconds it and its children used."""
+    before = children_cpu_s()
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True,
                           timeout=1800)
+    return done, children_cpu_s() - before
+
+
+def run_local(args: list[str]) -> dict[str, Any]:
+    done, cpu_s = run([PY, MOVIELENS, "--local", *args])
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "cpu_s": cpu_s}
+
+
+def run_up(servers: int, workers: int, mode: list[str], args: list[str]) -> dict[str, Any]:
+    """`pstrain up ... movielens.py`; the result of worker 0, and the CPU seconds of the
+    whole job (every process `pstrain up` started, Redis included)."""
+    done, cpu_s = run([PY, "-m", "scheduler.cli", "up", "--servers", str(servers),
+                       "--workers", str(workers), *mode, "--no-view", MOVIELENS, "--", *args])
     for line in done.stdout.splitlines():
         if line.startswith("worker 0: "):
-            return dict(json.loads(line.removeprefix("worker 0: ")))
+            return {**json.loads(line.removeprefix("worker 0: ")), "cpu_s": cpu_s}
     raise RuntimeError(f"no result from worker 0:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
 
 
-def bench_auc(seeds: list[int], extra: list[str]) -> dict[str, list[dict[str, float]]]:
-    runs: dict[str, list[dict[str, float]]] = {m: [] for m in ("local", *MODES)}
+def bench_auc(seeds: list[int], extra: list[str]) -> dict[str, list[dict[str, Any]]]:
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in ("local", *MODES)}
     for seed in seeds:
         args = ["--seed", str(seed), *extra]
         runs["local"].append(run_local(args))
@@ -100,6 +119,42 @@ def bench_speed(batch: int, depth: str, repeats: int, epochs: int) -> dict[str, 
             "depth_used": used}
 
 
+def bench_cpu(batch: int, repeats: int, short: int, long: int) -> dict[str, Any]:
+    """CPU seconds per training sample of the whole job, each process counted (`pstrain up`:
+    Redis, scheduler, server, worker; 1 + 1, async), against single-process PyTorch, and of
+    the MovieLens model with its seven feature tables declared separately against fused.
+
+    A run's CPU includes start-up and the last evaluation, so each setting runs `short` and
+    `long` epochs and the difference is divided by the samples of the extra epochs (an epoch's
+    evaluation stays in: the same forward on both sides). Medians of `repeats`, alternated.
+    """
+    args = ["--batch-size", str(batch)]
+    settings: dict[str, Any] = {
+        "local": lambda e: run_local([*args, "--epochs", str(e)]),
+        "fused": lambda e: run_up(1, 1, MODES["async"], [*args, "--epochs", str(e)]),
+        "separate": lambda e: run_up(1, 1, MODES["async"], [*args, "--epochs", str(e),
+                                                           "--tables", "separate"]),
+    }
+    per_sample: dict[str, list[float]] = {name: [] for name in settings}
+    rates: dict[str, list[float]] = {name: [] for name in settings}
+    for _ in range(repeats):
+        for name, go in settings.items():
+            a, b = go(short), go(long)
+            samples = int(b["train_samples"]) * (long - short)
+            per_sample[name].append((b["cpu_s"] - a["cpu_s"]) / samples)
+            rates[name].append(float(b["samples_per_s"]))
+    med = {name: statistics.median(v) for name, v in per_sample.items()}
+    return {"cpu_us_per_sample": {k: v * 1e6 for k, v in med.items()},
+            "cpu_us_per_sample_runs": {k: [x * 1e6 for x in v] for k, v in per_sample.items()},
+            "samples_per_s": {k: statistics.median(v) for k, v in rates.items()},
+            "cpu_ratio": med["fused"] / med["local"],
+            "table_count_cpu_ratio": med["separate"] / med["fused"],
+            "table_count_speed_ratio": (statistics.median(rates["separate"])
+                                        / statistics.median(rates["fused"])),
+            "batch": batch, "epochs": [short, long]}
+
+
+SECTIONS = ("auc", "speed", "cpu", "growth")
 _PROGRESS = re.compile(r"step (\d+): loss [\d.]+, (\d+) samples/s, (\d+) rows")
 
 
@@ -156,75 +211,104 @@ def bench_growth(target_rows: int, batch: int, dim: int) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="1 seed, 2 epochs, 2 M rows")
+    p.add_argument("--only", default=",".join(SECTIONS),
+                   help=f"comma-separated sections to run, of {','.join(SECTIONS)} (default all)")
     p.add_argument("--growth-rows", type=int, default=0, help="default 20 M (quick: 2 M)")
     p.add_argument("--json", help="also write the figures to this path")
-    p.add_argument("--repeats", type=int, default=3, help="speed runs per setting")
+    p.add_argument("--repeats", type=int, default=3, help="speed and cpu runs per setting")
     p.add_argument("--speed-epochs", type=int, default=0, help="default 4 (quick: 2)")
+    p.add_argument("--cpu-epochs", type=int, nargs=2, default=[1, 9], metavar=("SHORT", "LONG"),
+                   help="cpu: the two run lengths whose difference is measured (default 1 9)")
     a = p.parse_args()
+    only = set(a.only.split(","))
+    if not only <= set(SECTIONS):
+        p.error(f"--only: unknown section(s) {sorted(only - set(SECTIONS))}; "
+                f"choose from {','.join(SECTIONS)}")
     speed_epochs = a.speed_epochs or (2 if a.quick else 4)
     seeds = [0] if a.quick else [0, 1, 2]
     extra = ["--epochs", "2"] if a.quick else []
     growth_rows = a.growth_rows or (2_000_000 if a.quick else 20_000_000)
-
-    print("AUC on MovieLens-100k ...", flush=True)
-    runs = bench_auc(seeds, extra)
-    auc = {m: statistics.mean(r["test_auc"] for r in rs) for m, rs in runs.items()}
-    print("speed, 1 server + 1 worker against single-process ...", flush=True)
-    speed: dict[str, dict[str, object]] = {}
-    for b in (128, 1024):
-        # The example's default depth ("auto": 2 for small batches, else 1), then the other.
-        auto = speed[f"b{b}"] = bench_speed(b, "auto", a.repeats, speed_epochs)
-        other = 3 - int(str(auto["depth_used"]))
-        speed[f"b{b}_depth{auto['depth_used']}"] = auto
-        speed[f"b{b}_depth{other}"] = bench_speed(b, str(other), a.repeats, speed_epochs)
-        speed[f"b{b}_1epoch"] = bench_speed(b, "auto", a.repeats, 1)
-        for name in ("", f"_depth{other}", "_1epoch"):
-            s = speed[f"b{b}{name}"]
-            print(f"  batch {b}, prefetch depth {s['prefetch_depth']} ({s['depth_used']}), "
-                  f"{s['epochs']} epoch(s): local {s['local']:.0f}, distributed "
-                  f"{s['distributed']:.0f} samples/s (medians of {a.repeats}): "
-                  f"{s['ratio']:.2f}x", flush=True)
-    print(f"growth: synthetic_ctr on 2 servers to {growth_rows:,} rows ...", flush=True)
-    growth = bench_growth(growth_rows, 4096, 16)
-
-    results = {
+    results: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
-        "quick": a.quick, "seeds": seeds,
-        "auc": auc,
-        "auc_runs": {m: [r["test_auc"] for r in rs] for m, rs in runs.items()},
-        "wall_s": {m: [r["wall_s"] for r in rs] for m, rs in runs.items()},
-        "speed_ratio_b128": speed["b128"]["ratio"],
-        "speed_ratio_b1024": speed["b1024"]["ratio"],
-        "speed_ratio_b128_depth1": speed["b128_depth1"]["ratio"],
-        "speed_ratio_b1024_depth1": speed["b1024_depth1"]["ratio"],
-        "speed_ratio_b128_depth2": speed["b128_depth2"]["ratio"],
-        "speed_ratio_b1024_depth2": speed["b1024_depth2"]["ratio"],
-        "speed_ratio_b128_1epoch": speed["b128_1epoch"]["ratio"],
-        "speed_ratio_b1024_1epoch": speed["b1024_1epoch"]["ratio"],
-        "speed": speed,
-        "growth_ratio": growth["growth_ratio"], "growth": growth,
+        "quick": a.quick, "sections": sorted(only),
     }
+    runs: dict[str, list[dict[str, Any]]] = {}
+    if "auc" in only:
+        print("AUC on MovieLens-100k ...", flush=True)
+        runs = bench_auc(seeds, extra)
+        results["seeds"] = seeds
+        results["auc"] = {m: statistics.mean(r["test_auc"] for r in rs) for m, rs in runs.items()}
+        results["auc_runs"] = {m: [r["test_auc"] for r in rs] for m, rs in runs.items()}
+        results["wall_s"] = {m: [r["wall_s"] for r in rs] for m, rs in runs.items()}
+    if "speed" in only:
+        print("speed, 1 server + 1 worker against single-process ...", flush=True)
+        speed: dict[str, dict[str, Any]] = {}
+        for b in (128, 1024):
+            # The example's default depth ("auto": 2 for small batches, else 1), the other.
+            auto = speed[f"b{b}"] = bench_speed(b, "auto", a.repeats, speed_epochs)
+            other = 3 - int(str(auto["depth_used"]))
+            speed[f"b{b}_depth{auto['depth_used']}"] = auto
+            speed[f"b{b}_depth{other}"] = bench_speed(b, str(other), a.repeats, speed_epochs)
+            speed[f"b{b}_1epoch"] = bench_speed(b, "auto", a.repeats, 1)
+            for name in ("", f"_depth{other}", "_1epoch"):
+                s = speed[f"b{b}{name}"]
+                print(f"  batch {b}, prefetch depth {s['prefetch_depth']} ({s['depth_used']}), "
+                      f"{s['epochs']} epoch(s): local {s['local']:.0f}, distributed "
+                      f"{s['distributed']:.0f} samples/s (medians of {a.repeats}): "
+                      f"{s['ratio']:.2f}x", flush=True)
+        for b in (128, 1024):
+            for name in ("", "_depth1", "_depth2", "_1epoch"):
+                results[f"speed_ratio_b{b}{name}"] = speed[f"b{b}{name}"]["ratio"]
+        results["speed"] = speed
+    if "cpu" in only:
+        print("CPU per sample, whole job vs single process; separate vs fused tables ...",
+              flush=True)
+        cpu = bench_cpu(1024, a.repeats, *a.cpu_epochs)
+        results["cpu_ratio_b1024"] = cpu["cpu_ratio"]
+        results["table_count_cpu_ratio"] = cpu["table_count_cpu_ratio"]
+        results["cpu"] = cpu
+    if "growth" in only:
+        print(f"growth: synthetic_ctr on 2 servers to {growth_rows:,} rows ...", flush=True)
+        growth = bench_growth(growth_rows, 4096, 16)
+        results["growth_ratio"] = growth["growth_ratio"]
+        results["growth"] = growth
+
     print(f"\ntraining, {results['date']}, {results['machine']}")
-    for m, v in auc.items():
-        delta = "" if m == "local" else f"  ({v - auc['local']:+.4f} vs local)"
+    for m, v in results.get("auc", {}).items():
+        delta = "" if m == "local" else f"  ({v - results['auc']['local']:+.4f} vs local)"
         print(f"  AUC {m:<6} {v:.4f}{delta}")
-    for name, what in (("", f"prefetch depth auto, {speed_epochs} epochs"),
-                       ("_depth1", f"prefetch depth 1, {speed_epochs} epochs"),
-                       ("_depth2", f"prefetch depth 2, {speed_epochs} epochs"),
-                       ("_1epoch", "prefetch depth auto, 1 epoch")):
-        print(f"  speed 1+1 vs local, {what}: batch 128 "
-              f"{speed[f'b128{name}']['ratio']:.2f}x (goal 0.6), batch 1024 "
-              f"{speed[f'b1024{name}']['ratio']:.2f}x (goal 0.8)")
-    print(f"  growth to {growth['rows']:,} rows: end/start {growth['growth_ratio']:.2f}x "
-          f"(goal 0.8); {growth['bytes_per_row']:.0f} B/row = "
-          f"{growth['row_memory_ratio']:.2f}x raw")
+    if "speed" in results:
+        for name, what in (("", f"prefetch depth auto, {speed_epochs} epochs"),
+                           ("_depth1", f"prefetch depth 1, {speed_epochs} epochs"),
+                           ("_depth2", f"prefetch depth 2, {speed_epochs} epochs"),
+                           ("_1epoch", "prefetch depth auto, 1 epoch")):
+            print(f"  speed 1+1 vs local, {what}: batch 128 "
+                  f"{results[f'speed_ratio_b128{name}']:.2f}x (goal 0.8), batch 1024 "
+                  f"{results[f'speed_ratio_b1024{name}']:.2f}x (goal 1.0)")
+    if "cpu" in results:
+        us = results["cpu"]["cpu_us_per_sample"]
+        print(f"  CPU per sample at batch 1024: local {us['local']:.1f} us, job (fused) "
+              f"{us['fused']:.1f} us = {results['cpu_ratio_b1024']:.2f}x (goal <= 2.0); "
+              f"separate tables {us['separate']:.1f} us = "
+              f"{results['table_count_cpu_ratio']:.2f}x fused (goal <= 1.15)")
+    if "growth" in results:
+        g = results["growth"]
+        print(f"  growth to {g['rows']:,} rows: end/start {g['growth_ratio']:.2f}x "
+              f"(goal 0.8); {g['bytes_per_row']:.0f} B/row = {g['row_memory_ratio']:.2f}x raw")
     out = REPO / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"training-{results['date']}{'-quick' if a.quick else ''}"
+    partial = "" if only == set(SECTIONS) else "-" + "-".join(s for s in SECTIONS if s in only)
+    stem = f"training-{results['date']}{'-quick' if a.quick else ''}{partial}"
     for path in [out / f"{stem}.json"] + ([Path(a.json)] if a.json else []):
         path.write_text(json.dumps(results, indent=2) + "\n")
         print(f"wrote {path}")
+    if runs:
+        plot_curves(runs, seeds, results["date"], out / f"{stem}.png")
+
+
+def plot_curves(runs: dict[str, list[dict[str, Any]]], seeds: list[int], date: str,
+                path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for m, rs in runs.items():
         for i, r in enumerate(rs):
@@ -233,12 +317,11 @@ def main() -> None:
                     color=f"C{list(runs).index(m)}", label=m if i == 0 else None, alpha=0.8)
     ax.set_xlabel("wall time since start (s)")
     ax.set_ylabel("test AUC after each epoch")
-    ax.set_title(f"MovieLens-100k, {len(seeds)} seed(s) ({results['date']})")
+    ax.set_title(f"MovieLens-100k, {len(seeds)} seed(s) ({date})")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / f"{stem}.png", dpi=100)
-    print(f"wrote {out / f'{stem}.png'}")
-
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
 
 if __name__ == "__main__":
     main()

@@ -209,10 +209,29 @@ class ClickModel(nn.Module):
 
     def prefetch(self, batch: Batch) -> None:
         """Starts pulling the rows `batch` needs (distributed mode; a no-op locally)."""
-        if isinstance(self.fields, PSEmbedding):
+        if isinstance(self.fields, PSEmbedding | SeparateFields):
             self.fields.prefetch(self.field_keys(batch))
         if isinstance(self.genres, PSEmbeddingBag):
             self.genres.prefetch(batch.genres, batch.genre_offsets)
+
+
+class SeparateFields(nn.Module):
+    """The seven single-valued features as seven tables, one per feature (`--tables
+    separate`): what a model with many small tables costs against the one fused table.
+    Feature f's table holds the same keys (`field_offsets[f] + code`) and so the same rows
+    as the fused table would, and training gives the same results."""
+
+    def __init__(self, tables: Sequence[PSEmbedding]) -> None:
+        super().__init__()
+        self.tables = nn.ModuleList(tables)
+
+    def forward(self, keys: torch.Tensor) -> torch.Tensor:
+        return torch.stack([t(keys[:, f]) for f, t in enumerate(self.tables)], dim=1)
+
+    def prefetch(self, keys: torch.Tensor) -> None:
+        for f, table in enumerate(self.tables):
+            assert isinstance(table, PSEmbedding)
+            table.prefetch(keys[:, f])
 
 
 @dataclass(frozen=True)
@@ -267,10 +286,18 @@ def local_model(
     return model, optimizers
 
 
-def ps_model(client: PSClient, data: MovieLens, hyper: Hyper, seed: int) -> ClickModel:
+def ps_model(
+    client: PSClient, data: MovieLens, hyper: Hyper, seed: int, tables: str = "fused"
+) -> ClickModel:
     init = ("normal", 0.0, hyper.init_std)
-    fields = PSEmbedding(client, "movielens.fields", hyper.dim, optimizer="adagrad",
-                         lr=hyper.emb_lr, init=init, seed=seed)
+    fields: nn.Module
+    if tables == "fused":
+        fields = PSEmbedding(client, "movielens.fields", hyper.dim, optimizer="adagrad",
+                             lr=hyper.emb_lr, init=init, seed=seed)
+    else:
+        fields = SeparateFields([
+            PSEmbedding(client, f"movielens.{f}", hyper.dim, optimizer="adagrad",
+                        lr=hyper.emb_lr, init=init, seed=seed) for f in FEATURES])
     genres = PSEmbeddingBag(client, "movielens.genres", hyper.dim, mode="mean",
                             optimizer="adagrad", lr=hyper.emb_lr, init=init, seed=seed + 1)
     mlp = PSDense(client, make_mlp(hyper, seed), "movielens.mlp", optimizer="adam",
@@ -308,7 +335,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         train_rows = parts.train
     else:
         client, ctx = connect(args)
-        model = ps_model(client, data, hyper, args.seed)
+        model = ps_model(client, data, hyper, args.seed, args.tables)
         ps = PSOptimizer(model, overlap=None if args.overlap == "auto" else args.overlap == "on",
                          prefetch_depth=_prefetch_depth(args.prefetch_depth, args.batch_size))
         optimizers = [ps]
@@ -360,6 +387,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "epochs": args.epochs, "batch_size": args.batch_size, "train_samples": len(train_rows),
         "overlap": ps.overlap if ps else None,
         "prefetch_depth": ps.prefetch_depth if ps else None, "curve": curve,
+        "tables": "fused" if args.local else args.tables,
     }
     if ps is not None and client is not None:
         ps.close()
@@ -411,6 +439,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         "exchanges in flight (reads up to this many steps stale); auto: 2 "
                         "for batches under 512 where the tables' modes allow it, else 1")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--tables", choices=("fused", "separate"), default="fused",
+                   help="distributed: the seven single-valued features in one table, or in "
+                        "one table each (the same rows and results)")
     args = p.parse_args(argv)
     if not 0 <= args.rank < args.world_size:
         p.error(f"--rank must lie in [0, --world-size), got {args.rank} of {args.world_size}")

@@ -339,7 +339,7 @@ class StatsResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[ServerInfo, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., open_clock: _Optional[int] = ..., clocks_closed: _Optional[int] = ..., clocks: _Optional[_Iterable[_Union[WorkerClock, _Mapping]]] = ..., pull_log: _Optional[_Iterable[_Union[PullRecord, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[ClockRecord, _Mapping]]] = ...) -> None: ...
 
 class TransportOffer(_message.Message):
-    __slots__ = ("name", "available", "reason", "host", "pid", "address", "detail")
+    __slots__ = ("name", "available", "reason", "host", "pid", "address", "detail", "token")
     NAME_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -347,6 +347,7 @@ class TransportOffer(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     name: str
     available: bool
     reason: str
@@ -354,23 +355,22 @@ class TransportOffer(_message.Message):
     pid: int
     address: bytes
     detail: str
-    def __init__(self, name: _Optional[str] = ..., available: _Optional[bool] = ..., reason: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., address: _Optional[bytes] = ..., detail: _Optional[str] = ...) -> None: ...
+    token: str
+    def __init__(self, name: _Optional[str] = ..., available: _Optional[bool] = ..., reason: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., address: _Optional[bytes] = ..., detail: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("worker", "incarnation", "offers", "forced", "token", "end_session")
+    __slots__ = ("worker", "incarnation", "offers", "forced", "end_session")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     OFFERS_FIELD_NUMBER: _ClassVar[int]
     FORCED_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_FIELD_NUMBER: _ClassVar[int]
     END_SESSION_FIELD_NUMBER: _ClassVar[int]
     worker: int
     incarnation: int
     offers: _containers.RepeatedCompositeFieldContainer[TransportOffer]
     forced: str
-    token: str
     end_session: int
-    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., offers: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ..., forced: _Optional[str] = ..., token: _Optional[str] = ..., end_session: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., offers: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ..., forced: _Optional[str] = ..., end_session: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
     __slots__ = ("transport", "session", "offers", "note", "lane")

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from protos import modes
+from protos.transport import PREFERENCE
 from ps.coordination import ServerCoordinator, advertised, find_checkpoint, new_incarnation
 from ps.errors import InvalidArgumentError, PSError
 from ps.server import MiB, ParameterServer, ServerConfig, run
@@ -89,7 +90,7 @@ def parser() -> argparse.ArgumentParser:
                         "0: off)")
     p.add_argument("--transport", default=env.get("PSTRAIN_TRANSPORT", "auto"),
                    help="bulk transport offered to workers: auto (every one that works here; "
-                        "each worker gets the fastest both share), grpc, shm or ucx "
+                        f"each worker gets the fastest both share), or one of {', '.join(PREFERENCE)} "
                         "(env PSTRAIN_TRANSPORT, default auto)")
     p.add_argument("--ready-file", default="",
                    help="write {address, pid} as JSON here once serving")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import Executor
 from contextlib import AbstractContextManager
 
 from protos import pstrain_pb2 as pb
@@ -22,7 +23,6 @@ from protos.transport import (
     TransportUnavailableError,
     select,
     server_channel,
-    shm,
 )
 from protos.transport.base import ChannelBrokenError
 from protos.transport.lane import Handler, LaneServer
@@ -38,7 +38,7 @@ class BulkEndpoint:
     def __init__(self, choice: Choice, shard: int) -> None:
         self.choice = choice
         self.shard = shard
-        self._lane: LaneServer | None = None
+        self._lanes: dict[str, LaneServer] = {}  # by transport
         self._channels: dict[str, ServerChannel] = {}
         self._offers: list[pb.TransportOffer] = []
         for name in PREFERENCE:
@@ -72,18 +72,20 @@ class BulkEndpoint:
     def offers(self) -> list[pb.TransportOffer]:
         return list(self._offers)
 
-    def serve_lane(self, handle: Handler, max_frame_bytes: int) -> None:
-        """Opens the exchange lane for shm clients (see protos.transport.lane), when this
-        server offers shm. A lane that cannot open is logged; clients then use gRPC."""
-        channel = self._channels.get("shm")
-        if not isinstance(channel, shm.Server) or self._lane is not None:
-            return
-        try:
-            self._lane = LaneServer(handle, channel.owns, max_frame_bytes,
-                                    name=f"lane{self.shard}")
-        except OSError as exc:
-            log.warning("shard %d: no exchange lane (%s); shm clients exchange over gRPC",
-                        self.shard, exc)
+    def serve_lanes(self, handle: Handler, max_frame_bytes: int, run: Executor) -> None:
+        """Opens a request lane (protos.transport.lane) beside every transport offered here
+        that declares one; `handle` answers its requests on `run`. A lane that cannot open
+        is logged, and that transport's clients exchange over gRPC."""
+        for name, channel in self._channels.items():
+            check = channel.lane_check()
+            if check is None or name in self._lanes:
+                continue
+            try:
+                self._lanes[name] = LaneServer(handle, check, max_frame_bytes, run,
+                                               name=f"lane{self.shard}-{name}")
+            except OSError as exc:
+                log.warning("shard %d: no request lane beside %s (%s); its clients exchange "
+                            "over gRPC", self.shard, name, exc)
 
     def handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeResponse:
         """Picks a transport for a client and opens its session. Blocks briefly."""
@@ -123,7 +125,7 @@ class BulkEndpoint:
                 self._sessions[session] = name
         log.info("shard %d: worker %d uses transport %s%s", self.shard, request.worker, name,
                  f" ({'; '.join(notes)})" if notes else "")
-        lane = self._lane.address if name == "shm" and self._lane is not None else ""
+        lane = self._lanes[name].address if name in self._lanes else ""
         return pb.HandshakeResponse(transport=name, session=session, offers=self._offers,
                                     note="; ".join(notes), lane=lane)
 
@@ -149,7 +151,7 @@ class BulkEndpoint:
 
     def discard(self, *refs: pb.BulkRef) -> None:
         """Drops payloads a refused request names, unread, so the client's transfers end
-        (a UCX send waits for its receiver). Does not block."""
+        (a transport's send may wait for its receiver). Does not block."""
         for ref in refs:
             if not ref.length:
                 continue
@@ -177,9 +179,14 @@ class BulkEndpoint:
     def channel(self, name: str) -> ServerChannel | None:
         return self._channels.get(name)
 
+    def close_lanes(self, grace_s: float = 0.0) -> None:
+        """Stops the request lanes, giving their calls in progress up to `grace_s` to be
+        answered (as a stopping gRPC server does). Blocks that long at most. Idempotent."""
+        for lane in self._lanes.values():
+            lane.close(grace_s)
+
     def close(self) -> None:
-        """Closes the lane and every channel. Idempotent."""
-        if self._lane is not None:
-            self._lane.close()
+        """Closes the lanes and every channel. Idempotent."""
+        self.close_lanes()
         for channel in self._channels.values():
             channel.close()

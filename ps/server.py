@@ -55,7 +55,7 @@ class ServerConfig:
     ready_file: str = ""
     grace_s: float = 2.0
     metrics_port: int = 0  # 0: no metrics
-    transport: str = "auto"  # bulk transport: auto, grpc, shm or ucx
+    transport: str = "auto"  # bulk transport: auto, or one of protos.transport.PREFERENCE
 
     def __post_init__(self) -> None:
         host, sep, port = self.bind.rpartition(":")
@@ -108,10 +108,12 @@ class ParameterServer:
             VERSION,
             self.bulk,
         )
+        # Runs gRPC's calls and the request lanes' alike: one thread limit for both.
+        self._calls = futures.ThreadPoolExecutor(
+            max_workers=config.grpc_threads, thread_name_prefix=f"shard{config.shard}"
+        )
         self._grpc = grpc.server(
-            futures.ThreadPoolExecutor(
-                max_workers=config.grpc_threads, thread_name_prefix=f"shard{config.shard}"
-            ),
+            self._calls,
             options=[
                 ("grpc.max_receive_message_length", config.max_message_bytes),
                 ("grpc.max_send_message_length", config.max_message_bytes),
@@ -127,7 +129,8 @@ class ParameterServer:
                 lambda table, clocks: self.metrics.staleness.labels(table).observe(clocks)
             )
         self._grpc.add_generic_rpc_handlers((self.servicer.handler(),))
-        self.bulk.serve_lane(self.servicer.lane_handler(), config.max_message_bytes)
+        self.bulk.serve_lanes(self.servicer.lane_handler(), config.max_message_bytes,
+                              self._calls)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         self.port = 0
@@ -168,9 +171,13 @@ class ParameterServer:
 
     def stop(self, grace_s: float | None = None) -> None:
         """Stops serving; in-flight calls get `grace_s` to finish. Thread-safe, idempotent."""
+        grace = self.config.grace_s if grace_s is None else grace_s
         self.health.enter_graceful_shutdown()
-        self._grpc.stop(self.config.grace_s if grace_s is None else grace_s).wait()
+        stopped = self._grpc.stop(grace)
+        self.bulk.close_lanes(grace)
+        stopped.wait()
         self.bulk.close()
+        self._calls.shutdown(wait=False, cancel_futures=True)
         self._stopped.set()
 
     def wait(self, timeout_s: float | None = None) -> bool:

@@ -421,7 +421,7 @@ class ParameterServerServicer:
         return response.SerializeToString()
 
     def lane_handler(self) -> Callable[[bytes, LaneContext], bytes]:
-        """The Exchange RPC for the shm exchange lane: the same handler, timed the same way,
+        """The Exchange RPC for the request lanes: the same handler, timed the same way,
         with its refusals carried as the RPC's status would be."""
         exchange = self._timed("Exchange", self.Exchange)
 
@@ -464,7 +464,7 @@ class ParameterServerServicer:
     def _refused(self, *refs: pb.BulkRef) -> Iterator[None]:
         """Drops the payloads `refs` name, unread, when the block raises: a request refused
         before its payload was read would otherwise leave the client's transfer waiting
-        (a UCX send ends only when the server takes it)."""
+        (a transport's send may end only when the server takes it)."""
         try:
             yield
         except BaseException:

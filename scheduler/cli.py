@@ -21,7 +21,7 @@ from typing import Any
 
 from protos import modes
 from protos.transport import ENV_VAR as ENV_TRANSPORT
-from protos.transport import TransportError, parse_choice
+from protos.transport import PREFERENCE, TransportError, parse_choice
 from scheduler.admin import check_address, health
 from scheduler.errors import ConfigError, CoordinationError
 from scheduler.launcher import UpConfig, status_of, up
@@ -171,7 +171,7 @@ def _parser() -> argparse.ArgumentParser:
 def _transport_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default=os.environ.get(ENV_TRANSPORT, "auto"),
                    help="bulk transport: auto (the fastest each worker and server share), "
-                        f"grpc, shm or ucx; a forced one that cannot work is an error (env "
+                        f"or one of {', '.join(PREFERENCE)}; a forced one that cannot work is an error (env "
                         f"{ENV_TRANSPORT}, default auto)")
 
 

@@ -45,7 +45,8 @@ class TransportChoiceError(PSClientError):
     """A forced transport cannot be used (here, or with a server); the message says why."""
 
 
-ENV_LANES = "PSTRAIN_SHM_LANE"
+ENV_LANES = "PSTRAIN_LANE"
+_ENV_LANES_BEFORE = "PSTRAIN_SHM_LANE"  # its name until lanes became a transport capability
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,14 @@ class TransportSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> TransportSettings:
-        """From PSTRAIN_TRANSPORT (default auto) and PSTRAIN_SHM_LANE (1, the default, or 0);
+        """From PSTRAIN_TRANSPORT (default auto) and PSTRAIN_LANE (1, the default, or 0);
         for entry points (`worker.init()`, `training.connect()`) only. TransportChoiceError
-        names a bad value."""
+        names a bad value, or the variable's old name."""
+        if _ENV_LANES_BEFORE in env:
+            raise TransportChoiceError(
+                f"{_ENV_LANES_BEFORE} is now called {ENV_LANES} (any transport may offer a "
+                f"request lane); set {ENV_LANES}={env[_ENV_LANES_BEFORE]} instead"
+            )
         lanes = env.get(ENV_LANES, "1").strip()
         if lanes not in ("0", "1"):
             raise TransportChoiceError(f"{ENV_LANES} must be 0 or 1, got {lanes!r}")
@@ -75,8 +81,8 @@ class Peer:
     session: int = 0
     channel: ClientChannel | None = None
     note: str = ""
-    over: str = ""  # what the transport runs over, when it says (UCX: "tcp/eth0")
-    lane: LaneClient | None = None  # shm: the server's exchange lane, when it has one
+    over: str = ""  # what the transport runs over, when it says (e.g. "tcp/eth0")
+    lane: LaneClient | None = None  # the transport's request lane, when the server has one
 
 
 class BulkClient:
@@ -116,10 +122,9 @@ class BulkClient:
 
         TransportChoiceError when a transport forced on either side cannot be used.
         """
-        shm = self._channels.get("shm")
         request = pb.HandshakeRequest(
             worker=self.worker, incarnation=self.incarnation, offers=self._offers,
-            forced=self.choice.forced, token=shm.token() if shm is not None else "",
+            forced=self.choice.forced,
         )
         try:
             frame = stubs.unary(rpc.HANDSHAKE, request.SerializeToString(), timeout_s)
@@ -158,7 +163,7 @@ class BulkClient:
             self.end(Peer(name, answer.session, channel), stubs)
             return Peer(note=f"{name}: {exc}")
         over = channel.describe(answer.session)
-        lane = self._open_lane(index, address, answer, timeout_s) if name == "shm" else None
+        lane = self._open_lane(index, address, answer, channel, timeout_s)
         detail = "".join(f", {d}" for d in (server_offer.detail, over) if d)
         log.info("worker %d: shard %d (%s) uses transport %s%s%s%s", self.worker, index,
                  address, name, detail, " with its exchange lane" if lane else "",
@@ -166,13 +171,13 @@ class BulkClient:
         return Peer(name, answer.session, channel, answer.note, over, lane)
 
     def _open_lane(self, index: int, address: str, answer: pb.HandshakeResponse,
-                   timeout_s: float) -> LaneClient | None:
-        """The server's exchange lane, connected once to be sure; None when it has none,
-        this worker does not want it, or it does not answer (exchanges then use gRPC)."""
-        shm = self._channels.get("shm")
-        if not answer.lane or not self.lanes or shm is None:
+                   channel: ClientChannel, timeout_s: float) -> LaneClient | None:
+        """The request lane the server named for this session, connected once to be sure;
+        None when it named none, this worker does not want it, or it does not answer
+        (exchanges then use gRPC)."""
+        if not answer.lane or not self.lanes:
             return None
-        lane = LaneClient(answer.lane, answer.session, shm.token())
+        lane = LaneClient(answer.lane, answer.session, channel.token())
         try:
             lane.check(timeout_s)
         except ChannelBrokenError as exc:

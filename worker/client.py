@@ -123,7 +123,7 @@ class PSClient:
             for i, address in enumerate(addresses):
                 self.links.append(Link.open(i, address, self._reach))
         except BaseException:
-            # Nothing half-made outlives a failed constructor (sessions, UCX workers).
+            # Nothing half-made outlives a failed constructor (sessions, transport state).
             self._disconnect()
             raise
         self._pool = ThreadPoolExecutor(
@@ -201,8 +201,8 @@ class PSClient:
         return [link.transport for link in self.links]
 
     def transport_details(self) -> list[str]:
-        """Each shard's transport and, where it says, what it runs over ("ucx (tcp/eth0)",
-        "ucx (rc_mlx5/mlx5_0:1)" for RDMA), in shard order. Thread-safe."""
+        """Each shard's transport and, where the transport says, what it runs over (a
+        device or protocol, in brackets), in shard order. Thread-safe."""
         return [link.transport_detail for link in self.links]
 
     def exchange_lanes(self) -> list[bool]:

@@ -80,8 +80,8 @@ _INIT_POLL_S = 0.05
 # a step of compute (measured: MovieLens at batch 128 on 2 cores over gRPC, 1.2-1.3x the
 # samples/s of depth 1), at the price of reads one step staler. Where a step's compute
 # already hides the round trip, the second exchange only adds contention: at batch 1024, and
-# at batch 128 too once every server is reached over the shm exchange lane (depth 1 was
-# 1.16x faster there), so "auto" stays at 1 when every shard has that lane.
+# at batch 128 too once every server is reached over a request lane (one host), so "auto"
+# stays at 1 when every shard has one.
 AUTO_PREFETCH_DEPTH = 2
 _BAG_MODES = ("sum", "mean", "max")
 
@@ -787,8 +787,8 @@ class PSOptimizer:
     compute; reads are then up to d steps stale, so every ssp table's bound must be at
     least d. Feed `prefetch()` the batch d steps ahead (`lookahead(batches,
     ps.prefetch_depth)`). `prefetch_depth="auto"` picks 2 (AUTO_PREFETCH_DEPTH) where
-    overlap is on, every ssp bound allows it and some server is reached without the shm
-    exchange lane (round trips of a millisecond or more); else 1.
+    overlap is on, every ssp bound allows it and some server is reached without a request
+    lane (round trips of a millisecond or more); else 1.
 
     Construction may ask the servers for their default mode (blocks briefly). Methods are
     meant for the training thread and are not thread-safe; the exchange thread they start

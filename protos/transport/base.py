@@ -5,6 +5,11 @@ request. For a push the client fills the region and names it in the request (`se
 the server reads it (`ServerChannel.read`). For a pull the client names the region as the
 destination (`recv_ref`); the server writes the answer into it (`ServerChannel.write`) and
 the client reads it from `Region.view`, without a copy where the caller allows it.
+
+A transport may also declare a request lane (`ServerChannel.lane_check`): a socket beside
+it that carries whole Exchange requests and answers without gRPC (protos.transport.lane).
+The server opens one for every transport that declares it and names it in the handshake;
+the client sends there the exchanges of the sessions that took that transport.
 """
 
 from __future__ import annotations
@@ -16,6 +21,11 @@ from contextlib import AbstractContextManager
 from typing import Protocol
 
 from protos import pstrain_pb2 as pb
+
+
+# A request lane's check of a connecting client: (session, token, peer pid) -> "" when that
+# process may use the session, else why not.
+LaneCheck = Callable[[int, str, int], str]
 
 
 class TransportError(Exception):
@@ -76,11 +86,12 @@ class ClientChannel(Protocol):
     name: str
 
     def offer(self) -> pb.TransportOffer:
-        """What this side can do, for the handshake."""
+        """What this side can do, for the handshake (with its `token`)."""
         ...
 
     def token(self) -> str:
-        """Names this client's resources for the server (shm segments); may be empty."""
+        """Names this client's resources for the server; may be empty. A request lane's
+        hello carries it too."""
         ...
 
     def connect(self, session: int, peer: pb.TransportOffer, timeout_s: float) -> None:
@@ -129,6 +140,11 @@ class ServerChannel(Protocol):
               timeout_s: float) -> None:
         """Calls `fill` with a writable buffer of `nbytes` that reaches the client at `ref`.
         Blocks until the bytes are delivered (up to `timeout_s`)."""
+        ...
+
+    def lane_check(self) -> LaneCheck | None:
+        """Who may use a request lane beside this transport, or None: it declares no lane.
+        Does not block."""
         ...
 
     def declines(self, session: int) -> str:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 from protos import pstrain_pb2 as pb
-from protos.transport.base import ChannelBrokenError, Region
+from protos.transport.base import ChannelBrokenError, LaneCheck, Region
 
 
 def probe() -> tuple[bool, str]:
@@ -61,6 +61,9 @@ class Server:
     def write(self, ref: pb.BulkRef, nbytes: int, fill: Callable[[memoryview], None],
               timeout_s: float) -> None:
         raise ChannelBrokenError("this session uses inline gRPC; it has no bulk regions")
+
+    def lane_check(self) -> LaneCheck | None:
+        return None
 
     def declines(self, session: int) -> str:
         return ""

@@ -1,13 +1,17 @@
-"""The exchange lane of the shm transport: bulk exchanges without gRPC's per-call cost.
+"""A request lane: whole exchanges over a local socket, without gRPC's per-call cost.
 
-Where a worker and a server share the shm transport (one host, one pid namespace, one user),
-the server also listens on a Unix stream socket in the abstract namespace and names it in
-the handshake. The worker then sends its bulk exchanges there: the Exchange RPC's request,
-whose payload and answer already lie in shared memory, in one frame, and the answer in
-another. One blocking send and one blocking receive per call, on the caller's own thread.
-A Python gRPC unary call costs both processes together about half a millisecond of CPU
-(thread hand-offs, HTTP/2, completion queues); a training step makes one exchange per server,
-so on a small machine that cost is a large part of a step.
+A transport declares a lane by returning a check from `ServerChannel.lane_check` (shm does:
+its clients share the server's host, pid namespace and user). The server then also listens
+on a Unix stream socket in the abstract namespace and names it in the handshake of every
+session that took that transport. The worker sends those sessions' bulk exchanges there:
+the Exchange RPC's request, whose payload and answer already lie in the transport's memory,
+in one frame, and the answer in another. One blocking send and one blocking receive per
+call on the client's thread; on the server, the frame is handled on the same executor, under
+the same thread limit and message size limit, as a gRPC call, and a stopping server drains
+the lane's calls in progress as it drains gRPC's. A Python gRPC unary call costs both
+processes together about half a millisecond of CPU (thread hand-offs, HTTP/2, completion
+queues); a training step makes one exchange per server, so on a small machine that cost is
+a large part of a step.
 
 Nothing else changes: the server runs the Exchange RPC's own handler, and a refusal carries
 the status code, message and trailing-metadata marks the RPC would have ended with, so the
@@ -16,9 +20,10 @@ server went away, a malformed frame) raises ChannelBrokenError, and the caller s
 same request, with the same push ids, over gRPC.
 
 The framing is described beside `LaneHello` in pstrain.proto. Who may connect: the first
-frame names the shm session and carries its secret token; the server checks both, and that
-the peer process (SO_PEERCRED) is the session's client and runs as the same user. Abstract
-sockets have no file: a process that dies leaves nothing behind.
+frame names the session and carries the client's token for the transport; the transport's
+check says whether the peer process (SO_PEERCRED) holds that session, and the lane checks it
+runs as the same user. Abstract sockets have no file: a process that dies leaves nothing
+behind.
 """
 
 from __future__ import annotations
@@ -27,24 +32,28 @@ import contextlib
 import logging
 import os
 import secrets
+import selectors
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
 from typing import Any, NoReturn
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from protos import pstrain_pb2 as pb
-from protos.transport.base import ChannelBrokenError
+from protos.transport.base import ChannelBrokenError, LaneCheck
 
 log = logging.getLogger(__name__)
 
 HELLO, REQUEST, ANSWER, REFUSAL = 1, 2, 3, 4
 _HEAD = struct.Struct("<IB")
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
-HELLO_TIMEOUT_S = 5.0
+# How long one frame's bytes may take to arrive or leave (a hello, a request, an answer).
+IO_TIMEOUT_S = 5.0
 MAX_ANSWER_BYTES = 256 * 1024 * 1024  # answers carry headers only; their rows are in shm
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -122,90 +131,143 @@ class LaneContext:
 
 
 Handler = Callable[[bytes, LaneContext], bytes]
-# (session, token, peer pid) -> "" when that peer may use the session, else why not.
-Verifier = Callable[[int, str, int], str]
+_ACCEPT, _WAKE = object(), object()  # the watcher's own sockets
 
 
 class LaneServer:
-    """Listens on an abstract Unix socket; one thread per connection runs its requests in
-    order through `handle`. Thread-safe."""
+    """Listens on an abstract Unix socket and runs each request through `handle` on `run`:
+    the executor that runs the server's gRPC calls, so lane and gRPC calls share its threads
+    and its limit. One thread watches the connections for frames; a connection has at most
+    one request at a time (its client waits for each answer). Thread-safe."""
 
-    def __init__(self, handle: Handler, verify: Verifier, max_frame_bytes: int,
-                 name: str = "lane") -> None:
+    def __init__(self, handle: Handler, verify: LaneCheck, max_frame_bytes: int,
+                 run: Executor, name: str = "lane") -> None:
         self._handle = handle
         self._verify = verify
         self._max = max_frame_bytes
+        self._run = run
         self._name = name
         self.address = f"pstrain-lane-{os.getpid()}-{secrets.token_hex(8)}"
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             self._listener.bind("\0" + self.address)
             self._listener.listen(128)
+            self._listener.setblocking(False)
         except OSError:
             self._listener.close()
             raise
-        # Guards _conns and _closed.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ, _ACCEPT)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        # Guards the fields below; `_idle` is notified when a task ends.
         self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
+        self._idle = threading.Condition(self._lock)
+        self._conns: set[socket.socket] = set()  # every open connection
+        self._running: set[socket.socket] = set()  # those with a task in `run`
+        self._parked: list[socket.socket] = []  # to be watched again by the watcher
         self._closed = False
-        self._acceptor = threading.Thread(target=self._accept_loop, name=f"{name}-accept",
-                                          daemon=True)
-        self._acceptor.start()
+        self._watcher = threading.Thread(target=self._watch, name=f"{name}-watch", daemon=True)
+        self._watcher.start()
 
     def connections(self) -> int:
         """Connections open now. Thread-safe."""
         with self._lock:
             return len(self._conns)
 
-    def _accept_loop(self) -> None:
+    def _watch(self) -> None:
+        """The watcher: accepts connections and hands each frame's connection to `run`."""
         while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return  # closed
+            events = self._selector.select()
             with self._lock:
                 if self._closed:
-                    conn.close()
                     return
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn",
-                             daemon=True).start()
+                parked, self._parked = self._parked, []
+            for conn in parked:
+                self._selector.register(conn, selectors.EVENT_READ, conn)
+            for key, _ in events:
+                if key.data is _ACCEPT:
+                    self._accept()
+                elif key.data is _WAKE:
+                    with contextlib.suppress(BlockingIOError):
+                        self._wake_r.recv(4096)
+                else:
+                    self._selector.unregister(key.fileobj)
+                    self._start(self._serve_one, key.data)
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _accept(self) -> None:
         try:
-            if not self._welcome(conn):
-                return
-            while True:
-                frame = read_frame(conn, self._max)
-                if frame is None:
-                    return
-                kind, body = frame
-                if kind != REQUEST:
-                    write_frame(conn, REFUSAL, _status(
-                        grpc.StatusCode.INVALID_ARGUMENT, f"expected a request frame, got {kind}"))
-                    return
-                write_frame(conn, *self._answer(body))
+            conn, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        conn.setblocking(True)
+        conn.settimeout(IO_TIMEOUT_S)
+        with self._lock:
+            self._conns.add(conn)
+        self._start(self._welcome, conn)
+
+    def _start(self, step: Callable[[socket.socket], bool], conn: socket.socket) -> None:
+        """Runs `step` on `conn` in `run`; the connection is watched again if it says True."""
+        with self._lock:
+            self._running.add(conn)
+        try:
+            self._run.submit(self._task, step, conn)
+        except RuntimeError:  # the executor is shut down: the server is stopping
+            self._end_task(conn, keep=False)
+
+    def _task(self, step: Callable[[socket.socket], bool], conn: socket.socket) -> None:
+        keep = False
+        try:
+            keep = step(conn)
         except LaneProtocolError as exc:
             log.warning("%s: closing a connection: %s", self._name, exc)
             with contextlib.suppress(OSError):
                 write_frame(conn, REFUSAL, _status(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
         except OSError as exc:
             log.debug("%s: connection ended: %s", self._name, exc)
+        except Exception:
+            log.exception("%s: a lane task failed", self._name)
         finally:
-            with self._lock:
+            self._end_task(conn, keep)
+
+    def _end_task(self, conn: socket.socket, keep: bool) -> None:
+        with self._lock:
+            self._running.discard(conn)
+            keep = keep and not self._closed
+            if keep:
+                self._parked.append(conn)
+            else:
                 self._conns.discard(conn)
+            self._idle.notify_all()
+        if keep:
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"w")
+        else:
             conn.close()
+
+    def _serve_one(self, conn: socket.socket) -> bool:
+        """Reads one request (its bytes arrive together: a client stalled inside a frame is
+        dropped after IO_TIMEOUT_S) and answers it; False to close the connection."""
+        frame = read_frame(conn, self._max)
+        if frame is None:
+            return False
+        kind, body = frame
+        if kind != REQUEST:
+            write_frame(conn, REFUSAL, _status(
+                grpc.StatusCode.INVALID_ARGUMENT, f"expected a request frame, got {kind}"))
+            return False
+        write_frame(conn, *self._answer(body))
+        return True
 
     def _welcome(self, conn: socket.socket) -> bool:
         """Checks the hello; answers it with an empty answer frame, or a refusal."""
         pid, uid, _ = _CREDS.unpack(
             conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
-        conn.settimeout(HELLO_TIMEOUT_S)
         try:
             frame = read_frame(conn, 4096)
         except TimeoutError:
             return False
-        conn.settimeout(None)
         if frame is None:
             return False
         kind, body = frame
@@ -238,21 +300,33 @@ class LaneServer:
             log.exception("%s: the handler failed", self._name)
             return REFUSAL, _status(grpc.StatusCode.UNKNOWN, f"the server failed: {exc!r}")
 
-    def close(self) -> None:
-        """Stops accepting and ends every connection (a call in progress gets no answer, as
-        when the process stops). Idempotent."""
+    def close(self, grace_s: float = 0.0) -> None:
+        """Stops taking requests, gives those in progress up to `grace_s` to be answered,
+        then ends every connection (a call still in progress gets no answer, as when the
+        process stops). Blocks up to `grace_s` and a little. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            conns = list(self._conns)
         with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+            self._wake_w.send(b"w")
+        self._watcher.join(timeout=2.0)
+        self._selector.close()
         self._listener.close()
-        for conn in conns:
+        deadline = time.monotonic() + grace_s
+        with self._lock:
+            while self._running and (left := deadline - time.monotonic()) > 0:
+                self._idle.wait(left)
+            idle = [c for c in self._conns if c not in self._running]
+            busy = [c for c in self._conns if c in self._running]
+            self._conns.difference_update(idle)
+        for conn in idle:
+            conn.close()
+        for conn in busy:  # their tasks close them when they end
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-        self._acceptor.join(timeout=2.0)
+        self._wake_r.close()
+        self._wake_w.close()
 
 
 # ---- the client's side ------------------------------------------------------------------------
@@ -314,7 +388,7 @@ class LaneClient:
     def _connect(self, timeout_s: float) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            sock.settimeout(min(timeout_s, HELLO_TIMEOUT_S))
+            sock.settimeout(min(timeout_s, IO_TIMEOUT_S))
             sock.connect("\0" + self.address)
             kind, body = _round_trip(sock, HELLO, self._hello)
         except BaseException as exc:

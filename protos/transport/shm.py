@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from protos import pstrain_pb2 as pb
 from protos.transport.base import (
     ChannelBrokenError,
+    LaneCheck,
     TransportUnavailableError,
     host_identity,
 )
@@ -164,7 +165,7 @@ class Client:
 
     def offer(self) -> pb.TransportOffer:
         return pb.TransportOffer(name=self.name, available=True, host=host_identity(),
-                                 pid=os.getpid())
+                                 pid=os.getpid(), token=self._token)
 
     def token(self) -> str:
         return self._token
@@ -272,7 +273,7 @@ class Server:
     def accept(self, request: pb.HandshakeRequest, peer: pb.TransportOffer) -> int:
         if peer.host != self._host:
             raise TransportUnavailableError("the client is on another host")
-        token = request.token
+        token = peer.token
         if not token.isalnum():
             raise TransportUnavailableError("the client sent no usable segment token")
         started = _start_time(int(peer.pid))
@@ -282,6 +283,10 @@ class Server:
         with self._lock:
             self._sessions[session] = _Session(int(peer.pid), started, token)
         return session
+
+    def lane_check(self) -> LaneCheck:
+        """shm declares a request lane: its clients share this host."""
+        return self.owns
 
     def owns(self, session: int, token: str, pid: int) -> str:
         """"" when process `pid`, holding `token`, is the client of `session`; else why not."""

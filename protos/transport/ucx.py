@@ -49,6 +49,7 @@ from typing import Any
 from protos import pstrain_pb2 as pb
 from protos.transport.base import (
     ChannelBrokenError,
+    LaneCheck,
     TransportUnavailableError,
     host_identity,
 )
@@ -787,6 +788,9 @@ class Server(_Side):
         finally:
             with self._lock:
                 self._waiting -= 1
+
+    def lane_check(self) -> LaneCheck | None:
+        return None  # no request lane yet: exchanges go to the Exchange RPC
 
     def declines(self, session: int) -> str:
         return auto_declines(self.lanes(session))

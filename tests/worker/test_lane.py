@@ -1,7 +1,8 @@
-"""The shm transport's exchange lane: exchanges over a Unix socket instead of gRPC calls.
+"""Request lanes (shm declares one): exchanges over a Unix socket instead of gRPC calls.
 
-Real server processes serve the lane; the lane module's framing, refusals, deadlines and
-failures are also tested against an in-process LaneServer with small handlers.
+Real server processes serve the lane; the lane module's framing, refusals, deadlines,
+failures, thread use and draining are also tested against an in-process LaneServer with
+small handlers.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -166,25 +168,40 @@ def test_the_lane_setting_is_read_from_the_environment_and_a_bad_one_named() -> 
         TransportSettings("shm", False)
     with pytest.raises(TransportChoiceError, match=f"{ENV_LANES} must be 0 or 1, got 'yes'"):
         TransportSettings.from_env({ENV_LANES: "yes"})
+    with pytest.raises(TransportChoiceError, match=f"now called {ENV_LANES}.*{ENV_LANES}=0"):
+        TransportSettings.from_env({"PSTRAIN_SHM_LANE": "0"})
 
 
 # ---- the lane module against an in-process server -------------------------------------------
 
 
-@pytest.fixture
-def lane_server() -> Iterator[tuple[LaneServer, LaneClient]]:
-    def handle(data: bytes, context: LaneContext) -> bytes:
-        if data == b"slow":
-            time.sleep(1.0)
-        if data == b"refuse":
-            context.set_trailing_metadata(((marks.CLOCK_WAIT, "1"),))
-            context.abort(grpc.StatusCode.ABORTED, "waited out")
-        if data == b"bug":
-            raise KeyError("oops")
-        return data[::-1]
+def handle(data: bytes, context: LaneContext) -> bytes:
+    """Echoes reversed; b"slow" sleeps first, b"refuse" aborts, b"bug" raises, b"who"
+    answers its thread's name."""
+    if data == b"slow":
+        time.sleep(1.0)
+    if data == b"who":
+        return threading.current_thread().name.encode()
+    if data == b"refuse":
+        context.set_trailing_metadata(((marks.CLOCK_WAIT, "1"),))
+        context.abort(grpc.StatusCode.ABORTED, "waited out")
+    if data == b"bug":
+        raise KeyError("oops")
+    return data[::-1]
 
+
+@pytest.fixture
+def calls() -> Iterator[ThreadPoolExecutor]:
+    """The executor a server runs its calls on (two threads, as a small --grpc-threads)."""
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="calls")
+    yield pool
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture
+def lane_server(calls: ThreadPoolExecutor) -> Iterator[tuple[LaneServer, LaneClient]]:
     server = LaneServer(handle, lambda session, token, pid: "" if token == "t" else "no",
-                        max_frame_bytes=1 << 20)
+                        max_frame_bytes=1 << 20, run=calls)
     client = LaneClient(server.address, 1, "t")
     try:
         yield server, client
@@ -238,3 +255,73 @@ def test_a_closed_lane_breaks_the_channel(lane_server: tuple[LaneServer, LaneCli
         client.call(b"y", 5.0)
     with pytest.raises(ChannelBrokenError):
         LaneClient(server.address, 1, "t").check(1.0)
+
+
+def test_lane_calls_run_on_the_servers_executor_within_its_thread_limit(
+    lane_server: tuple[LaneServer, LaneClient]
+) -> None:
+    server, client = lane_server
+    assert client.call(b"who", 5.0).startswith(b"calls")
+    # Three slow calls at once on two threads: the third waits for a free one.
+    started = time.monotonic()
+    threads = [threading.Thread(target=client.call, args=(b"slow", 10.0)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert time.monotonic() - started >= 1.9
+
+
+def test_open_connections_hold_no_thread_each(
+    lane_server: tuple[LaneServer, LaneClient], calls: ThreadPoolExecutor
+) -> None:
+    server, _ = lane_server
+    before = threading.active_count()
+    clients = [LaneClient(server.address, 1, "t") for _ in range(16)]
+    try:
+        for c in clients:
+            c.check(5.0)
+        assert server.connections() == 16
+        assert all(c.call(b"ab", 5.0) == b"ba" for c in clients)
+        # At most the executor's two threads were started; no thread per connection.
+        assert threading.active_count() <= before + 2
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_closing_answers_the_calls_in_progress_within_the_grace(
+    lane_server: tuple[LaneServer, LaneClient]
+) -> None:
+    server, client = lane_server
+    assert client.call(b"x", 5.0) == b"x"
+    answer: list[bytes] = []
+    call = threading.Thread(target=lambda: answer.append(client.call(b"slow", 10.0)))
+    call.start()
+    time.sleep(0.3)  # the call is in the handler
+    started = time.monotonic()
+    server.close(grace_s=5.0)
+    call.join(timeout=10)
+    assert answer == [b"wols"] and 0.4 < time.monotonic() - started < 3.0
+    with pytest.raises(ChannelBrokenError):
+        client.call(b"y", 5.0)
+
+
+def test_closing_without_grace_ends_a_call_in_progress(
+    lane_server: tuple[LaneServer, LaneClient]
+) -> None:
+    server, client = lane_server
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            client.call(b"slow", 10.0)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    time.sleep(0.3)
+    server.close()
+    thread.join(timeout=10)
+    assert len(errors) == 1 and isinstance(errors[0], ChannelBrokenError)

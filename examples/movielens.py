@@ -40,7 +40,8 @@ from torch import nn
 import worker
 from ps.initializers import InitSpec, init_rows
 from worker.client import PSClient
-from worker.modules import PSDense, PSEmbedding, PSEmbeddingBag, PSOptimizer
+from worker.modules import PSDense, PSEmbedding, PSEmbeddingBag
+from worker.optimizer import PSOptimizer
 from worker.training import add_cluster_args, connect, log_loss, lookahead, roc_auc, shard_indices
 
 log = logging.getLogger("movielens")

@@ -38,7 +38,8 @@ from torch import nn
 
 from ps.initializers import InitSpec, init_rows
 from worker.client import PSClient
-from worker.modules import PSDense, PSEmbedding, PSOptimizer
+from worker.modules import PSDense, PSEmbedding
+from worker.optimizer import PSOptimizer
 from worker.training import add_cluster_args, connect, log_loss, lookahead, roc_auc
 
 log = logging.getLogger("synthetic_ctr")

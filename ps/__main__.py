@@ -90,8 +90,8 @@ def parser() -> argparse.ArgumentParser:
                         "0: off)")
     p.add_argument("--transport", default=env.get("PSTRAIN_TRANSPORT", "auto"),
                    help="bulk transport offered to workers: auto (every one that works here; "
-                        f"each worker gets the fastest both share), or one of {', '.join(PREFERENCE)} "
-                        "(env PSTRAIN_TRANSPORT, default auto)")
+                        "each worker gets the fastest both share), or one of "
+                        f"{', '.join(PREFERENCE)} (env PSTRAIN_TRANSPORT, default auto)")
     p.add_argument("--ready-file", default="",
                    help="write {address, pid} as JSON here once serving")
     p.add_argument("--log-level", default=env.get("PSTRAIN_LOG_LEVEL", "INFO"),

@@ -171,8 +171,8 @@ def _parser() -> argparse.ArgumentParser:
 def _transport_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default=os.environ.get(ENV_TRANSPORT, "auto"),
                    help="bulk transport: auto (the fastest each worker and server share), "
-                        f"or one of {', '.join(PREFERENCE)}; a forced one that cannot work is an error (env "
-                        f"{ENV_TRANSPORT}, default auto)")
+                        f"or one of {', '.join(PREFERENCE)}; a forced one that cannot work is an "
+                        f"error (env {ENV_TRANSPORT}, default auto)")
 
 
 def _transport_env(a: argparse.Namespace) -> dict[str, str]:

@@ -31,3 +31,11 @@ class ClusterMismatchError(PSClientError):
 
 class UnknownTableError(PSClientError):
     """The client was asked to use a table it has not declared."""
+
+
+class PSModuleError(PSClientError):
+    """A PS module or PSOptimizer was built or used in a way it cannot work (message says why)."""
+
+
+class InitializationTimeoutError(PSModuleError):
+    """A worker waited too long for the worker that initialises a PSDense table."""

@@ -3,9 +3,10 @@
 `PSEmbedding` and `PSEmbeddingBag` look up rows of server-side sparse tables (ids are any
 int64, rows are created on first touch); `PSDense` keeps an ordinary `nn.Module`'s
 parameters in one flat dense table on the servers. None of them owns an `nn.Parameter` that
-a local optimizer should step: the servers run the optimizer. `PSOptimizer` plays the local
-optimizer's part in the training loop: its `step()` pushes every gradient of the step and
-ends the iteration, so a loop reads like plain PyTorch::
+a local optimizer should step: the servers run the optimizer. `PSOptimizer`
+(worker/optimizer.py) plays the local optimizer's part in the training loop: its `step()`
+pushes every gradient of the step and ends the iteration, through the exchange pipeline
+(worker/pipeline.py), so a loop reads like plain PyTorch::
 
     client = PSClient(servers, worker=rank)
     model = nn.ModuleDict({
@@ -47,19 +48,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from protos import modes
-from worker.client import PSClient, Pull, Push
-from worker.errors import PSClientError
+from worker.client import PSClient
+from worker.errors import InitializationTimeoutError, PSModuleError
+from worker.pipeline import Gradient, Pipeline, Pulled, Ticket, to_device, to_host
 
 log = logging.getLogger(__name__)
 
@@ -68,49 +67,20 @@ __all__ = [
     "PSDense",
     "PSEmbedding",
     "PSEmbeddingBag",
+    "PSModule",
     "PSModuleError",
-    "PSOptimizer",
 ]
 
 Init = tuple[str, float, float]
 
 # How often a worker that does not initialise a PSDense table looks for the initial values.
 _INIT_POLL_S = 0.05
-# prefetch_depth="auto" with overlap: two exchanges in flight hide a round trip longer than
-# a step of compute (measured: MovieLens at batch 128 on 2 cores over gRPC, 1.2-1.3x the
-# samples/s of depth 1), at the price of reads one step staler. Where a step's compute
-# already hides the round trip, the second exchange only adds contention: at batch 1024, and
-# at batch 128 too once every server is reached over a request lane (one host), so "auto"
-# stays at 1 when every shard has one.
-AUTO_PREFETCH_DEPTH = 2
 _BAG_MODES = ("sum", "mean", "max")
-
-
-class PSModuleError(PSClientError):
-    """A PS module or PSOptimizer was built or used in a way it cannot work (message says why)."""
-
-
-class InitializationTimeoutError(PSModuleError):
-    """A worker waited too long for the worker that initialises a PSDense table."""
 
 
 def _delay(seconds: float) -> None:
     """The one place this module sleeps, so tests can replace it."""
     time.sleep(seconds)
-
-
-def _overlap_staleness(
-    mode: modes.Mode | None, default_mode: modes.Mode, default_staleness: int
-) -> int | None:
-    """How many clocks stale a read may be under `mode`: None for unbounded (async).
-
-    Sync reads are exact, so sync counts as 0. `mode` None means the server's default mode;
-    an ssp mode without a bound has the server's default bound.
-    """
-    resolved = (mode or default_mode).with_default(default_staleness)
-    if resolved.kind is modes.Kind.ASYNC:
-        return None
-    return resolved.staleness or 0
 
 
 def _parse_consistency(text: str) -> modes.Mode | None:
@@ -143,82 +113,6 @@ def _as_ids(ids: torch.Tensor, what: str) -> torch.Tensor:
     return ids.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
 
 
-def _same_ids(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two flat int64 CPU id tensors are equal.
-
-    Compared as bytes, not with torch.equal: a torch op lets go of the GIL, and the
-    exchange thread that takes it over keeps the training thread waiting.
-    """
-    return a.shape == b.shape and a.numpy().tobytes() == b.numpy().tobytes()
-
-
-def _staged(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`host` ready for a copy to `device`: in pinned memory when `device` is a GPU."""
-    if device.type != "cuda" or host.is_pinned():
-        return host
-    pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
-    pinned.copy_(host)
-    return pinned
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return host
-    # The caching host allocator keeps a pinned buffer alive until this copy has run.
-    return _staged(host, device).to(device, non_blocking=True)
-
-
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A host copy of `tensor`; from a GPU it is pinned and asynchronous (see _Gradient)."""
-    tensor = tensor.detach()
-    if tensor.device.type == "cpu":
-        return tensor
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    return host
-
-
-@dataclass
-class _Pulled:
-    """Rows pulled for a batch of ids: unique keys, where each id sits in them, host rows."""
-
-    keys: torch.Tensor
-    inverse: torch.Tensor
-    rows: torch.Tensor
-
-
-@dataclass(eq=False)  # tickets are told apart by identity, never by their tensors
-class _Ticket:
-    """A pull a module will need at step `clock`: of sparse rows for `ids`, or (ids None)
-    of a dense table. It waits in the pipeline until an exchange carries it; `future` then
-    gives that exchange's pulled tensors, this ticket's at `index`.
-    """
-
-    table: str
-    clock: int
-    device: torch.device
-    ids: torch.Tensor | None = None
-    keys: torch.Tensor | None = None
-    inverse: torch.Tensor | None = None
-    future: Future[list[torch.Tensor]] | None = None
-    index: int = -1
-
-    def pull(self) -> Pull:
-        """What to ask the servers for. Runs on the exchange thread, which also finds the
-        unique keys of a sparse ticket: that work stays off the training thread."""
-        if self.ids is None:
-            return Pull(self.table)
-        if self.keys is None or self.inverse is None:
-            self.keys, self.inverse = torch.unique(self.ids, return_inverse=True)
-        return Pull(self.table, self.keys.numpy(), assume_unique=True)
-
-    def pulled(self, rows: torch.Tensor) -> _Pulled:
-        """A sparse ticket's answer, once its exchange is done."""
-        if self.keys is None or self.inverse is None:
-            raise PSModuleError(f"table {self.table!r}: rows arrived for a pull never sent")
-        return _Pulled(self.keys, self.inverse, rows)
-
-
 @dataclass
 class _Lookup:
     """One forward's pulled rows (a leaf tensor) waiting for their gradient."""
@@ -228,165 +122,9 @@ class _Lookup:
     rows: torch.Tensor
 
 
-@dataclass
-class _Gradient:
-    """A gradient to push. A GPU gradient's host copy is complete once the step's event is."""
-
-    table: str
-    kind: str  # "sparse" or "dense"
-    grad: torch.Tensor
-    keys: torch.Tensor | None = None
-
-
-@dataclass
-class _Outbox:
-    """A finished step's gradients and the end of its iteration, not sent yet."""
-
-    clock: int
-    pushes: list[Push]
-    event: torch.cuda.Event | None
-
-
-class _Pipeline:
-    """What a PSOptimizer shares with its modules: the step clock, the tickets of pulls
-    to come, the gradients to send, and the one thread that runs exchanges in order.
-
-    Every step costs one `PSClient.exchange` per shard: a finished step's pushes and the
-    end of its iteration, with the pulls of the steps ahead. With overlap the exchange
-    leaves at the first forward of the next step (so the loop's prefetches ride along) and
-    runs while that step computes; without it `step()` sends it and waits.
-
-    Methods are for the training thread only; the exchange thread touches only futures.
-    """
-
-    def __init__(
-        self, client: PSClient, overlap: bool, dense: Sequence[PSDense], depth: int
-    ) -> None:
-        self.client = client
-        self.overlap = overlap
-        # How many steps ahead pulls are asked for, and exchanges may be in flight.
-        self.depth = depth
-        # The clock of the step being computed, in overlap mode (the client's clock lags
-        # behind it while the previous step's pushes are in flight).
-        self.step_clock = client.clock
-        self.dense = list(dense)
-        # With depth 1, one thread: exchanges apply in the order they were sent. Deeper,
-        # `depth` exchanges overlap; each still carries the end of the iteration its own
-        # pulls need, and the staleness bound (>= depth) covers the ones still in flight.
-        self._exchanges = ThreadPoolExecutor(max_workers=depth,
-                                             thread_name_prefix="ps-exchange")
-        self.outbox: _Outbox | None = None
-        self._waiting: list[_Ticket] = []
-        self._dense_clock = -1  # the newest step whose dense pulls were asked for
-        self._sent: deque[Future[list[torch.Tensor]]] = deque()
-
-    @property
-    def clock(self) -> int:
-        """The clock of the step being computed."""
-        return self.step_clock if self.overlap else self.client.clock
-
-    def wait(self, ticket: _Ticket) -> torch.Tensor:
-        """Blocks until `ticket`'s pull has arrived (sending it first if it is waiting)."""
-        if ticket.future is None:
-            self.dispatch(outbox=self.overlap, up_to=ticket.clock)
-        if ticket.future is None:
-            raise PSModuleError(f"the pull of {ticket.table!r} for step {ticket.clock} was "
-                                "never sent")
-        return ticket.future.result()[ticket.index]
-
-    def forward_started(self) -> None:
-        """A PS module's forward is about to run. With overlap, the first of a step waits
-        for the exchanges in flight but the newest depth - 1 (raising their error), then
-        sends the previous step's gradients with the pulls asked for the steps ahead."""
-        if self.overlap:
-            if self.outbox is not None:
-                self.settle()
-            self.ask_dense(self.step_clock + self.depth)
-            # Pulls further ahead wait for their turn: sent now, they could wait on this
-            # worker's own iterations still to come.
-            self.dispatch(outbox=True, up_to=self.step_clock + self.depth)
-
-    def ask(self, ticket: _Ticket) -> _Ticket:
-        self._waiting.append(ticket)
-        return ticket
-
-    def ask_dense(self, clock: int) -> None:
-        """Tickets for every PSDense module's values at step `clock`, once per step."""
-        if clock <= self._dense_clock:
-            return
-        self._dense_clock = clock
-        for module in self.dense:
-            module._tickets.append(self.ask(
-                _Ticket(module.table, clock, module.device)
-            ))
-
-    def dispatch(self, *, outbox: bool, up_to: int | None = None) -> None:
-        """Sends, as one exchange, the outbox (if `outbox`) and the waiting tickets for
-        steps up to `up_to` (all when None). Does not wait for it."""
-        tickets = [t for t in self._waiting if up_to is None or t.clock <= up_to]
-        box = self.outbox if outbox else None
-        if box is None and not tickets:
-            return
-        if box is not None:
-            self.outbox = None
-        chosen = {id(t) for t in tickets}
-        self._waiting = [t for t in self._waiting if id(t) not in chosen]
-        clocks = sorted({t.clock for t in tickets})
-        # Pulls for different steps wait for different clocks: one exchange per step.
-        groups = [[t for t in tickets if t.clock == c] for c in clocks] or [[]]
-        for i, group in enumerate(groups):
-            future = self._exchanges.submit(self._run, box if i == 0 else None, group)
-            for index, ticket in enumerate(group):
-                ticket.future, ticket.index = future, index
-            self._sent.append(future)
-        while len(self._sent) > self.depth + 4 and self._sent[0].done():
-            self._sent.popleft().result()
-
-    def _run(self, box: _Outbox | None, tickets: list[_Ticket]) -> list[torch.Tensor]:
-        if box is not None and box.event is not None:
-            box.event.synchronize()
-        client = self.client
-        pushes = box.pushes if box is not None else []
-        push_clock = box.clock if box is not None else client.clock
-        pull_clock = tickets[0].clock if tickets else push_clock + 1
-        pulled = client.exchange(
-            pushes, end_iteration=box is not None, pulls=[t.pull() for t in tickets],
-            push_clock=push_clock, pull_clock=pull_clock, follow_open_clock=self.depth == 1,
-        )
-        # Staging in pinned memory here keeps that copy off the training thread.
-        return [_staged(rows, t.device) for rows, t in zip(pulled, tickets, strict=True)]
-
-    def settle(self) -> None:
-        """Overlap: waits for the exchanges sent so far but the newest depth - 1, then
-        follows a clock the servers moved on (the outbox, not sent yet, moves with it)."""
-        self.drain(self.depth - 1)
-        jumped = self.client.clock
-        box = self.outbox
-        first = box.clock if box is not None else self.step_clock
-        if jumped > first:
-            # The servers moved this worker on (it fell behind closed clocks); follow them.
-            log.info("worker %d: clock jumped from %d to %d", self.client.worker, first, jumped)
-            if box is not None:
-                box.clock = jumped
-            self.step_clock = jumped + (1 if box is not None else 0)
-
-    def drain(self, keep: int = 0) -> None:
-        """Blocks until every exchange sent so far but the newest `keep` is done; raises the
-        first error among them."""
-        done: list[Future[list[torch.Tensor]]] = []
-        while len(self._sent) > keep:
-            done.append(self._sent.popleft())
-        errors = [f.exception() for f in done]
-        for error in errors:
-            if error is not None:
-                raise error
-
-    def shutdown(self) -> None:
-        self._exchanges.shutdown(wait=True, cancel_futures=True)
-
-
-class _PSModule(nn.Module):
-    """What PSOptimizer needs from a module whose parameters live on the servers."""
+class PSModule(nn.Module):
+    """A module whose parameters live on the servers: what PSOptimizer needs of it (the
+    `ps_*` methods, for PSOptimizer only)."""
 
     def __init__(self, client: PSClient, name: str, mode: str) -> None:
         super().__init__()
@@ -396,50 +134,33 @@ class _PSModule(nn.Module):
         self.table = name
         # The table's own mode; None keeps the servers' default.
         self.consistency = _parse_consistency(mode)
-        self._pipeline: _Pipeline | None = None
-        # Pulls asked for ahead of the forward that will use them, oldest first.
-        self._tickets: deque[_Ticket] = deque()
+        self._pipeline: Pipeline | None = None
 
-    def _check_free(self) -> None:
+    def ps_check_free(self) -> None:
         if self._pipeline is not None:
             raise PSModuleError(
                 f"table {self.table!r} already belongs to another PSOptimizer; use one "
                 "PSOptimizer per model (close the old one first)"
             )
 
-    def _attach(self, pipeline: _Pipeline) -> None:
+    def ps_attach(self, pipeline: Pipeline) -> None:
         self._pipeline = pipeline
 
-    def _detach(self) -> None:
+    def ps_detach(self) -> None:
         self._pipeline = None
-        self._tickets.clear()
 
     def _clock(self) -> int | None:
         return None if self._pipeline is None else self._pipeline.clock
 
-    def _ticket_for(self, clock: int, ids: torch.Tensor | None) -> _Ticket | None:
-        """The ticket asked for step `clock` (and these ids), dropping older ones."""
-        while self._tickets:
-            head = self._tickets[0]
-            if head.clock > clock:
-                return None
-            self._tickets.popleft()
-            if head.clock == clock and (
-                ids is None or (head.ids is not None and _same_ids(head.ids, ids))
-            ):
-                return head
-            log.debug("worker %d: table %r: pull for step %d unused at step %d",
-                      self.client.worker, self.table, head.clock, clock)
-        return None
-
-    def _take_gradients(self) -> list[_Gradient]:
+    def ps_gradients(self) -> list[Gradient]:
+        """This step's gradients to push; they count as sent (cleared here)."""
         raise NotImplementedError
 
-    def _zero_grad(self) -> None:
+    def ps_zero_grad(self) -> None:
         raise NotImplementedError
 
 
-class _SparseLookup(_PSModule):
+class _SparseLookup(PSModule):
     """Shared by PSEmbedding and PSEmbeddingBag: pulls, prefetches, pending gradients."""
 
     _anchor: torch.Tensor
@@ -485,17 +206,15 @@ class _SparseLookup(_PSModule):
             return
         flat = _as_ids(ids, "ids").clone()
         ahead = pipeline.depth if pipeline.overlap else 1
-        self._tickets.append(pipeline.ask(
-            _Ticket(self.table, pipeline.clock + ahead, self.device, flat)
-        ))
+        pipeline.ask_ahead(self, Ticket(self.table, pipeline.clock + ahead, self.device, flat))
 
-    def _pull(self, flat: torch.Tensor, clock: int | None) -> _Pulled:
+    def _pull(self, flat: torch.Tensor, clock: int | None) -> Pulled:
         pipeline = self._pipeline
         if pipeline is None or clock is None:
             keys, inverse = torch.unique(flat, return_inverse=True)
             rows = self.client.pull_sparse(self.table, keys, clock=clock, assume_unique=True)
-            return _Pulled(keys, inverse, rows)
-        ticket = pipeline.ask(_Ticket(self.table, clock, self.device, flat))
+            return Pulled(keys, inverse, rows)
+        ticket = pipeline.ask(Ticket(self.table, clock, self.device, flat))
         rows = pipeline.wait(ticket)
         return ticket.pulled(rows)
 
@@ -506,39 +225,40 @@ class _SparseLookup(_PSModule):
         pipeline = self._pipeline
         if flat.numel() == 0:
             empty = torch.empty((0, self.embedding_dim), dtype=self.dtype)
-            pulled = _Pulled(flat, flat, empty)
+            pulled = Pulled(flat, flat, empty)
         else:
             if pipeline is not None:
                 pipeline.forward_started()
-            ticket = self._ticket_for(clock, flat) if clock is not None else None
+            ticket = (pipeline.ticket_for(self, clock, flat)
+                      if clock is not None and pipeline is not None else None)
             if ticket is not None and pipeline is not None:
                 rows = pipeline.wait(ticket)
                 pulled = ticket.pulled(rows)
             else:
                 pulled = self._pull(flat, clock)
         device = self.device
-        rows = _to_device(pulled.rows, device)
-        inverse = _to_device(pulled.inverse, device).view(ids.shape)
+        rows = to_device(pulled.rows, device)
+        inverse = to_device(pulled.inverse, device).view(ids.shape)
         # Only a module with a PSOptimizer records gradients: nothing else would push them.
         if pipeline is not None and torch.is_grad_enabled() and pulled.keys.numel():
             rows.requires_grad_(True)
             self._pending.append(_Lookup(self.table, pulled.keys, rows))
         return inverse, rows
 
-    def _take_gradients(self) -> list[_Gradient]:
+    def ps_gradients(self) -> list[Gradient]:
         pending, self._pending = self._pending, []
         return [
-            _Gradient(self.table, "sparse", _to_host(p.rows.grad), p.keys)
+            Gradient(self.table, "sparse", to_host(p.rows.grad), p.keys)
             for p in pending
             if p.rows.grad is not None
         ]
 
-    def _zero_grad(self) -> None:
+    def ps_zero_grad(self) -> None:
         for p in self._pending:
             p.rows.grad = None
 
-    def _detach(self) -> None:
-        super()._detach()
+    def ps_detach(self) -> None:
+        super().ps_detach()
         self._pending.clear()
 
 
@@ -636,7 +356,7 @@ class PSEmbeddingBag(_SparseLookup):
         )
 
 
-class PSDense(_PSModule):
+class PSDense(PSModule):
     """Wraps an `nn.Module` whose trainable parameters live on the servers, in ONE flat
     dense table `name` (one request per shard and step, however many tensors).
 
@@ -732,11 +452,11 @@ class PSDense(_PSModule):
             flat = self.client.pull_dense(self.table, clock=clock)
         else:
             pipeline.forward_started()
-            ticket = self._ticket_for(clock, None) or pipeline.ask(
-                _Ticket(self.table, clock, self.device)
+            ticket = pipeline.ticket_for(self, clock, None) or pipeline.ask(
+                Ticket(self.table, clock, self.device)
             )
             flat = pipeline.wait(ticket)
-        values = _to_device(flat, self.device)
+        values = to_device(flat, self.device)
         # The parameters become views of the pulled tensor, which is this step's alone:
         # no copy, and nothing else writes to it.
         offset = 0
@@ -750,7 +470,7 @@ class PSDense(_PSModule):
         self.load()
         return self.module(*args, **kwargs)
 
-    def _take_gradients(self) -> list[_Gradient]:
+    def ps_gradients(self) -> list[Gradient]:
         grads = [p.grad for p in self._params]
         if all(g is None for g in grads):
             return []
@@ -761,9 +481,9 @@ class PSDense(_PSModule):
         # Sent means consumed: the next step starts from no gradient, as after zero_grad().
         for p in self._params:
             p.grad = None
-        return [_Gradient(self.table, "dense", _to_host(flat))]
+        return [Gradient(self.table, "dense", to_host(flat))]
 
-    def _zero_grad(self) -> None:
+    def ps_zero_grad(self) -> None:
         for p in self._params:
             p.grad = None
 
@@ -771,186 +491,3 @@ class PSDense(_PSModule):
         return f"table={self.table!r}, numel={self.numel}"
 
 
-class PSOptimizer:
-    """The training loop's handle on the servers' optimizers for every PS module of `model`.
-
-    `step()` pushes the step's gradients (the gradients of lookups of one table in a step
-    are summed) and ends the iteration on every shard, in one exchange per shard that also
-    carries the pulls asked for the next step (prefetches, and every PSDense's values).
-    `overlap` (default: allowed by every table's mode, i.e. async or ssp with bound >= 1)
-    defers that exchange to the next step's first forward, which sends it in the
-    background: at most one step's pushes are in flight. `overlap=True` with a sync (or
-    ssp:0) table raises PSModuleError: those modes promise exact reads.
-
-    `prefetch_depth` d > 1 (overlap only) asks for pulls d steps ahead and lets d exchanges
-    travel at once, so a round trip longer than a step of compute still hides behind
-    compute; reads are then up to d steps stale, so every ssp table's bound must be at
-    least d. Feed `prefetch()` the batch d steps ahead (`lookahead(batches,
-    ps.prefetch_depth)`). `prefetch_depth="auto"` picks 2 (AUTO_PREFETCH_DEPTH) where
-    overlap is on, every ssp bound allows it and some server is reached without a request
-    lane (round trips of a millisecond or more); else 1.
-
-    Construction may ask the servers for their default mode (blocks briefly). Methods are
-    meant for the training thread and are not thread-safe; the exchange thread they start
-    is joined by `close()`.
-    """
-
-    def __init__(
-        self, model: nn.Module, *, overlap: bool | None = None,
-        prefetch_depth: int | Literal["auto"] = 1,
-    ) -> None:
-        modules = [m for m in model.modules() if isinstance(m, _PSModule)]
-        if not modules:
-            raise PSModuleError(
-                "the model has no PSEmbedding, PSEmbeddingBag or PSDense: nothing to push"
-            )
-        clients = {id(m.client) for m in modules}
-        if len(clients) != 1:
-            raise PSModuleError("every PS module of one model must share one PSClient")
-        for m in modules:
-            m._check_free()
-        self.client = modules[0].client
-        self._modules = modules
-        staleness = self._staleness(modules)
-        exact = [m.table for m in modules if staleness[m.table] == 0]
-        if overlap and exact:
-            raise PSModuleError(
-                f"overlap needs every table to allow stale reads, but {exact} are sync or "
-                "ssp with bound 0; declare them with consistency='async' or 'ssp:S' (S >= 1), or "
-                "leave overlap off"
-            )
-        self.overlap = not exact if overlap is None else overlap
-        bounds = [b for b in staleness.values() if b is not None]
-        if prefetch_depth == "auto":
-            short = all(self.client.exchange_lanes())
-            prefetch_depth = (min([AUTO_PREFETCH_DEPTH, *bounds])
-                              if self.overlap and not short else 1)
-        if not isinstance(prefetch_depth, int):
-            raise PSModuleError(f"prefetch_depth must be an int or 'auto', got {prefetch_depth!r}")
-        if prefetch_depth < 1 or (prefetch_depth > 1 and not self.overlap):
-            raise PSModuleError(
-                f"prefetch_depth must be 1, or more with overlap; got {prefetch_depth} "
-                f"(overlap {self.overlap})"
-            )
-        if prefetch_depth > 1 and bounds and prefetch_depth > min(bounds):
-            raise PSModuleError(
-                f"prefetch_depth {prefetch_depth} would read past the staleness bound "
-                f"{min(bounds)} of an ssp table; use at most {min(bounds)}"
-            )
-        self.prefetch_depth = prefetch_depth
-        dense = [m for m in modules if isinstance(m, PSDense)]
-        self._pipeline = _Pipeline(self.client, self.overlap, dense, prefetch_depth)
-        for m in modules:
-            m._attach(self._pipeline)
-        log.info("worker %d: PSOptimizer over %d tables, overlap %s", self.client.worker,
-                 len({m.table for m in modules}), self.overlap)
-
-    def _staleness(self, modules: Sequence[_PSModule]) -> dict[str, int | None]:
-        default_mode, default_staleness = modes.ASYNC, 0
-        # Only the servers know their default mode and bound.
-        if any(m.consistency is None or m.consistency == modes.SSP for m in modules):
-            info = self.client.stats()[0].info
-            try:
-                default_mode = modes.from_proto(info.consistency) or modes.ASYNC
-            except modes.ModeError as exc:
-                raise PSModuleError(f"the servers' default mode: {exc}") from exc
-            default_staleness = int(info.staleness)
-        return {
-            m.table: _overlap_staleness(m.consistency, default_mode, default_staleness)
-            for m in modules
-        }
-
-    @property
-    def clock(self) -> int:
-        """The clock of the step being computed (the servers' clock may lag under overlap)."""
-        return self._pipeline.clock
-
-    def zero_grad(self) -> None:
-        """Clears the gradients of the lookups and parameters of this step, as
-        torch.optim.Optimizer.zero_grad(set_to_none=True) does. Does not block.
-        """
-        for m in self._modules:
-            m._zero_grad()
-
-    def step(self) -> None:
-        """Pushes this step's gradients and ends the iteration on every shard.
-
-        Without overlap it blocks until both are done (and the next step's pulls with
-        them). With overlap it returns at once: this step's gradients leave with the next
-        forward, or with `flush()`, each of which first waits for the exchange before it
-        (raising its error, if any), so the round trip also hides behind the loading of
-        the next batch.
-        """
-        grads = [g for m in self._modules for g in m._take_gradients()]
-        event = None
-        if torch.cuda.is_available() and any(g.grad.is_pinned() for g in grads):
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()
-        pipeline = self._pipeline
-        pushes = [_push_of(table, items) for table, items in _by_table(grads)]
-        if not self.overlap:
-            clock = self.client.clock
-            pipeline.outbox = _Outbox(clock, pushes, event)
-            pipeline.ask_dense(clock + 1)
-            pipeline.dispatch(outbox=True, up_to=clock + 1)
-            pipeline.drain()
-            return
-        if pipeline.outbox is not None:
-            # No PS forward ran in this step to send the last one's gradients: send them.
-            pipeline.forward_started()
-        clock = pipeline.step_clock
-        pipeline.outbox = _Outbox(clock, pushes, event)
-        pipeline.step_clock = clock + 1
-
-    def flush(self) -> None:
-        """Blocks until every pushed gradient has been applied and its iteration ended.
-
-        Call it before evaluating or saving. Raises the error of a failed exchange.
-        """
-        pipeline = self._pipeline
-        if pipeline.outbox is not None:
-            pipeline.settle()
-        pipeline.dispatch(outbox=True, up_to=-1)
-        pipeline.drain()
-        if self.overlap:
-            pipeline.settle()
-        for m in self._modules:
-            if isinstance(m, PSDense):
-                # Pulled while the last gradients travelled: the next forward pulls afresh.
-                m._tickets.clear()
-
-    def close(self) -> None:
-        """Flushes, stops the exchange thread and releases the modules. Idempotent."""
-        try:
-            self.flush()
-        finally:
-            self._pipeline.shutdown()
-            for m in self._modules:
-                m._detach()
-
-    def __enter__(self) -> PSOptimizer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _push_of(table: str, items: list[_Gradient]) -> Push:
-    """One table's gradients of a step as one push."""
-    if items[0].kind == "dense":
-        total = items[0].grad
-        for item in items[1:]:
-            total = total + item.grad
-        return Push(table, total)
-    keys = [i.keys for i in items if i.keys is not None]
-    if len(items) == 1:
-        return Push(table, items[0].grad, keys[0].numpy(), assume_unique=True)
-    # Lookups of one table in one step may share ids; the client sums their gradients.
-    return Push(table, torch.cat([i.grad for i in items]), torch.cat(keys).numpy())
-
-
-def _by_table(grads: list[_Gradient]) -> Iterator[tuple[str, list[_Gradient]]]:
-    tables: dict[str, list[_Gradient]] = {}
-    for g in grads:
-        tables.setdefault(g.table, []).append(g)
-    yield from tables.items()

@@ -22,7 +22,6 @@ from typing import Protocol
 
 from protos import pstrain_pb2 as pb
 
-
 # A request lane's check of a connecting client: (session, token, peer pid) -> "" when that
 # process may use the session, else why not.
 LaneCheck = Callable[[int, str, int], str]

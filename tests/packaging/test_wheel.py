@@ -27,7 +27,8 @@ SCRIPT = '''
 import json, sys
 import torch, torch.nn.functional as F
 import ps, protos, scheduler, worker
-from worker.modules import PSDense, PSEmbedding, PSOptimizer
+from worker.modules import PSDense, PSEmbedding
+from worker.optimizer import PSOptimizer
 
 ctx = worker.init()
 gen = torch.Generator().manual_seed(7)

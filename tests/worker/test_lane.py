@@ -260,7 +260,7 @@ def test_a_closed_lane_breaks_the_channel(lane_server: tuple[LaneServer, LaneCli
 def test_lane_calls_run_on_the_servers_executor_within_its_thread_limit(
     lane_server: tuple[LaneServer, LaneClient]
 ) -> None:
-    server, client = lane_server
+    _, client = lane_server
     assert client.call(b"who", 5.0).startswith(b"calls")
     # Three slow calls at once on two threads: the third waits for a free one.
     started = time.monotonic()

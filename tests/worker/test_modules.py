@@ -21,9 +21,8 @@ from worker.modules import (
     PSEmbedding,
     PSEmbeddingBag,
     PSModuleError,
-    PSOptimizer,
-    _overlap_staleness,
 )
+from worker.optimizer import PSOptimizer, overlap_staleness
 from worker.training import lookahead
 
 _names = count()
@@ -382,7 +381,7 @@ def test_sync_tables_refuse_overlap(client: PSClient) -> None:
 def test_overlap_staleness(
     mode: Mode | None, default: Mode, default_staleness: int, stale: int | None
 ) -> None:
-    assert _overlap_staleness(mode, default, default_staleness) == stale
+    assert overlap_staleness(mode, default, default_staleness) == stale
 
 
 def test_a_mode_outside_the_grammar_is_refused_before_declaring(client: PSClient) -> None:

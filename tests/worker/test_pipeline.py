@@ -49,10 +49,13 @@ class RecordingClient:
         return [torch.full((1,), float(number)) for _ in pulls]
 
 
+CPU = torch.device("cpu")
+
+
 @dataclass
 class Dense:
     table: str
-    device: torch.device = torch.device("cpu")
+    device: torch.device = CPU
 
 
 @pytest.fixture
@@ -85,7 +88,7 @@ def test_a_step_sends_its_pushes_end_and_the_next_steps_pulls_in_one_exchange(
 ) -> None:
     p = sync_pipeline
     owner = object()
-    p.ask_ahead(owner, Ticket("emb", 1, torch.device("cpu"), ids(3, 1, 3)))
+    p.ask_ahead(owner, Ticket("emb", 1, CPU, ids(3, 1, 3)))
     p.outbox = Outbox(0, [Push("emb", torch.ones(2, 4), None)], None)
     p.ask_dense(1)
     p.dispatch(outbox=True, up_to=1)
@@ -100,7 +103,7 @@ def test_pulls_for_different_steps_travel_in_order_one_exchange_each(
     p = sync_pipeline
     owner = object()
     for clock in (2, 1, 3):
-        p.ask_ahead(owner, Ticket("emb", clock, torch.device("cpu"), ids(clock)))
+        p.ask_ahead(owner, Ticket("emb", clock, CPU, ids(clock)))
     p.outbox = Outbox(0, [], None)
     p.dispatch(outbox=True, up_to=2)
     p.drain()
@@ -116,19 +119,18 @@ def test_pulls_for_different_steps_travel_in_order_one_exchange_each(
 def test_a_forward_gets_its_own_ticket_for_its_step_and_ids(sync_pipeline: Pipeline) -> None:
     p = sync_pipeline
     mine, other = object(), object()
-    cpu = torch.device("cpu")
-    stale = Ticket("emb", 1, cpu, ids(1))
-    changed = Ticket("emb", 2, cpu, ids(9))
+    stale = Ticket("emb", 1, CPU, ids(1))
+    changed = Ticket("emb", 2, CPU, ids(9))
     p.ask_ahead(mine, stale)
     p.ask_ahead(mine, changed)
-    theirs = Ticket("emb", 2, cpu, ids(2))
+    theirs = Ticket("emb", 2, CPU, ids(2))
     p.ask_ahead(other, theirs)
     # Step 2 with other ids than asked: the step-1 ticket and the mismatched one are dropped.
     assert p.ticket_for(mine, 2, ids(2)) is None
     assert p.ticket_for(mine, 2, ids(9)) is None
     # Another module's ticket for the same table is its own.
     assert p.ticket_for(other, 2, ids(2)) is theirs
-    later = Ticket("emb", 4, cpu, ids(4))
+    later = Ticket("emb", 4, CPU, ids(4))
     p.ask_ahead(mine, later)
     assert p.ticket_for(mine, 3, ids(4)) is None  # asked for a later step: kept
     assert p.ticket_for(mine, 4, ids(4)) is later
@@ -138,7 +140,7 @@ def test_forgetting_dense_tickets_leaves_the_sparse_ones(client: RecordingClient
     mlp = Dense("mlp")
     with pipeline(client, overlap=False, dense=[mlp]) as p:
         owner = object()
-        sparse = Ticket("emb", 1, torch.device("cpu"), ids(1))
+        sparse = Ticket("emb", 1, CPU, ids(1))
         p.ask_ahead(owner, sparse)
         p.ask_dense(1)
         p.ask_dense(1)  # once per step

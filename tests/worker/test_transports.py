@@ -238,6 +238,11 @@ def test_broken_channel_falls_back_to_grpc_without_losing_or_repeating_a_push(
         assert tables["e"].pushes_duplicate == 0 and tables["w"].pushes_duplicate == 0
 
 
+def _applied(client: PSClient, table: str) -> int:
+    (stats,) = client.stats()
+    return next(t.pushes_applied for t in stats.tables if t.name == table)
+
+
 @pytest.mark.parametrize("tls", [pytest.param("tcp", id="ucx-tcp"),
                                  pytest.param("posix,self", id="ucx-shm")])
 @needs_ucx
@@ -255,10 +260,19 @@ def test_killed_ucx_worker_mid_transfer_leaves_the_server_serving(
     with PSClient([server.address], worker=6, transport="ucx") as client:
         assert client.transports() == ["ucx"]
         client.declare_dense("loop", (1024, 1024), optimizer="sgd", lr=1e-6)
+        before = _applied(client, "loop")
         for _ in range(3):
             assert client.pull_dense("loop").shape == (1024, 1024)
             client.push_dense("loop", torch.ones(1024, 1024))
-        assert client.transports() == ["ucx"]
+        # Each push applied exactly once, whichever way it travelled.
+        assert _applied(client, "loop") == before + 3
+        if tls == "tcp":
+            assert client.transports() == ["ucx"]
+        else:
+            # Over shared memory UCX cannot detect the dead peer, and a peer killed inside
+            # a transfer can leave the server's UCX worker unable to finish the next one
+            # (seen in one loaded CI run): the documented fallback to gRPC then holds.
+            assert client.transports() in (["ucx"], ["grpc"])
     # The server still stops cleanly (no UCX worker left waiting on the dead peer).
     start = time.monotonic()
     procs.kill(server, signal.SIGTERM)

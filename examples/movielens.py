@@ -20,6 +20,7 @@ training samples per second, wall time, mode.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import logging
@@ -40,6 +41,7 @@ from torch import nn
 import worker
 from ps.initializers import InitSpec, init_rows
 from worker.client import PSClient
+from worker.collection import FeatureConfig, KeyedJagged, PSEmbeddingCollection
 from worker.modules import PSDense, PSEmbedding, PSEmbeddingBag
 from worker.optimizer import PSOptimizer
 from worker.training import add_cluster_args, connect, log_loss, lookahead, roc_auc, shard_indices
@@ -149,6 +151,17 @@ class Batch:
     genre_offsets: torch.Tensor  # [B], where each bag starts
     labels: torch.Tensor  # [B]
 
+    @functools.cached_property
+    def keyed(self) -> KeyedJagged:
+        """Every feature's ids as PSEmbeddingCollection takes them (made once per batch)."""
+        size = self.codes.shape[0]
+        lengths = torch.diff(self.genre_offsets, append=torch.tensor([self.genres.numel()]))
+        return KeyedJagged(
+            (*FEATURES, "genres"),
+            torch.cat([self.codes.t().reshape(-1), self.genres]),
+            torch.cat([torch.ones(len(FEATURES) * size, dtype=torch.int64), lengths]),
+        )
+
 
 def make_batch(data: MovieLens, rows: npt.NDArray[np.int64]) -> Batch:
     codes = data.codes[rows]
@@ -178,25 +191,40 @@ def batches(
 
 
 class ClickModel(nn.Module):
-    """One embedding per feature and the mean of the genre embeddings, concatenated, then an
-    MLP to a logit.
+    """The sparse features' embeddings, concatenated, then an MLP to a logit. `features`
+    maps a batch to [B, 8 * dim]: FieldsAndGenres (nn.Embedding/nn.EmbeddingBag locally,
+    their pstrain counterparts distributed) or CollectionFeatures."""
 
-    The seven single-valued features share one table: feature f's code c is row
-    `field_offsets[f] + c`, exactly as seven separate tables would be, but a step then pulls
-    and pushes one table instead of seven (TorchRec fuses its tables for the same reason).
-    The same class holds nn.Embedding/nn.EmbeddingBag/nn.Sequential (local) or their
-    pstrain counterparts (distributed).
+    def __init__(self, features: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.features = features
+        self.mlp = mlp
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        logits: torch.Tensor = self.mlp(self.features(batch))
+        return logits.squeeze(1)
+
+    def prefetch(self, batch: Batch) -> None:
+        """Starts pulling the rows `batch` needs (distributed mode; a no-op locally)."""
+        prefetch = getattr(self.features, "prefetch", None)
+        if prefetch is not None:
+            prefetch(batch)
+
+
+class FieldsAndGenres(nn.Module):
+    """One embedding per single-valued feature and the mean of the genre embeddings.
+
+    The seven single-valued features share one table (`--tables fused`): feature f's code c
+    is row `field_offsets[f] + c`, exactly as seven separate tables would be, but a step then
+    pulls and pushes one table instead of seven. `--tables separate` gives each its own.
     """
 
     field_offsets: torch.Tensor
 
-    def __init__(
-        self, fields: nn.Module, genres: nn.Module, mlp: nn.Module, field_offsets: torch.Tensor
-    ) -> None:
+    def __init__(self, fields: nn.Module, genres: nn.Module, field_offsets: torch.Tensor) -> None:
         super().__init__()
         self.fields = fields
         self.genres = genres
-        self.mlp = mlp
         self.register_buffer("field_offsets", field_offsets.view(1, -1), persistent=False)
 
     def field_keys(self, batch: Batch) -> torch.Tensor:
@@ -205,11 +233,9 @@ class ClickModel(nn.Module):
     def forward(self, batch: Batch) -> torch.Tensor:
         fields = self.fields(self.field_keys(batch)).flatten(1)
         genres = self.genres(batch.genres, batch.genre_offsets)
-        logits: torch.Tensor = self.mlp(torch.cat([fields, genres], dim=1))
-        return logits.squeeze(1)
+        return torch.cat([fields, genres], dim=1)
 
     def prefetch(self, batch: Batch) -> None:
-        """Starts pulling the rows `batch` needs (distributed mode; a no-op locally)."""
         if isinstance(self.fields, PSEmbedding | SeparateFields):
             self.fields.prefetch(self.field_keys(batch))
         if isinstance(self.genres, PSEmbeddingBag):
@@ -225,14 +251,30 @@ class SeparateFields(nn.Module):
     def __init__(self, tables: Sequence[PSEmbedding]) -> None:
         super().__init__()
         self.tables = nn.ModuleList(tables)
+        self._tables = list(tables)
 
     def forward(self, keys: torch.Tensor) -> torch.Tensor:
         return torch.stack([t(keys[:, f]) for f, t in enumerate(self.tables)], dim=1)
 
     def prefetch(self, keys: torch.Tensor) -> None:
-        for f, table in enumerate(self.tables):
-            assert isinstance(table, PSEmbedding)
+        for f, table in enumerate(self._tables):
             table.prefetch(keys[:, f])
+
+
+class CollectionFeatures(nn.Module):
+    """All eight features, each its own table, through one PSEmbeddingCollection
+    (`--tables collection`): the seven single-valued ones pool one id each, the genres
+    their mean; the collection batches them into two server tables (one per pooling)."""
+
+    def __init__(self, collection: PSEmbeddingCollection) -> None:
+        super().__init__()
+        self.collection = collection
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        return torch.cat(list(self.collection(batch.keyed).values()), dim=1)
+
+    def prefetch(self, batch: Batch) -> None:
+        self.collection.prefetch(batch.keyed)
 
 
 @dataclass(frozen=True)
@@ -279,7 +321,7 @@ def local_model(
         for table, seed_offset in ((fields, 0), (genres, 1)):
             keys = np.arange(table.weight.shape[0], dtype=np.int64)
             table.weight.copy_(init_rows(keys, hyper.dim, spec, seed + seed_offset))
-    model = ClickModel(fields, genres, mlp, field_offsets(data))
+    model = ClickModel(FieldsAndGenres(fields, genres, field_offsets(data)), mlp)
     optimizers: list[Optimizer] = [
         torch.optim.Adagrad([fields.weight, genres.weight], lr=hyper.emb_lr),
         torch.optim.Adam(mlp.parameters(), lr=hyper.dense_lr),
@@ -291,6 +333,15 @@ def ps_model(
     client: PSClient, data: MovieLens, hyper: Hyper, seed: int, tables: str = "fused"
 ) -> ClickModel:
     init = ("normal", 0.0, hyper.init_std)
+    mlp = PSDense(client, make_mlp(hyper, seed), "movielens.mlp", optimizer="adam",
+                  lr=hyper.dense_lr)
+    if tables == "collection":
+        features = [FeatureConfig(f, hyper.dim, optimizer="adagrad", lr=hyper.emb_lr,
+                                  init=init, seed=seed) for f in FEATURES]
+        features.append(FeatureConfig("genres", hyper.dim, pooling="mean", optimizer="adagrad",
+                                      lr=hyper.emb_lr, init=init, seed=seed))
+        collection = PSEmbeddingCollection(client, "movielens.features", features)
+        return ClickModel(CollectionFeatures(collection), mlp)
     fields: nn.Module
     if tables == "fused":
         fields = PSEmbedding(client, "movielens.fields", hyper.dim, optimizer="adagrad",
@@ -301,9 +352,7 @@ def ps_model(
                         lr=hyper.emb_lr, init=init, seed=seed) for f in FEATURES])
     genres = PSEmbeddingBag(client, "movielens.genres", hyper.dim, mode="mean",
                             optimizer="adagrad", lr=hyper.emb_lr, init=init, seed=seed + 1)
-    mlp = PSDense(client, make_mlp(hyper, seed), "movielens.mlp", optimizer="adam",
-                  lr=hyper.dense_lr)
-    return ClickModel(fields, genres, mlp, field_offsets(data))
+    return ClickModel(FieldsAndGenres(fields, genres, field_offsets(data)), mlp)
 
 
 # ---- training --------------------------------------------------------------------------------
@@ -440,9 +489,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         "exchanges in flight (reads up to this many steps stale); auto: 2 "
                         "for batches under 512 where the tables' modes allow it, else 1")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--tables", choices=("fused", "separate"), default="fused",
-                   help="distributed: the seven single-valued features in one table, or in "
-                        "one table each (the same rows and results)")
+    p.add_argument("--tables", choices=("fused", "separate", "collection"), default="fused",
+                   help="distributed: the seven single-valued features in one table, in one "
+                        "table each (the same rows and results), or every feature declared "
+                        "in one PSEmbeddingCollection")
     args = p.parse_args(argv)
     if not 0 <= args.rank < args.world_size:
         p.error(f"--rank must lie in [0, --world-size), got {args.rank} of {args.world_size}")

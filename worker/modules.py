@@ -201,12 +201,16 @@ class _SparseLookup(PSModule):
         otherwise. Does nothing unless a PSOptimizer owns this module. Call it from the
         training thread.
         """
+        self.ask_ahead(_as_ids(ids, "ids").clone())
+
+    def ask_ahead(self, keys: torch.Tensor) -> None:
+        """As prefetch, for flat int64 CPU `keys` that nobody changes afterwards (they are
+        kept, not copied)."""
         pipeline = self._pipeline
         if pipeline is None:
             return
-        flat = _as_ids(ids, "ids").clone()
         ahead = pipeline.depth if pipeline.overlap else 1
-        pipeline.ask_ahead(self, Ticket(self.table, pipeline.clock + ahead, self.device, flat))
+        pipeline.ask_ahead(self, Ticket(self.table, pipeline.clock + ahead, self.device, keys))
 
     def _pull(self, flat: torch.Tensor, clock: int | None) -> Pulled:
         pipeline = self._pipeline

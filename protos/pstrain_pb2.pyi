@@ -123,14 +123,16 @@ class DeclareTablesResponse(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[_Union[TablePlacement, _Mapping]]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("duplicate", "elements", "dropped")
+    __slots__ = ("duplicate", "elements", "dropped", "kept")
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
     duplicate: bool
     elements: int
     dropped: bool
-    def __init__(self, duplicate: _Optional[bool] = ..., elements: _Optional[int] = ..., dropped: _Optional[bool] = ...) -> None: ...
+    kept: bool
+    def __init__(self, duplicate: _Optional[bool] = ..., elements: _Optional[int] = ..., dropped: _Optional[bool] = ..., kept: _Optional[bool] = ...) -> None: ...
 
 class TickRequest(_message.Message):
     __slots__ = ("worker", "incarnation", "clock", "generation")
@@ -275,7 +277,7 @@ class PullRecord(_message.Message):
     def __init__(self, table: _Optional[str] = ..., worker: _Optional[int] = ..., clock: _Optional[int] = ..., min_live_clock: _Optional[int] = ...) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("name", "kind", "optimizer", "rows", "value_bytes", "state_bytes", "index_bytes", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "rows_pulled", "rows_pushed", "row_start", "row_end", "pushes_dropped", "gradients_aggregated", "consistency", "staleness")
+    __slots__ = ("name", "kind", "optimizer", "rows", "value_bytes", "state_bytes", "index_bytes", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "rows_pulled", "rows_pushed", "row_start", "row_end", "pushes_dropped", "gradients_aggregated", "consistency", "staleness", "pushes_kept")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +297,7 @@ class TableStats(_message.Message):
     GRADIENTS_AGGREGATED_FIELD_NUMBER: _ClassVar[int]
     CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_KEPT_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     optimizer: str
@@ -314,7 +317,8 @@ class TableStats(_message.Message):
     gradients_aggregated: int
     consistency: Mode
     staleness: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., optimizer: _Optional[str] = ..., rows: _Optional[int] = ..., value_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., index_bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., gradients_aggregated: _Optional[int] = ..., consistency: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ...) -> None: ...
+    pushes_kept: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., optimizer: _Optional[str] = ..., rows: _Optional[int] = ..., value_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., index_bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., gradients_aggregated: _Optional[int] = ..., consistency: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., pushes_kept: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("info", "tables", "bytes_received", "bytes_sent", "open_clock", "clocks_closed", "clocks", "pull_log", "history")
@@ -413,7 +417,7 @@ class Span(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class ExchangePush(_message.Message):
-    __slots__ = ("table", "seq", "dtype", "dim", "shape", "keys", "values", "dense", "assign")
+    __slots__ = ("table", "seq", "dtype", "dim", "shape", "keys", "values", "dense", "assign", "if_absent")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -423,6 +427,7 @@ class ExchangePush(_message.Message):
     VALUES_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
+    IF_ABSENT_FIELD_NUMBER: _ClassVar[int]
     table: str
     seq: int
     dtype: DType
@@ -432,7 +437,8 @@ class ExchangePush(_message.Message):
     values: Span
     dense: bool
     assign: bool
-    def __init__(self, table: _Optional[str] = ..., seq: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., dim: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., keys: _Optional[_Union[Span, _Mapping]] = ..., values: _Optional[_Union[Span, _Mapping]] = ..., dense: _Optional[bool] = ..., assign: _Optional[bool] = ...) -> None: ...
+    if_absent: bool
+    def __init__(self, table: _Optional[str] = ..., seq: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., dim: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., keys: _Optional[_Union[Span, _Mapping]] = ..., values: _Optional[_Union[Span, _Mapping]] = ..., dense: _Optional[bool] = ..., assign: _Optional[bool] = ..., if_absent: _Optional[bool] = ...) -> None: ...
 
 class ExchangePull(_message.Message):
     __slots__ = ("table", "keys", "dense")

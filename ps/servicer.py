@@ -146,7 +146,7 @@ def spec_from_proto(msg: pb.TableSpec) -> TableSpec:
 def _push_result(outcome: PushOutcome, elements: int) -> pb.PushResponse:
     return pb.PushResponse(
         duplicate=outcome is PushOutcome.DUPLICATE, dropped=outcome is PushOutcome.DROPPED,
-        elements=elements,
+        kept=outcome is PushOutcome.KEPT, elements=elements,
     )
 
 
@@ -158,7 +158,7 @@ def exchange_from_proto(msg: pb.ExchangeRequest, payload: memoryview) -> Exchang
         what = f"push to {p.table!r}"
         meta = PushMeta(worker=msg.worker, incarnation=msg.incarnation, seq=p.seq,
                         clock=msg.push_clock, assign=p.assign, wait_s=wait_s,
-                        generation=msg.generation)
+                        generation=msg.generation, if_absent=p.if_absent)
         dtype = codec.dtype_from_wire(p.dtype)
         values = codec.span_of(payload, p.values, what)
         if not p.dense:
@@ -224,6 +224,7 @@ def _stats_to_proto(s: TableStats, mode: modes.Mode) -> pb.TableStats:
         rows_pushed=c.rows_pushed, row_start=s.row_start, row_end=s.row_end,
         consistency=consistency, staleness=staleness or 0,
         pushes_dropped=c.pushes_dropped, gradients_aggregated=c.gradients_aggregated,
+        pushes_kept=c.pushes_kept,
     )
 
 

@@ -87,7 +87,11 @@ class ShardConfig:
 
 @dataclass(frozen=True)
 class PushMeta:
-    """Who sent a push and at which clock; (worker, incarnation, seq) makes it unique."""
+    """Who sent a push and at which clock; (worker, incarnation, seq) makes it unique.
+
+    `assign` overwrites values instead of running the optimizer; with `if_absent` too, only
+    a dense block never written before is overwritten (InvalidArgumentError without assign).
+    """
 
     worker: int
     incarnation: int
@@ -96,6 +100,15 @@ class PushMeta:
     assign: bool = False
     wait_s: float = 0.0  # 0: the shard's limit
     generation: int = 0  # the job's rollback count the worker joined under
+    if_absent: bool = False
+
+    def __post_init__(self) -> None:
+        if self.if_absent and not self.assign:
+            raise InvalidArgumentError(
+                f"push {self.seq} of worker {self.worker} asks for if_absent without assign; "
+                "if_absent makes an assign conditional, so set assign too (or drop if_absent "
+                "to push a gradient)"
+            )
 
 
 @dataclass(frozen=True)
@@ -147,13 +160,14 @@ class _Prepared:
     table: Table
     policy: Policy
     meta: PushMeta
-    apply: Callable[[], None]
+    apply: Callable[[], bool]  # False: an assign if absent kept the table's values
     aggregate: Callable[[], None]
 
 
 class PushOutcome(Enum):
     APPLIED = "applied"  # applied now, or aggregated into its sync clock
     DUPLICATE = "duplicate"  # applied before; nothing changed
+    KEPT = "kept"  # an assign if absent found the block written; nothing changed
     DROPPED = "dropped"  # past its clock's quorum: counted, not applied
 
 
@@ -374,7 +388,7 @@ class Shard:
             raise
         return _Prepared(
             name, table, policy, meta,
-            apply=lambda: table.apply(received, meta.assign),
+            apply=lambda: table.apply(received, meta.assign, meta.if_absent),
             aggregate=lambda: self._sum(name, DenseSum).add(received),
         )
 
@@ -384,6 +398,11 @@ class Shard:
     ) -> _Prepared:
         table, policy = self._sparse(name)
         try:
+            if meta.if_absent:
+                raise InvalidArgumentError(
+                    f"table {name!r} is sparse; if_absent applies to dense tables only (a "
+                    "sparse row is initialised from its key on first touch)"
+                )
             table.check_push(dtype, dim, len(keys), values.nbytes)
             table.check_keys(keys)
             rows = tensor_from_bytes(values, dtype, (len(keys), dim))
@@ -393,15 +412,19 @@ class Shard:
         except PSError:
             table.count(pushes_rejected=1)
             raise
+
+        def apply() -> bool:
+            table.apply(keys, rows, meta.assign, known)
+            return True
+
         return _Prepared(
-            name, table, policy, meta,
-            apply=lambda: table.apply(keys, rows, meta.assign, known),
+            name, table, policy, meta, apply=apply,
             aggregate=lambda: self._sum(name, SparseSum).add(keys, rows),
         )
 
     def _commit(self, p: _Prepared) -> PushOutcome:
-        """Applies (or aggregates, or drops) a checked push once, as its table's mode says;
-        answers when that is done."""
+        """Applies (or aggregates, or drops, or keeps the values an assign if absent finds)
+        a checked push once, as its table's mode says; answers when that is done."""
         name, table, policy, meta = p.name, p.table, p.policy, p.meta
         self.check_generation(meta.worker, meta.generation)
         admission = self.ledger.admit(
@@ -420,11 +443,10 @@ class Shard:
 
     def _run_push(
         self, name: str, table: Table, policy: Policy, meta: PushMeta,
-        apply: Callable[[], None], aggregate: Callable[[], None],
+        apply: Callable[[], bool], aggregate: Callable[[], None],
     ) -> PushOutcome:
         if meta.assign:
-            apply()
-            return PushOutcome.APPLIED
+            return PushOutcome.APPLIED if apply() else PushOutcome.KEPT
         if not policy.aggregates:
             with self._clocks:
                 self.board.report(meta.worker, meta.clock)

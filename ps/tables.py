@@ -150,6 +150,7 @@ class TableCounters:
     rows_pushed: int = 0
     pushes_dropped: int = 0
     gradients_aggregated: int = 0
+    pushes_kept: int = 0  # assigns with if_absent that found the block written
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,12 @@ class DenseTable(_Counted):
         self.state = {s: self.optimizer.init_slot(s, self.value) for s in self.optimizer.slots}
         self.step = torch.zeros(1, dtype=torch.int64)
         self._update_lock = _update_guard(hogwild)
+        # Guards `written`, and holds an assign if absent whole, even under Hogwild: two
+        # racing workers' first values never mix, and exactly one of them writes.
+        self._written_lock = threading.Lock()
+        # Whether the block was ever written (an assign, an applied gradient, a restore of
+        # saved values); until then it holds the spec's initial values.
+        self.written = False
 
     def check_push(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         """InvalidArgumentError unless a push of this dtype and shape fits this block."""
@@ -252,19 +259,35 @@ class DenseTable(_Counted):
         self.count(pulls=1, rows_pulled=self.placement.rows)
         return self.value
 
-    def apply(self, parts: Sequence[tuple[int, torch.Tensor]], assign: bool) -> None:
+    def apply(
+        self, parts: Sequence[tuple[int, torch.Tensor]], assign: bool, if_absent: bool = False
+    ) -> bool:
         """Runs the optimizer with the gradient given in `parts`, or overwrites the block.
 
         `parts` are (flat element offset, 1-d values) slices that together cover the block
         once, as they came off the wire; input is validated already. Update rules act element
         by element, so updating slice by slice with the same step equals one whole update.
+        With `if_absent` (an assign only) the block is overwritten only if it was never
+        written; returns False when it was, and nothing changed. Thread-safe.
         """
+        if if_absent and not assign:
+            raise InvalidArgumentError(
+                f"table {self.spec.name!r}: if_absent applies to an assign, not to a gradient"
+            )
         flat = self.value.view(-1)
         with self._update_lock:
             if assign:
-                for offset, part in parts:
-                    flat[offset : offset + part.numel()].copy_(part)
+                with self._written_lock:
+                    if if_absent and self.written:
+                        self.count(pushes_kept=1)
+                        return False
+                    for offset, part in parts:
+                        flat[offset : offset + part.numel()].copy_(part)
+                    self.written = True
             else:
+                if not self.written:  # set once: later gradients need not take the lock
+                    with self._written_lock:
+                        self.written = True
                 before = self.step.clone()
                 step = before
                 for offset, part in parts:
@@ -274,21 +297,30 @@ class DenseTable(_Counted):
                     self.optimizer.apply_dense(flat[offset:end], part, state, step)
                 self.step.copy_(step)
         self.count(pushes_applied=1, rows_pushed=self.placement.rows)
+        return True
 
     def snapshot(self) -> dict[str, torch.Tensor]:
-        """Copies of the block, its optimizer state and step (whole pushes only)."""
-        with self._update_lock:
-            out = {"value": self.value.clone(), "step": self.step.clone()}
+        """Copies of the block, its optimizer state and step (whole pushes only), and
+        whether it was ever written (a 0-d bool tensor)."""
+        with self._update_lock, self._written_lock:
+            out = {"value": self.value.clone(), "step": self.step.clone(),
+                   "written": torch.tensor(self.written)}
             out.update({f"state.{k}": v.clone() for k, v in self.state.items()})
         return out
 
     def restore(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Loads what `snapshot` made (of a table with this spec and placement)."""
-        with self._update_lock:
+        """Loads what `snapshot` made (of a table with this spec and placement).
+
+        A snapshot from before the written state was saved counts as written: it may hold
+        trained values, which an assign if absent must not overwrite.
+        """
+        written = tensors.get("written")
+        with self._update_lock, self._written_lock:
             self.value.copy_(tensors["value"].reshape(self.value.shape))
             self.step.copy_(tensors["step"])
             for k, v in self.state.items():
                 v.copy_(tensors[f"state.{k}"].reshape(v.shape))
+            self.written = True if written is None else bool(written.item())
 
     def stats(self) -> TableStats:
         value_bytes = self.value.numel() * self.value.element_size()

@@ -36,7 +36,7 @@ from ps.checkpoint import (
     write_shard,
 )
 from ps.errors import InvalidArgumentError
-from ps.shard import Shard, ShardConfig
+from ps.shard import DensePush, Exchange, Pull, PushMeta, PushOutcome, Shard, ShardConfig
 from ps.tables import TableSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -522,3 +522,34 @@ def test_a_restored_shard_runs_each_table_under_its_mode(tmp_path: Path) -> None
     back.restore(read_shard(written.path, written.sha256))
     assert {s.name: str(mode) for s, mode in back.stats()} == {
         "default": "sync", "sync": "sync", "async": "async", "ssp": "ssp:3", "ssp2": "ssp:2"}
+
+
+def test_a_checkpoint_keeps_whether_each_dense_block_was_written(tmp_path: Path) -> None:
+    """Through real files: a block written before the cut keeps its values against an
+    assign if absent, one never written takes it, and a file from before the written state
+    was saved counts as written."""
+    config = ShardConfig(shard=0, num_shards=1, mode=modes.ASYNC)
+    shard = Shard(config)
+    shard.declare([TableSpec(name, "dense", torch.float32, shape=(3,))
+                   for name in ("trained", "blank", "old")])
+    for name in ("trained", "old"):
+        push = DensePush(name, PushMeta(0, 1, len(name), assign=True), torch.float32, (3,),
+                         torch.ones(3))
+        shard.exchange(Exchange(worker=0, incarnation=1, generation=0, push_clock=0,
+                                pushes=[push], end_iteration=False, pull_clock=0, pulls=[]))
+    state = shard.snapshot("c000002")
+    for table in state.tables:
+        if table.name == "old":  # as a build without the written state saved it
+            del table.tensors["written"]
+    written = write_shard(tmp_path, state)
+    back = Shard(config)
+    back.restore(read_shard(written.path, written.sha256))
+    offers = [DensePush(name, PushMeta(1, 1, seq, assign=True, if_absent=True), torch.float32,
+                        (3,), torch.full((3,), 7.0))
+              for seq, name in enumerate(("trained", "blank", "old"), 1)]
+    result = back.exchange(Exchange(worker=1, incarnation=1, generation=0, push_clock=0,
+                                    pushes=offers, end_iteration=False, pull_clock=0,
+                                    pulls=[Pull("trained"), Pull("blank"), Pull("old")]))
+    assert result.outcomes == [PushOutcome.KEPT, PushOutcome.APPLIED, PushOutcome.KEPT]
+    assert [t.tolist() for t in result.pulled if isinstance(t, torch.Tensor)] == [
+        [1.0] * 3, [7.0] * 3, [1.0] * 3]

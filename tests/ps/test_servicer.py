@@ -74,6 +74,24 @@ def _dense_push(values: torch.Tensor, shape: list[int], dtype: int = pb.FLOAT32)
     return codec.encode(msg, {"payload": payload.parts})
 
 
+def _assign_w(value: float, *, assign: bool = True, if_absent: bool = True) -> bytes:
+    """A request of one dense assign (if absent) of "w" to `value`."""
+    def add(msg: pb.ExchangeRequest, payload: codec.Payload) -> None:
+        msg.pushes.append(pb.ExchangePush(
+            table="w", seq=next(_seq), dtype=pb.FLOAT32, dense=True, shape=[8, 4],
+            values=payload.add(codec.tensor_bytes(torch.full((8, 4), value))),
+            assign=assign, if_absent=if_absent,
+        ))
+    msg, payload = _one(add)
+    return codec.encode(msg, {"payload": payload.parts})
+
+
+def _sparse_if_absent(msg: pb.ExchangeRequest, payload: codec.Payload) -> None:
+    """Makes the exchange's first push (sparse, to "e") an assign if absent."""
+    msg.pushes[0].assign = True
+    msg.pushes[0].if_absent = True
+
+
 def _sparse_pull(keys: bytes, table: str = "e") -> bytes:
     """A request of one sparse pull."""
     def add(msg: pb.ExchangeRequest, payload: codec.Payload) -> None:
@@ -156,6 +174,15 @@ CASES = [
     pytest.param(
         lambda r: r.exchange(_sparse_push(codec.keys_bytes(KEYS).cast("B")[:20], _values(3))),
         "INVALID_ARGUMENT", "20 bytes, not a multiple of 8", id="keys-not-multiple-of-8",
+    ),
+    pytest.param(
+        lambda r: r.exchange(_assign_w(3.0, assign=False)),
+        "INVALID_ARGUMENT", "asks for if_absent without assign", id="if-absent-without-assign",
+    ),
+    pytest.param(
+        lambda r: r.exchange(_exchange(_sparse_if_absent)),
+        "INVALID_ARGUMENT", "table 'e' is sparse; if_absent applies to dense tables only",
+        id="if-absent-on-sparse",
     ),
     pytest.param(
         lambda r: r.exchange(_sparse_pull(b"\x00" * 12)),
@@ -255,6 +282,19 @@ def test_bad_input_gets_status_and_changes_nothing(
     torch.testing.assert_close(after[0], before[0], atol=0, rtol=0)
     torch.testing.assert_close(after[1], before[1], atol=0, rtol=0)
     assert after[2:] == before[2:]
+
+
+def test_an_assign_if_absent_answers_whether_it_was_kept(raw: Raw) -> None:
+    """A refused if_absent (no assign) leaves the block unwritten: the next assign if absent
+    takes, and every later one is answered `kept` with nothing changed."""
+    with pytest.raises(grpc.RpcError):
+        raw.exchange(_assign_w(3.0, assign=False))
+    first = raw.exchange(_assign_w(5.0)).pushes[0]
+    assert (first.kept, first.duplicate, first.elements) == (False, False, 32)
+    assert raw.exchange(_assign_w(6.0)).pushes[0].kept
+    torch.testing.assert_close(raw.client.pull_dense("w"), torch.full((8, 4), 5.0))
+    stats = next(t for t in raw.client.stats()[0].tables if t.name == "w")
+    assert (stats.pushes_applied, stats.pushes_kept) == (1, 1)
 
 
 def test_non_finite_allowed_per_table(raw: Raw) -> None:

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -285,6 +286,86 @@ def test_the_same_number_from_a_new_incarnation_is_a_new_push() -> None:
     restarted = PushMeta(0, 2, 7)
     assert push_dense(shard, "w", restarted, grad) is PushOutcome.APPLIED
     assert values(shard)[0] == [-1.0] * 4
+
+
+# ---- assign if absent ---------------------------------------------------------------------------
+
+
+def assign_w(shard: Shard, worker: int, seq: int, value: float, *, incarnation: int = 1,
+             if_absent: bool = True) -> PushOutcome:
+    meta = PushMeta(worker, incarnation, seq, assign=True, if_absent=if_absent)
+    return push_dense(shard, "w", meta, torch.full((4,), value))
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp", "sync"])
+def test_an_assign_if_absent_writes_once_and_is_kept_after(mode: str) -> None:
+    shard, _ = make_shard(mode)
+    assert assign_w(shard, 0, 1, 5.0) is PushOutcome.APPLIED
+    assert assign_w(shard, 0, 1, 5.0) is PushOutcome.DUPLICATE  # a retry of the same push
+    assert assign_w(shard, 1, 1, 7.0) is PushOutcome.KEPT  # another worker's, later
+    assert assign_w(shard, 1, 1, 7.0) is PushOutcome.DUPLICATE  # kept counts as done
+    # A restarted worker (a new incarnation) reusing the number is a new push, and kept.
+    assert assign_w(shard, 0, 1, 9.0, incarnation=2) is PushOutcome.KEPT
+    assert values(shard)[0] == [5.0] * 4
+    counters = {s.name: s.counters for s, _ in shard.stats()}["w"]
+    assert (counters.pushes_applied, counters.pushes_kept, counters.pushes_duplicate) == (1, 2, 2)
+    # A plain assign still overwrites.
+    assert assign_w(shard, 1, 2, 7.0, if_absent=False) is PushOutcome.APPLIED
+    assert values(shard)[0] == [7.0] * 4
+
+
+def test_an_applied_gradient_counts_as_written() -> None:
+    shard, _ = make_shard("async")
+    assert push_w(shard, 0, 1, 0, 2.0) is PushOutcome.APPLIED
+    assert assign_w(shard, 1, 1, 5.0) is PushOutcome.KEPT
+    assert values(shard)[0] == [-1.0] * 4
+
+
+def test_of_workers_racing_to_assign_if_absent_exactly_one_writes() -> None:
+    shard, _ = make_shard("async")
+    barrier = threading.Barrier(8)
+    outcomes: dict[int, PushOutcome] = {}
+
+    def offer(worker: int) -> None:
+        barrier.wait(timeout=BOUND_S)
+        outcomes[worker] = assign_w(shard, worker, 1, float(worker))
+
+    calls = [Call(partial(offer, w)) for w in range(8)]
+    for call in calls:
+        call.outcome()
+    writers = [w for w, o in outcomes.items() if o is PushOutcome.APPLIED]
+    assert len(writers) == 1
+    assert sorted(o.value for o in outcomes.values()) == ["applied"] + ["kept"] * 7
+    assert values(shard)[0] == [float(writers[0])] * 4
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_snapshot_restores_whether_a_dense_table_was_written(mode: str) -> None:
+    shard, _ = make_shard(mode)
+    blank = shard.snapshot("blank")
+    assert assign_w(shard, 0, 1, 5.0) is PushOutcome.APPLIED
+    written = shard.snapshot("written")
+    shard.restore(blank)
+    assert assign_w(shard, 1, 1, 6.0) is PushOutcome.APPLIED
+    shard.restore(written)
+    assert assign_w(shard, 1, 2, 7.0) is PushOutcome.KEPT
+    assert values(shard)[0] == [5.0] * 4
+
+
+def test_if_absent_is_refused_without_assign_and_on_sparse_tables() -> None:
+    shard, _ = make_shard("async")
+    with pytest.raises(InvalidArgumentError, match="if_absent without assign"):
+        PushMeta(0, 1, 1, if_absent=True)
+    before = values(shard)
+    sparse = SparsePush("emb", PushMeta(0, 1, 1, assign=True, if_absent=True), F32, 2,
+                        np.array([3], dtype=np.int64), codec.tensor_bytes(torch.ones(1, 2)))
+    with pytest.raises(InvalidArgumentError, match="if_absent applies to dense tables only"):
+        _one(shard, 0, sparse)
+    assert values(shard) == before
+    counters = {s.name: s.counters for s, _ in shard.stats()}["emb"]
+    assert (counters.pushes_applied, counters.pushes_rejected) == (0, 1)
+    # The number stays free.
+    assert push_emb(shard, 0, 1, [3], [[1.0, 1.0]]) is PushOutcome.APPLIED
 
 
 # ---- refusals change nothing --------------------------------------------------------------------

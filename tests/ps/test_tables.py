@@ -7,11 +7,13 @@ state, steps, keys and counters.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from procs import run_in_threads
 
 from protos import modes
 from protos.partition import RowRange, shard_of_keys
@@ -226,6 +228,82 @@ def test_a_dense_pull_counts_and_returns_the_live_block() -> None:
     assert torch.equal(block, torch.ones(3, 3))  # the block itself, not a copy
     counters = table.counters()
     assert (counters.pulls, counters.rows_pulled) == (1, 3)
+
+
+# ---- assign if absent ------------------------------------------------------------------------
+
+
+def test_an_assign_if_absent_writes_a_fresh_block_once() -> None:
+    table = DenseTable(dense_spec(), RowRange(1, 2, 5))
+    first, second = torch.arange(9.0), torch.full((9,), -3.0)
+    assert table.apply([(0, first)], assign=True, if_absent=True) is True
+    assert table.apply([(0, second)], assign=True, if_absent=True) is False
+    assert torch.equal(table.read(), first.reshape(3, 3))
+    counters = table.counters()
+    assert (counters.pushes_applied, counters.pushes_kept) == (1, 1)
+    # A plain assign still overwrites what is there.
+    assert table.apply([(0, second)], assign=True) is True
+    assert torch.equal(table.read(), second.reshape(3, 3))
+
+
+@pytest.mark.parametrize("write", ["gradient", "assign"])
+def test_a_gradient_or_a_plain_assign_counts_as_written(write: str) -> None:
+    table = DenseTable(dense_spec(), RowRange(0, 0, 6))
+    table.apply([(0, torch.ones(18))], assign=write == "assign")
+    held = table.read().clone()
+    assert table.apply([(0, torch.zeros(18))], assign=True, if_absent=True) is False
+    assert torch.equal(table.read(), held)
+
+
+def test_if_absent_without_assign_is_refused_and_changes_nothing() -> None:
+    table = DenseTable(dense_spec(), RowRange(0, 0, 6))
+    before = image(table)
+    with pytest.raises(InvalidArgumentError, match="if_absent applies to an assign"):
+        table.apply([(0, torch.ones(18))], assign=False, if_absent=True)
+    assert image(table) == before
+
+
+@pytest.mark.parametrize("hogwild", [False, True])
+def test_of_racing_assigns_if_absent_exactly_one_writes(hogwild: bool) -> None:
+    """Many threads offer different values at once (a large block keeps each copy long):
+    one takes, every other is kept, and the block holds that one's values unmixed."""
+    spec = dense_spec(shape=(2048, 512), optimizer=OptimizerConfig("sgd", (("lr", 1.0),)))
+    table = DenseTable(spec, RowRange(0, 0, 2048), hogwild=hogwild)
+    threads = 8
+    barrier = threading.Barrier(threads)
+    took: list[int] = []
+
+    def offer(k: int) -> None:
+        values = torch.full((2048 * 512,), float(k))
+        barrier.wait(timeout=10)
+        if table.apply([(0, values)], assign=True, if_absent=True):
+            took.append(k)
+
+    run_in_threads(offer, threads)
+    assert len(took) == 1
+    assert torch.equal(table.read(), torch.full((2048, 512), float(took[0])))
+    assert table.counters().pushes_kept == threads - 1
+
+
+@pytest.mark.parametrize("written", [False, True])
+def test_a_snapshot_keeps_whether_the_block_was_written(written: bool) -> None:
+    source = DenseTable(dense_spec(), RowRange(0, 0, 6))
+    if written:
+        source.apply([(0, torch.ones(18))], assign=False)
+    target = DenseTable(dense_spec(), RowRange(0, 0, 6))
+    target.apply([(0, torch.ones(18))], assign=True)  # replaced by the restore
+    target.restore(source.snapshot())
+    assert target.apply([(0, torch.full((18,), 5.0))], assign=True, if_absent=True) is not written
+
+
+def test_a_snapshot_from_before_the_written_state_counts_as_written() -> None:
+    old = DenseTable(dense_spec(), RowRange(0, 0, 6)).snapshot()  # never written...
+    del old["written"]  # ...but saved by a build that did not record it
+    target = DenseTable(dense_spec(), RowRange(0, 0, 6))
+    target.restore(old)
+    held = target.read().clone()
+    assert target.apply([(0, torch.zeros(18))], assign=True, if_absent=True) is False
+    assert torch.equal(target.read(), held)
 
 
 # ---- finite checks ---------------------------------------------------------------------------

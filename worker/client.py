@@ -346,9 +346,25 @@ class PSClient:
         """
         self._exchange(f"push {name!r}", pushes=[Push(name, grad)], push_clock=clock)
 
-    def assign_dense(self, name: str, values: torch.Tensor) -> None:
-        """Overwrites dense tensor `name` (initialising it from a module, for example)."""
-        self._exchange(f"push {name!r}", pushes=[Push(name, values, assign=True)], push_clock=0)
+    def assign_dense(self, name: str, values: torch.Tensor, *, if_absent: bool = False) -> bool:
+        """Overwrites dense tensor `name` (initialising it from a module, for example). Blocks.
+
+        With `if_absent`, each shard writes its rows only if they were never written (by an
+        assign, an applied gradient, or a restore of saved values) and otherwise keeps what
+        it holds: the first of several workers racing writes each shard's rows, and a
+        restarted worker never overwrites trained values. Shards decide alone, so the
+        tensor may end up mixing several workers' values, one shard's rows each; pull it to
+        see what the servers hold.
+
+        Returns True when every shard took `values` (always, without `if_absent`), False
+        when some shard kept its values. A shard that answers a retry as a duplicate (its
+        first answer lost) counts as having taken them: it no longer knows which way it went.
+        """
+        answers = self._exchange_answers(
+            f"push {name!r}", pushes=[Push(name, values, assign=True, if_absent=if_absent)],
+            push_clock=0,
+        )[1]
+        return not any(result.kept for answer in answers for result in answer.pushes)
 
     def pull_sparse(
         self, name: str, keys: KeysLike, *, clock: int | None = None,
@@ -409,6 +425,15 @@ class PSClient:
         pulls: Sequence[Pull] = (), push_clock: int | None = None,
         pull_clock: int | None = None, follow_open_clock: bool = True,
     ) -> list[torch.Tensor]:
+        return self._exchange_answers(what, pushes, end_iteration, pulls, push_clock,
+                                      pull_clock, follow_open_clock)[0]
+
+    def _exchange_answers(
+        self, what: str, pushes: Sequence[Push] = (), end_iteration: bool = False,
+        pulls: Sequence[Pull] = (), push_clock: int | None = None,
+        pull_clock: int | None = None, follow_open_clock: bool = True,
+    ) -> tuple[list[torch.Tensor], list[pb.ExchangeResponse]]:
+        """As `exchange`; also returns each involved shard's answer, in shard order."""
         push_clock = self.clock if push_clock is None else push_clock
         if pull_clock is None:
             pull_clock = push_clock + 1 if end_iteration else self.clock
@@ -440,7 +465,7 @@ class PSClient:
                 self.dropped_pushes += dropped
         if end_iteration:
             self._ended(push_clock, [a.open_clock for a in answers] if follow_open_clock else [])
-        return plan.results()
+        return plan.results(), answers
 
     # ---- introspection ---------------------------------------------------------------------
 

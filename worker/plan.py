@@ -32,13 +32,15 @@ from worker.routing import (
 @dataclass(frozen=True)
 class Push:
     """A gradient for `PSClient.exchange`: of a dense table (`keys` None) or of sparse rows.
-    `assign` overwrites the values instead (keys must then be unique)."""
+    `assign` overwrites the values instead (keys must then be unique); `if_absent` with it
+    (dense only) overwrites only shards whose block was never written."""
 
     table: str
     grad: torch.Tensor
     keys: KeysLike | None = None
     assume_unique: bool = False
     assign: bool = False
+    if_absent: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,7 @@ class ExchangePlan:
                 msg.pushes.append(pb.ExchangePush(
                     table=push.table, seq=next(self._seq), dtype=dtype, dense=True,
                     shape=shape, values=payload.add(codec.tensor_bytes(block)),
-                    assign=push.assign,
+                    assign=push.assign, if_absent=push.if_absent,
                 ))
             return
         table = self._tables(push.table, "sparse")
@@ -128,6 +130,7 @@ class ExchangePlan:
                 table=push.table, seq=next(self._seq), dtype=dtype, dim=table.dim,
                 keys=payload.add(codec.keys_bytes(keys)),
                 values=payload.add(codec.tensor_bytes(rows)), assign=push.assign,
+                if_absent=push.if_absent,
             ))
 
     def pull(self, pull: Pull) -> None:

@@ -248,6 +248,38 @@ def test_exchange_equals_the_separate_calls_in_order(two_shards: PSClient) -> No
     assert all({(c.worker, c.clock) for c in s.clocks} == {(0, 1)} for s in client.stats())
 
 
+def test_assign_dense_if_absent_says_whether_every_shard_took_the_values(
+    two_shards: PSClient,
+) -> None:
+    client = two_shards
+    for name in ("w", "v"):  # 256 KiB each: split by rows across both shards
+        client.declare_dense(name, (1000, 64), optimizer="sgd", lr=1.0, init=("uniform", -1, 1))
+    ones, twos = torch.ones(1000, 64), torch.full((1000, 64), 2.0)
+    assert client.assign_dense("w", ones, if_absent=True)
+    assert not client.assign_dense("w", twos, if_absent=True)
+    torch.testing.assert_close(client.pull_dense("w"), ones, atol=0, rtol=0)
+    assert client.assign_dense("w", twos)  # a plain assign overwrites
+    torch.testing.assert_close(client.pull_dense("w"), twos, atol=0, rtol=0)
+    # A gradient on shard 0's rows alone: shard 0 keeps its values, shard 1 takes the new.
+    initial = client.pull_dense("v")
+    msg = pb.ExchangeRequest(worker=7, incarnation=1)
+    payload = codec.Payload()
+    msg.pushes.append(pb.ExchangePush(
+        table="v", seq=1, dtype=pb.FLOAT32, dense=True, shape=[500, 64],
+        values=payload.add(codec.tensor_bytes(torch.ones(500, 64))),
+    ))
+    client.links[0].unary(rpc.EXCHANGE, codec.encode(msg, {"payload": payload.parts}))
+    assert not client.assign_dense("v", twos, if_absent=True)
+    held = client.pull_dense("v")
+    torch.testing.assert_close(held[:500], initial[:500] - 1, atol=1e-6, rtol=0)
+    torch.testing.assert_close(held[500:], twos[500:], atol=0, rtol=0)
+    # Sparse tables refuse it.
+    client.declare_sparse("e", 4)
+    with pytest.raises(RemoteError, match="if_absent applies to dense tables only") as err:
+        client.exchange([Push("e", torch.ones(1, 4), [3], assign=True, if_absent=True)])
+    assert err.value.code.name == "INVALID_ARGUMENT"
+
+
 def test_retried_exchange_applies_its_pushes_once(two_shards: PSClient) -> None:
     client = two_shards
     client.declare_sparse("e", 4, optimizer="sgd", lr=1.0, init=("zeros", 0, 0))

@@ -35,7 +35,3 @@ class UnknownTableError(PSClientError):
 
 class PSModuleError(PSClientError):
     """A PS module or PSOptimizer was built or used in a way it cannot work (message says why)."""
-
-
-class InitializationTimeoutError(PSModuleError):
-    """A worker waited too long for the worker that initialises a PSDense table."""

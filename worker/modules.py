@@ -47,7 +47,6 @@ background pusher waits for that copy before sending.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,13 +56,12 @@ from torch import nn
 
 from protos import modes
 from worker.client import PSClient
-from worker.errors import InitializationTimeoutError, PSModuleError
+from worker.errors import PSModuleError
 from worker.pipeline import Gradient, Pipeline, Pulled, Ticket, to_device, to_host
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "InitializationTimeoutError",
     "PSDense",
     "PSEmbedding",
     "PSEmbeddingBag",
@@ -73,14 +71,7 @@ __all__ = [
 
 Init = tuple[str, float, float]
 
-# How often a worker that does not initialise a PSDense table looks for the initial values.
-_INIT_POLL_S = 0.05
 _BAG_MODES = ("sum", "mean", "max")
-
-
-def _delay(seconds: float) -> None:
-    """The one place this module sleeps, so tests can replace it."""
-    time.sleep(seconds)
 
 
 def _parse_consistency(text: str) -> modes.Mode | None:
@@ -364,10 +355,15 @@ class PSDense(PSModule):
     """Wraps an `nn.Module` whose trainable parameters live on the servers, in ONE flat
     dense table `name` (one request per shard and step, however many tensors).
 
-    The worker that initialises (`initialize`, by default the one with worker id 0) writes
-    the module's own initial values to the servers, unless they were written before (a
-    restarted worker must not overwrite trained values); every other worker waits, up to
-    `init_timeout_s`, until they are there. So construction blocks.
+    Construction declares the table and offers the module's own initial values to the
+    servers, which take them only where the table was never written (an assign if absent,
+    decided by each shard): of several workers starting at once, the first to reach a shard
+    writes its rows, and a restarted worker never overwrites trained values. Nobody waits
+    for anybody; the first forward loads whatever the servers hold, so every worker trains
+    from the same values (which may mix workers' initial values, one shard's rows each).
+    Construction blocks on the declaration and the assign. With `initialize=False` this
+    worker offers nothing and only pulls: if no other worker wrote the table first, its
+    values are then the servers' own initial ones (zeros).
 
     `forward(*args, **kwargs)` first loads the servers' values into the module's parameters
     (once per step: a pull that blocks, unless PSOptimizer prefetched it), then calls the
@@ -379,8 +375,7 @@ class PSDense(PSModule):
 
     def __init__(
         self, client: PSClient, module: nn.Module, name: str, *, optimizer: str = "adam",
-        lr: float = 1e-3, consistency: str = "", initialize: bool | None = None,
-        init_timeout_s: float = 300.0, **hyper: float,
+        lr: float = 1e-3, consistency: str = "", initialize: bool = True, **hyper: float,
     ) -> None:
         super().__init__(client, name, consistency)
         _check_hyper(hyper)
@@ -398,43 +393,12 @@ class PSDense(PSModule):
         self.numel = sum(p.numel() for p in params)
         self._loaded_clock: int | None = None
         dtype = params[0].dtype
-        self._ready_table = f"{name}.initialized"
         client.declare_dense(name, (self.numel,), dtype=dtype, optimizer=optimizer,
                              mode=self.consistency, lr=lr, **_kwargs(hyper))
-        # A one-element flag, set once the values are written: workers that do not
-        # initialise wait for it, and a restarted initialiser sees it and keeps its hands off.
-        client.declare_dense(self._ready_table, (1,), optimizer="sgd", mode=modes.ASYNC,
-                             lr=1.0)
-        if initialize is None:
-            initialize = client.worker == 0
         if initialize:
-            self._initialize()
-        else:
-            self._wait_initialized(init_timeout_s)
-
-    def _initialized(self) -> bool:
-        return bool(self.client.pull_dense(self._ready_table, clock=0).item() != 0)
-
-    def _initialize(self) -> None:
-        if self._initialized():
-            log.info("worker %d: %r was initialised before; not overwriting it",
-                     self.client.worker, self.table)
-            return
-        self.client.assign_dense(self.table, self._flat_values())
-        self.client.assign_dense(self._ready_table, torch.ones(1))
-        log.info("worker %d: initialised %r (%d values)", self.client.worker, self.table,
-                 self.numel)
-
-    def _wait_initialized(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self._initialized():
-            if time.monotonic() >= deadline:
-                raise InitializationTimeoutError(
-                    f"worker {self.client.worker}: {self.table!r} was not initialised within "
-                    f"{timeout_s:g} s; start the initialising worker (worker 0, or the one "
-                    "built with initialize=True)"
-                )
-            _delay(_INIT_POLL_S)
+            took = client.assign_dense(name, self._flat_values(), if_absent=True)
+            log.info("worker %d: %s %r (%d values)", client.worker,
+                     "initialised" if took else "found values in", name, self.numel)
 
     def _flat_values(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).cpu() for p in self._params])

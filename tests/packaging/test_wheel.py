@@ -40,7 +40,7 @@ class Model(torch.nn.Module):
         super().__init__()
         self.emb = PSEmbedding(ctx.client, "ids", 8, optimizer="adagrad", lr=0.3)
         self.mlp = PSDense(ctx.client, torch.nn.Linear(8, 1), "mlp", optimizer="adam",
-                           lr=0.05, initialize=ctx.rank == 0)
+                           lr=0.05)
 
     def forward(self, x):
         return self.mlp(self.emb(x)).squeeze(1)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from ps.errors import DeadlineExceededError, FailedPreconditionError
 
@@ -141,6 +142,17 @@ class PushLedger:
                 LedgerEntry(w, log.incarnation, log.floor, tuple(sorted(log.applied)))
                 for w, log in sorted(self._logs.items())
             ]
+
+    def to_meta(self) -> list[list[object]]:
+        """The ledger's checkpoint form: [worker, incarnation, floor, [applied...]] each."""
+        return [[e.worker, e.incarnation, e.floor, list(e.applied)] for e in self.entries()]
+
+    def restore_meta(self, meta: Sequence[Sequence[Any]]) -> None:
+        """Replaces the ledger with what `to_meta` wrote (parsed from JSON)."""
+        self.restore([
+            LedgerEntry(int(w), int(inc), int(floor), tuple(int(s) for s in applied))
+            for w, inc, floor, applied in meta
+        ])
 
     def restore(self, entries: list[LedgerEntry]) -> None:
         """Replaces the ledger with checkpointed entries."""

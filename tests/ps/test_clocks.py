@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ps.clocks import ClockBoard, Quorum
@@ -70,3 +72,20 @@ def test_joiner_enters_at_the_current_clock() -> None:
 def test_bad_quorum(workers: int, backups: int) -> None:
     with pytest.raises(InvalidArgumentError):
         Quorum(workers, backups)
+
+
+def test_checkpoint_form_round_trips_through_json() -> None:
+    board = ClockBoard(Quorum(3))
+    for worker in (0, 1, 2):
+        board.tick(worker, 0)
+    board.close()
+    board.tick(0, 1)
+    board.set_live({0, 2})
+    meta = json.loads(json.dumps(board.to_meta()))
+    assert meta == {"open_clock": 1, "clocks_closed": 1, "clocks": {"0": 2, "1": 1, "2": 1},
+                    "live": [0, 2]}
+    copy = ClockBoard(Quorum(3))
+    copy.restore_meta(meta, clock=0)
+    assert (copy.open_clock, copy.clocks_closed, copy.clocks, copy.live) == (
+        1, 1, {0: 2, 1: 1, 2: 1}, {0, 2})
+

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -76,3 +77,17 @@ def test_entries_round_trip() -> None:
     copy.restore(ledger.entries())
     assert copy.admit(3, 1, 5, timeout_s=1) is Admission.DUPLICATE
     assert copy.admit(3, 1, 4, timeout_s=1) is Admission.NEW
+
+
+def test_checkpoint_form_round_trips_through_json() -> None:
+    ledger = PushLedger()
+    for seq in (1, 2, 5):
+        _applied(ledger, 3, 7, seq)
+    meta = json.loads(json.dumps(ledger.to_meta()))
+    assert meta == [[3, 7, 0, [1, 2, 5]]]
+    copy = PushLedger()
+    copy.restore_meta(meta)
+    assert copy.admit(3, 7, 5, timeout_s=1) is Admission.DUPLICATE
+    assert copy.admit(3, 7, 4, timeout_s=1) is Admission.NEW
+    with pytest.raises(FailedPreconditionError):
+        copy.admit(3, 6, 9, timeout_s=1)  # the restored incarnation is the newest known

@@ -1,0 +1,161 @@
+"""The server's edge of the wire: protobuf messages to domain values and back.
+
+The servicer calls these and nothing else touches generated messages on the server's data
+path. Conversions check what the wire form alone can tell (dtypes, byte counts against
+shapes, spans inside the payload) and raise InvalidArgumentError or WireError; the domain
+objects check the rest.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from protos import codec, modes
+from protos import pstrain_pb2 as pb
+from protos.codec import WireError
+from ps.errors import InvalidArgumentError
+from ps.initializers import InitSpec
+from ps.shard import (
+    ClockState,
+    DensePush,
+    Exchange,
+    ExchangeResult,
+    Pull,
+    PushMeta,
+    PushOutcome,
+    SparsePush,
+)
+from ps.tables import OptimizerConfig, TableSpec, TableStats
+
+__all__ = ["clocks_to_proto", "exchange_from_proto", "exchange_to_proto", "spec_from_proto",
+           "stats_to_proto"]
+
+
+def spec_from_proto(msg: pb.TableSpec) -> TableSpec:
+    """A domain TableSpec from its wire form; InvalidArgumentError when it is malformed."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgumentError(f"table {msg.name!r}: set either dense or sparse")
+    body = msg.dense if kind == "dense" else msg.sparse
+    try:
+        dtype = codec.dtype_from_wire(body.dtype)
+    except WireError as exc:
+        raise InvalidArgumentError(f"table {msg.name!r}: {exc}") from exc
+    init = InitSpec(body.init.kind or "uniform", body.init.a, body.init.b) if body.HasField(
+        "init"
+    ) else InitSpec()
+    optimizer = OptimizerConfig(
+        msg.optimizer.name or "sgd", tuple(sorted(msg.optimizer.params.items()))
+    )
+    try:
+        mode = modes.from_proto(
+            msg.consistency, msg.staleness if msg.HasField("staleness") else None
+        )
+    except modes.ModeError as exc:
+        raise InvalidArgumentError(f"table {msg.name!r}: {exc}") from exc
+    return TableSpec(
+        name=msg.name,
+        kind=kind,
+        dtype=dtype,
+        shape=tuple(msg.dense.shape) if kind == "dense" else (),
+        dim=msg.sparse.dim if kind == "sparse" else 0,
+        init=init,
+        seed=body.seed,
+        optimizer=optimizer,
+        allow_non_finite=msg.allow_non_finite,
+        mode=mode,
+    )
+
+
+def _push_result(outcome: PushOutcome, elements: int) -> pb.PushResponse:
+    return pb.PushResponse(
+        duplicate=outcome is PushOutcome.DUPLICATE, dropped=outcome is PushOutcome.DROPPED,
+        kept=outcome is PushOutcome.KEPT, elements=elements,
+    )
+
+
+def exchange_from_proto(msg: pb.ExchangeRequest, payload: memoryview) -> Exchange:
+    """A domain Exchange from its wire form; WireError or InvalidArgumentError if malformed."""
+    wait_s = msg.wait_ms / 1000
+    pushes: list[SparsePush | DensePush] = []
+    for p in msg.pushes:
+        what = f"push to {p.table!r}"
+        meta = PushMeta(worker=msg.worker, incarnation=msg.incarnation, seq=p.seq,
+                        clock=msg.push_clock, assign=p.assign, wait_s=wait_s,
+                        generation=msg.generation, if_absent=p.if_absent)
+        dtype = codec.dtype_from_wire(p.dtype)
+        values = codec.span_of(payload, p.values, what)
+        if not p.dense:
+            keys = codec.keys_from_bytes(codec.span_of(payload, p.keys, what))
+            pushes.append(SparsePush(p.table, meta, dtype, p.dim, keys, values))
+            continue
+        shape = tuple(p.shape)
+        itemsize = dtype.itemsize
+        expected = math.prod(shape) * itemsize
+        if values.nbytes != expected:
+            raise InvalidArgumentError(
+                f"dense push to {p.table!r} carries {values.nbytes} bytes but shape "
+                f"{list(shape)} of {codec.dtype_name(p.dtype)} needs {expected}"
+            )
+        flat = codec.tensor_from_bytes(values, dtype, (expected // itemsize,))
+        pushes.append(DensePush(p.table, meta, dtype, shape, flat))
+    pulls = [
+        Pull(q.table) if q.dense else Pull(
+            q.table, codec.keys_from_bytes(codec.span_of(payload, q.keys, f"pull of {q.table!r}"))
+        )
+        for q in msg.pulls
+    ]
+    return Exchange(
+        worker=msg.worker, incarnation=msg.incarnation, generation=msg.generation,
+        push_clock=msg.push_clock, pushes=pushes, end_iteration=msg.end_iteration,
+        pull_clock=msg.pull_clock, pulls=pulls, wait_s=wait_s,
+    )
+
+
+def exchange_to_proto(
+    exchange: Exchange, result: ExchangeResult
+) -> tuple[pb.ExchangeResponse, codec.Payload]:
+    """The wire answer to `exchange`, and the bulk bytes it names."""
+    response = pb.ExchangeResponse(
+        pushes=[
+            _push_result(outcome, _elements(push))
+            for push, outcome in zip(exchange.pushes, result.outcomes, strict=True)
+        ],
+        open_clock=result.open_clock or 0,
+    )
+    payload = codec.Payload()
+    for pulled in result.pulled:
+        values = pulled if isinstance(pulled, torch.Tensor) else pulled.gather(0, len(pulled))
+        response.pulled.append(pb.ExchangePulled(
+            dtype=codec.dtype_to_wire(values.dtype), shape=list(values.shape),
+            values=payload.add(codec.tensor_bytes(values)),
+        ))
+    return response, payload
+
+
+def _elements(push: SparsePush | DensePush) -> int:
+    return len(push.keys) * push.dim if isinstance(push, SparsePush) else push.values.numel()
+
+
+def stats_to_proto(s: TableStats, mode: modes.Mode) -> pb.TableStats:
+    c = s.counters
+    consistency, staleness = modes.to_proto(mode)
+    return pb.TableStats(
+        name=s.name, kind=s.kind, optimizer=s.optimizer, rows=s.rows,
+        value_bytes=s.value_bytes, state_bytes=s.state_bytes, index_bytes=s.index_bytes,
+        pushes_applied=c.pushes_applied, pushes_duplicate=c.pushes_duplicate,
+        pushes_rejected=c.pushes_rejected, pulls=c.pulls, rows_pulled=c.rows_pulled,
+        rows_pushed=c.rows_pushed, row_start=s.row_start, row_end=s.row_end,
+        consistency=consistency, staleness=staleness or 0,
+        pushes_dropped=c.pushes_dropped, gradients_aggregated=c.gradients_aggregated,
+        pushes_kept=c.pushes_kept,
+    )
+
+
+def clocks_to_proto(state: ClockState) -> list[pb.WorkerClock]:
+    return [
+        pb.WorkerClock(worker=w, clock=c, live=w in state.live)
+        for w, c in sorted(state.clocks.items())
+    ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, TypeVar
 
+import numpy as np
 from google.protobuf.message import Message
 
 from protos import pstrain_pb2 as pb
@@ -69,7 +70,9 @@ class Joiner(Generic[Part, M]):
         self.nbytes = int(first.msg.payload_bytes)
         self.what = what
         check_size(self.nbytes)
-        self._buffer = bytearray(self.nbytes)
+        # Not zeroed (that is a pass over the whole payload): finish() hands it out only
+        # once every byte has been written.
+        self._buffer = np.empty(self.nbytes, dtype=np.uint8)
         self._received = 0
         self.add(first)
 
@@ -97,7 +100,7 @@ class Joiner(Generic[Part, M]):
                 f"{self.nbytes} bytes announced; nothing of it was applied"
             )
         head: M = self.head
-        return head, memoryview(self._buffer)
+        return head, self._buffer.data
 
 
 def join(parts: Iterator[Frame[Part]], check_size: Callable[[int], None],

@@ -445,10 +445,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-# Measured on a 2-core machine with this model: at batch 128 a step's exchange round trip
-# (about 2 ms) outlasts its compute and prefetch depth 2 hides it (1.2-1.3x the samples/s of
-# depth 1); at batch 1024 the compute hides the round trip at depth 1 already, and depth 2's
-# second exchange in flight only adds contention (depth 1 was 1.15x faster).
+# Below this batch size a step's exchange round trip outlasts its compute and prefetch depth
+# 2 hides it; above, the compute hides it at depth 1 already and a second exchange in flight
+# only adds contention (figures: the README's Training section).
 _DEEP_BELOW_BATCH = 512
 
 

@@ -36,7 +36,7 @@ from ps.errors import (
     PSError,
     RolledBackError,
 )
-from ps.ledger import Admission, LedgerEntry, PushLedger
+from ps.ledger import Admission, PushLedger
 from ps.tables import (
     DenseTable,
     SparseRows,
@@ -601,18 +601,14 @@ class Shard:
         """Caller holds self._clocks."""
         with self._lock:
             tables = list(self._tables.items())
-        board = self.board
         meta: dict[str, object] = {
             "mode": str(self.config.mode), "incarnation": self.config.incarnation,
-            "open_clock": board.open_clock, "clocks_closed": board.clocks_closed,
-            "clocks": {str(w): c for w, c in board.clocks.items()}, "live": sorted(board.live),
-            "ledger": [[e.worker, e.incarnation, e.floor, list(e.applied)]
-                       for e in self.ledger.entries()],
+            **self.board.to_meta(), "ledger": self.ledger.to_meta(),
         }
         return ShardState(
             job=self.config.job or "standalone", shard=self.config.shard,
             num_shards=self.config.num_shards, checkpoint_id=checkpoint_id,
-            clock=board.open_clock, meta=meta,
+            clock=self.board.open_clock, meta=meta,
             tables=[TableState(n, t.spec.to_dict(), t.snapshot()) for n, t in tables],
         )
 
@@ -649,14 +645,8 @@ class Shard:
             for t in state.tables:
                 self._table(t.name)[0].restore(t.tensors)
             meta: dict[str, Any] = state.meta
-            self.ledger.restore([
-                LedgerEntry(int(w), int(inc), int(floor), tuple(int(s) for s in applied))
-                for w, inc, floor, applied in meta.get("ledger", [])
-            ])
-            self.board.open_clock = int(meta.get("open_clock", state.clock))
-            self.board.clocks_closed = int(meta.get("clocks_closed", 0))
-            self.board.clocks = {int(w): int(c) for w, c in meta.get("clocks", {}).items()}
-            self.board.live = {int(w) for w in meta.get("live", sorted(self.board.live))}
+            self.ledger.restore_meta(meta.get("ledger", []))
+            self.board.restore_meta(meta, state.clock)
             self._clocks.notify_all()
         log.info("shard %d: restored checkpoint %s at clock %d (%d tables)", self.config.shard,
                  state.checkpoint_id, state.clock, len(state.tables))

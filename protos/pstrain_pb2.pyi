@@ -134,24 +134,6 @@ class PushResponse(_message.Message):
     kept: bool
     def __init__(self, duplicate: _Optional[bool] = ..., elements: _Optional[int] = ..., dropped: _Optional[bool] = ..., kept: _Optional[bool] = ...) -> None: ...
 
-class TickRequest(_message.Message):
-    __slots__ = ("worker", "incarnation", "clock", "generation")
-    WORKER_FIELD_NUMBER: _ClassVar[int]
-    INCARNATION_FIELD_NUMBER: _ClassVar[int]
-    CLOCK_FIELD_NUMBER: _ClassVar[int]
-    GENERATION_FIELD_NUMBER: _ClassVar[int]
-    worker: int
-    incarnation: int
-    clock: int
-    generation: int
-    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
-
-class TickResponse(_message.Message):
-    __slots__ = ("open_clock",)
-    OPEN_CLOCK_FIELD_NUMBER: _ClassVar[int]
-    open_clock: int
-    def __init__(self, open_clock: _Optional[int] = ...) -> None: ...
-
 class WorkerClock(_message.Message):
     __slots__ = ("worker", "clock", "live")
     WORKER_FIELD_NUMBER: _ClassVar[int]

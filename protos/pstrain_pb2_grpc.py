@@ -50,11 +50,6 @@ class ParameterServerStub:
                 request_serializer=protos_dot_pstrain__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_pstrain__pb2.StatsResponse.FromString,
                 _registered_method=True)
-        self.Tick = channel.unary_unary(
-                '/pstrain.v1.ParameterServer/Tick',
-                request_serializer=protos_dot_pstrain__pb2.TickRequest.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.TickResponse.FromString,
-                _registered_method=True)
         self.SetMembership = channel.unary_unary(
                 '/pstrain.v1.ParameterServer/SetMembership',
                 request_serializer=protos_dot_pstrain__pb2.MembershipRequest.SerializeToString,
@@ -104,12 +99,6 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetStats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Tick(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -168,11 +157,6 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=protos_dot_pstrain__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_pstrain__pb2.StatsResponse.SerializeToString,
-            ),
-            'Tick': grpc.unary_unary_rpc_method_handler(
-                    servicer.Tick,
-                    request_deserializer=protos_dot_pstrain__pb2.TickRequest.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.TickResponse.SerializeToString,
             ),
             'SetMembership': grpc.unary_unary_rpc_method_handler(
                     servicer.SetMembership,
@@ -287,33 +271,6 @@ class ParameterServer:
             '/pstrain.v1.ParameterServer/GetStats',
             protos_dot_pstrain__pb2.StatsRequest.SerializeToString,
             protos_dot_pstrain__pb2.StatsResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Tick(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pstrain.v1.ParameterServer/Tick',
-            protos_dot_pstrain__pb2.TickRequest.SerializeToString,
-            protos_dot_pstrain__pb2.TickResponse.FromString,
             options,
             channel_credentials,
             insecure,

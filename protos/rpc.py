@@ -85,7 +85,6 @@ def _rpc(name: str, request: type[Req], response: type[Resp]) -> Rpc[Req, Resp]:
 GET_SERVER_INFO = _rpc("GetServerInfo", pb.ServerInfoRequest, pb.ServerInfo)
 DECLARE_TABLES = _rpc("DeclareTables", pb.DeclareTablesRequest, pb.DeclareTablesResponse)
 GET_STATS = _rpc("GetStats", pb.StatsRequest, pb.StatsResponse)
-TICK = _rpc("Tick", pb.TickRequest, pb.TickResponse)
 JOIN = _rpc("Join", pb.JoinRequest, pb.JoinResponse)
 SET_MEMBERSHIP = _rpc("SetMembership", pb.MembershipRequest, pb.MembershipResponse)
 RESTORE = _rpc("Restore", pb.RestoreRequest, pb.RestoreResponse)
@@ -94,7 +93,7 @@ EXCHANGE = _rpc("Exchange", pb.ExchangeRequest, pb.ExchangeResponse)
 EXCHANGE_STREAM = _rpc("ExchangeStream", pb.ExchangePart, pb.ExchangeAnswerPart)
 
 METHODS: tuple[Rpc[Any, Any], ...] = (
-    GET_SERVER_INFO, DECLARE_TABLES, GET_STATS, TICK, JOIN, SET_MEMBERSHIP, RESTORE, HANDSHAKE,
+    GET_SERVER_INFO, DECLARE_TABLES, GET_STATS, JOIN, SET_MEMBERSHIP, RESTORE, HANDSHAKE,
     EXCHANGE, EXCHANGE_STREAM,
 )
 

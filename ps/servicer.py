@@ -314,14 +314,6 @@ class ParameterServerServicer:
             )
         return response.SerializeToString()
 
-    def Tick(self, request: Frame[pb.TickRequest], context: Any) -> bytes:
-        msg = request.msg
-        open_clock = _guard(
-            lambda: self.shard.tick(msg.worker, msg.incarnation, msg.clock, msg.generation),
-            context,
-        )
-        return pb.TickResponse(open_clock=open_clock).SerializeToString()
-
     def Join(self, request: Frame[pb.JoinRequest], context: Any) -> bytes:
         msg = request.msg
         clock, open_clock, live = _guard(

@@ -221,12 +221,9 @@ class PSClient:
         carries on from the newest parameters instead of pushing gradients bound to be dropped.
         """
         clock = self.clock
-        request = pb.TickRequest(
-            worker=self.worker, incarnation=self.incarnation, clock=clock,
-            generation=self.generation,
-        ).SerializeToString()
-        frames = self._everywhere(rpc.TICK, request, f"end iteration {clock}")
-        return self._ended(clock, [f.msg.open_clock for f in frames])
+        # An exchange with no pushes and no pulls: it reaches every shard.
+        self._exchange_answers(f"end iteration {clock}", end_iteration=True, push_clock=clock)
+        return self.clock
 
     def _ended(self, clock: int, open_clocks: Sequence[int]) -> int:
         """Moves the clock past iteration `clock`, and on to the oldest of the shards' open
@@ -249,9 +246,12 @@ class PSClient:
         clock = int(max(f.msg.clock for f in frames))
         for link, frame in zip(self.links, frames, strict=True):
             for behind in range(frame.msg.clock, clock):
-                tick = pb.TickRequest(worker=self.worker, incarnation=self.incarnation,
-                                      clock=behind, generation=self.generation)
-                link.call("catch up", partial(link.unary, rpc.TICK, tick.SerializeToString()))
+                tick = pb.ExchangeRequest(
+                    worker=self.worker, incarnation=self.incarnation, generation=self.generation,
+                    push_clock=behind, end_iteration=True, pull_clock=behind + 1,
+                )
+                link.call("catch up",
+                          partial(link.unary, rpc.EXCHANGE, tick.SerializeToString()))
         self.clock = clock
         return clock
 

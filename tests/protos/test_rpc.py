@@ -30,9 +30,9 @@ def test_each_entry_has_the_descriptors_shape_and_messages(method: rpc.Rpc[objec
 @pytest.mark.parametrize(
     ("name", "request_type", "response_type", "match"),
     [
-        ("NoSuchMethod", pb.TickRequest, pb.TickResponse, "has no method 'NoSuchMethod'"),
-        ("Tick", pb.JoinRequest, pb.TickResponse, "takes and returns"),
-        ("Tick", pb.TickRequest, pb.JoinResponse, "takes and returns"),
+        ("NoSuchMethod", pb.JoinRequest, pb.JoinResponse, "has no method 'NoSuchMethod'"),
+        ("Join", pb.StatsRequest, pb.JoinResponse, "takes and returns"),
+        ("Join", pb.JoinRequest, pb.StatsResponse, "takes and returns"),
     ],
 )
 def test_an_entry_that_disagrees_with_the_proto_is_refused(

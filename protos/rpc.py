@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import Message
 
 from protos import frames as codec
 from protos import pstrain_pb2 as pb
-from protos.frames import Frame
+from protos.frames import Frame, WireError
 
 Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
@@ -60,14 +60,35 @@ class Rpc(Generic[Req, Resp]):
         return factory(self.path, request_serializer=None,
                        response_deserializer=lambda data: codec.decode(response, data))
 
-    def handler(self, behaviour: Callable[..., Any]) -> grpc.RpcMethodHandler:
+    def handler(self, behaviour: Callable[..., Any],
+                refuse: Callable[[Any, WireError], NoReturn]) -> grpc.RpcMethodHandler:
         """A server handler running `behaviour` with each request decoded to a Frame (the
-        behaviour returns encoded answers)."""
-        request = self.request
+        behaviour returns encoded answers). A request that does not decode goes to
+        `refuse(context, error)`, whose message names this method; a streamed part that
+        does not decode raises that WireError inside the behaviour's iterator instead.
+        (gRPC's own deserializer hook would answer INTERNAL and log a traceback per call.)"""
+        request, name = self.request, self.name
+
+        def decode(data: bytes) -> Frame[Any]:
+            try:
+                return codec.decode(request, data)
+            except WireError as exc:
+                raise WireError(f"{name}: the request is not a valid {request.__name__} "
+                                f"({exc})") from exc
+
+        def run(data: Any, context: Any) -> Any:
+            if self.streams_in:
+                return behaviour((decode(part) for part in data), context)
+            try:
+                frame = decode(data)
+            except WireError as exc:
+                refuse(context, exc)
+            return behaviour(frame, context)
+
+        if self.streams_out and not self.streams_in:  # pragma: no cover - none in the contract
+            raise TypeError(f"{name}: unary-stream methods are not served")
         factory = getattr(grpc, f"{self.shape}_rpc_method_handler")
-        handler: grpc.RpcMethodHandler = factory(
-            behaviour, request_deserializer=lambda data: codec.decode(request, data)
-        )
+        handler: grpc.RpcMethodHandler = factory(run)
         return handler
 
 

@@ -20,6 +20,7 @@ from protos.transport import PREFERENCE
 from ps.coordination import ServerCoordinator, advertised, find_checkpoint, new_incarnation
 from ps.errors import InvalidArgumentError, PSError
 from ps.server import MiB, ParameterServer, ServerConfig, run
+from ps.shard import Limits
 from scheduler.errors import CoordinationError
 from scheduler.spec import JobSpec
 from scheduler.store import JobStore, ride_out
@@ -84,6 +85,19 @@ def parser() -> argparse.ArgumentParser:
                    help="largest single gRPC message accepted, MiB (default 64)")
     p.add_argument("--max-request-mib", type=float, default=4096.0,
                    help="largest whole push accepted, MiB (default 4096)")
+    limits = Limits()
+    p.add_argument("--max-answer-mib", type=float, default=limits.max_answer_bytes / MiB,
+                   help="largest answer one exchange may make the server build, MiB "
+                        f"(default {limits.max_answer_bytes // MiB})")
+    p.add_argument("--max-table-mib", type=float, default=limits.max_table_bytes / MiB,
+                   help="largest dense table that may be declared, MiB "
+                        f"(default {limits.max_table_bytes // MiB})")
+    p.add_argument("--max-dim", type=int, default=limits.max_dim,
+                   help=f"widest sparse row that may be declared (default {limits.max_dim})")
+    p.add_argument("--max-tables", type=int, default=limits.max_tables,
+                   help=f"tables one server holds at most (default {limits.max_tables})")
+    p.add_argument("--max-declare-tables", type=int, default=limits.max_declare,
+                   help=f"tables one declare may name (default {limits.max_declare})")
     p.add_argument("--metrics-port", type=int,
                    default=int(env.get("PSTRAIN_METRICS_PORT", "0")),
                    help="serve Prometheus metrics on this port (env PSTRAIN_METRICS_PORT; "
@@ -160,6 +174,9 @@ def build(argv: list[str]) -> Built:
         chunk_bytes=int(a.chunk_mib * MiB), max_message_bytes=int(a.max_message_mib * MiB),
         max_request_bytes=int(a.max_request_mib * MiB), ready_file=a.ready_file,
         metrics_port=a.metrics_port, transport=a.transport,
+        limits=Limits(max_table_bytes=int(a.max_table_mib * MiB), max_dim=a.max_dim,
+                      max_tables=a.max_tables, max_declare=a.max_declare_tables,
+                      max_answer_bytes=int(a.max_answer_mib * MiB)),
     )
     prepare = None
     if restored is not None:

@@ -43,3 +43,8 @@ class ClockWaitTimeoutError(DeadlineExceededError):
 
 class StreamEndedError(PSError):
     """A streamed request ended before all of it arrived; nothing of it was applied."""
+
+
+class CallEndedError(PSError):
+    """The caller ended its call (cancelled, past its deadline, gone) while the server waited
+    for the clocks on its behalf; nothing of the wait's request was applied after that."""

@@ -9,7 +9,7 @@ import signal
 import threading
 from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 
 import grpc
@@ -25,7 +25,7 @@ from ps.clocks import Quorum
 from ps.errors import InvalidArgumentError
 from ps.metrics import ServerMetrics
 from ps.servicer import ParameterServerServicer, WireLimits
-from ps.shard import Shard, ShardConfig
+from ps.shard import Limits, Shard, ShardConfig
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class ServerConfig:
     grace_s: float = 2.0
     metrics_port: int = 0  # 0: no metrics
     transport: str = "auto"  # bulk transport: auto, or one of protos.transport.PREFERENCE
+    limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
         host, sep, port = self.bind.rpartition(":")
@@ -82,6 +83,7 @@ class ServerConfig:
             shard=self.shard, num_shards=self.num_shards, job=self.job,
             incarnation=self.incarnation, mode=self.mode, staleness=self.staleness,
             quorum=Quorum(self.workers, self.backups), max_wait_s=self.max_wait_s,
+            limits=self.limits,
         )
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 import grpc
-import torch
 from prometheus_client import Histogram
 
 from protos import codec, marks, modes, rpc
@@ -27,9 +25,11 @@ from protos.parts import cut
 from protos.parts import join as joined
 from protos.transport import TransportError
 from protos.transport.lane import LaneContext
+from ps import wire
 from ps.bulk import BulkEndpoint
-from ps.checkpoint import read_shard
+from ps.checkpoint import CheckpointError, read_shard
 from ps.errors import (
+    CallEndedError,
     ClockWaitTimeoutError,
     DeadlineExceededError,
     FailedPreconditionError,
@@ -40,29 +40,23 @@ from ps.errors import (
     RolledBackError,
     StreamEndedError,
 )
-from ps.initializers import InitSpec
 from ps.shard import (
-    ClockState,
-    DensePush,
-    Exchange,
-    ExchangeResult,
-    Pull,
-    PushMeta,
-    PushOutcome,
     Shard,
-    SparsePush,
 )
-from ps.tables import OptimizerConfig, TableSpec, TableStats
 
 log = logging.getLogger(__name__)
 
 _STATUS: dict[type[PSError], grpc.StatusCode] = {
+    # The server's own disk holds no usable checkpoint for the request: not the caller's
+    # input, not a server bug.
+    CheckpointError: grpc.StatusCode.FAILED_PRECONDITION,
     InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
     NotFoundError: grpc.StatusCode.NOT_FOUND,
     FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
     ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
     StreamEndedError: grpc.StatusCode.CANCELLED,
+    CallEndedError: grpc.StatusCode.CANCELLED,
 }
 
 R = TypeVar("R")
@@ -102,137 +96,6 @@ def _guard(call: Callable[[], R], context: grpc.ServicerContext) -> R:
         return call()
     except (PSError, WireError, TransportError) as exc:
         _abort(context, exc)
-
-
-# ---- proto -> domain ---------------------------------------------------------------------
-
-
-def spec_from_proto(msg: pb.TableSpec) -> TableSpec:
-    """A domain TableSpec from its wire form; InvalidArgumentError when it is malformed."""
-    kind = msg.WhichOneof("kind")
-    if kind is None:
-        raise InvalidArgumentError(f"table {msg.name!r}: set either dense or sparse")
-    body = msg.dense if kind == "dense" else msg.sparse
-    try:
-        dtype = codec.dtype_from_wire(body.dtype)
-    except WireError as exc:
-        raise InvalidArgumentError(f"table {msg.name!r}: {exc}") from exc
-    init = InitSpec(body.init.kind or "uniform", body.init.a, body.init.b) if body.HasField(
-        "init"
-    ) else InitSpec()
-    optimizer = OptimizerConfig(
-        msg.optimizer.name or "sgd", tuple(sorted(msg.optimizer.params.items()))
-    )
-    try:
-        mode = modes.from_proto(
-            msg.consistency, msg.staleness if msg.HasField("staleness") else None
-        )
-    except modes.ModeError as exc:
-        raise InvalidArgumentError(f"table {msg.name!r}: {exc}") from exc
-    return TableSpec(
-        name=msg.name,
-        kind=kind,
-        dtype=dtype,
-        shape=tuple(msg.dense.shape) if kind == "dense" else (),
-        dim=msg.sparse.dim if kind == "sparse" else 0,
-        init=init,
-        seed=body.seed,
-        optimizer=optimizer,
-        allow_non_finite=msg.allow_non_finite,
-        mode=mode,
-    )
-
-
-def _push_result(outcome: PushOutcome, elements: int) -> pb.PushResponse:
-    return pb.PushResponse(
-        duplicate=outcome is PushOutcome.DUPLICATE, dropped=outcome is PushOutcome.DROPPED,
-        kept=outcome is PushOutcome.KEPT, elements=elements,
-    )
-
-
-def exchange_from_proto(msg: pb.ExchangeRequest, payload: memoryview) -> Exchange:
-    """A domain Exchange from its wire form; WireError or InvalidArgumentError if malformed."""
-    wait_s = msg.wait_ms / 1000
-    pushes: list[SparsePush | DensePush] = []
-    for p in msg.pushes:
-        what = f"push to {p.table!r}"
-        meta = PushMeta(worker=msg.worker, incarnation=msg.incarnation, seq=p.seq,
-                        clock=msg.push_clock, assign=p.assign, wait_s=wait_s,
-                        generation=msg.generation, if_absent=p.if_absent)
-        dtype = codec.dtype_from_wire(p.dtype)
-        values = codec.span_of(payload, p.values, what)
-        if not p.dense:
-            keys = codec.keys_from_bytes(codec.span_of(payload, p.keys, what))
-            pushes.append(SparsePush(p.table, meta, dtype, p.dim, keys, values))
-            continue
-        shape = tuple(p.shape)
-        itemsize = dtype.itemsize
-        expected = math.prod(shape) * itemsize
-        if values.nbytes != expected:
-            raise InvalidArgumentError(
-                f"dense push to {p.table!r} carries {values.nbytes} bytes but shape "
-                f"{list(shape)} of {codec.dtype_name(p.dtype)} needs {expected}"
-            )
-        flat = codec.tensor_from_bytes(values, dtype, (expected // itemsize,))
-        pushes.append(DensePush(p.table, meta, dtype, shape, flat))
-    pulls = [
-        Pull(q.table) if q.dense else Pull(
-            q.table, codec.keys_from_bytes(codec.span_of(payload, q.keys, f"pull of {q.table!r}"))
-        )
-        for q in msg.pulls
-    ]
-    return Exchange(
-        worker=msg.worker, incarnation=msg.incarnation, generation=msg.generation,
-        push_clock=msg.push_clock, pushes=pushes, end_iteration=msg.end_iteration,
-        pull_clock=msg.pull_clock, pulls=pulls, wait_s=wait_s,
-    )
-
-
-def exchange_to_proto(
-    exchange: Exchange, result: ExchangeResult
-) -> tuple[pb.ExchangeResponse, codec.Payload]:
-    """The wire answer to `exchange`, and the bulk bytes it names."""
-    response = pb.ExchangeResponse(
-        pushes=[
-            _push_result(outcome, _elements(push))
-            for push, outcome in zip(exchange.pushes, result.outcomes, strict=True)
-        ],
-        open_clock=result.open_clock or 0,
-    )
-    payload = codec.Payload()
-    for pulled in result.pulled:
-        values = pulled if isinstance(pulled, torch.Tensor) else pulled.gather(0, len(pulled))
-        response.pulled.append(pb.ExchangePulled(
-            dtype=codec.dtype_to_wire(values.dtype), shape=list(values.shape),
-            values=payload.add(codec.tensor_bytes(values)),
-        ))
-    return response, payload
-
-
-def _elements(push: SparsePush | DensePush) -> int:
-    return len(push.keys) * push.dim if isinstance(push, SparsePush) else push.values.numel()
-
-
-def _stats_to_proto(s: TableStats, mode: modes.Mode) -> pb.TableStats:
-    c = s.counters
-    consistency, staleness = modes.to_proto(mode)
-    return pb.TableStats(
-        name=s.name, kind=s.kind, optimizer=s.optimizer, rows=s.rows,
-        value_bytes=s.value_bytes, state_bytes=s.state_bytes, index_bytes=s.index_bytes,
-        pushes_applied=c.pushes_applied, pushes_duplicate=c.pushes_duplicate,
-        pushes_rejected=c.pushes_rejected, pulls=c.pulls, rows_pulled=c.rows_pulled,
-        rows_pushed=c.rows_pushed, row_start=s.row_start, row_end=s.row_end,
-        consistency=consistency, staleness=staleness or 0,
-        pushes_dropped=c.pushes_dropped, gradients_aggregated=c.gradients_aggregated,
-        pushes_kept=c.pushes_kept,
-    )
-
-
-def _clocks_to_proto(state: ClockState) -> list[pb.WorkerClock]:
-    return [
-        pb.WorkerClock(worker=w, clock=c, live=w in state.live)
-        for w, c in sorted(state.clocks.items())
-    ]
 
 
 class _ByteCounter:
@@ -279,7 +142,7 @@ class ParameterServerServicer:
 
     def DeclareTables(self, request: Frame[pb.DeclareTablesRequest], context: Any) -> bytes:
         def declare() -> bytes:
-            specs = [spec_from_proto(t) for t in request.msg.tables]
+            specs = [wire.spec_from_proto(t) for t in request.msg.tables]
             placements = self.shard.declare(specs)
             return pb.DeclareTablesResponse(
                 tables=[
@@ -294,12 +157,12 @@ class ParameterServerServicer:
         state = self.shard.clock_state()
         response = pb.StatsResponse(
             info=self.info(),
-            tables=[_stats_to_proto(s, mode) for s, mode in self.shard.stats()],
+            tables=[wire.stats_to_proto(s, mode) for s, mode in self.shard.stats()],
             bytes_received=self.bytes.received,
             bytes_sent=self.bytes.sent,
             open_clock=state.open_clock,
             clocks_closed=state.clocks_closed,
-            clocks=_clocks_to_proto(state),
+            clocks=wire.clocks_to_proto(state),
         )
         if request.msg.history:
             response.history.extend(
@@ -334,7 +197,7 @@ class ParameterServerServicer:
     def SetMembership(self, request: Frame[pb.MembershipRequest], context: Any) -> bytes:
         state = _guard(lambda: self.shard.set_live(request.msg.live_workers), context)
         return pb.MembershipResponse(
-            open_clock=state.open_clock, clocks=_clocks_to_proto(state)
+            open_clock=state.open_clock, clocks=wire.clocks_to_proto(state)
         ).SerializeToString()
 
     def Handshake(self, request: Frame[pb.HandshakeRequest], context: Any) -> bytes:
@@ -355,9 +218,9 @@ class ParameterServerServicer:
 
         def run() -> bytes:
             if request.msg.HasField("bulk"):
-                return self._exchange_bulk(request.msg)
+                return self._exchange_bulk(request.msg, context.is_active)
             self._check_request_size(payload.nbytes)
-            response, out = self._exchange(request.msg, payload)
+            response, out = self._exchange(request.msg, payload, context.is_active)
             return codec.encode(response, {"payload": out.parts})
 
         return _guard(run, context)
@@ -378,30 +241,31 @@ class ParameterServerServicer:
                 raise InvalidArgumentError(
                     "a streamed exchange carries its payload in its parts, not in the request"
                 )
-            return self._exchange(msg, payload)
+            return self._exchange(msg, payload, context.is_active)
 
         response, out = _guard(run, context)
         yield from cut(pb.ExchangeAnswerPart, response, out.parts, out.nbytes,
                        self.limits.chunk_bytes)
 
-    def _exchange(self, msg: pb.ExchangeRequest,
-                  payload: memoryview) -> tuple[pb.ExchangeResponse, codec.Payload]:
+    def _exchange(self, msg: pb.ExchangeRequest, payload: memoryview,
+                  alive: Callable[[], bool]) -> tuple[pb.ExchangeResponse, codec.Payload]:
         self.bytes.add(received=payload.nbytes)
-        exchange = exchange_from_proto(msg, payload)
-        response, out = exchange_to_proto(exchange, self.shard.exchange(exchange))
+        exchange = wire.exchange_from_proto(msg, payload)
+        result = self.shard.exchange(exchange, alive)
+        response, out = wire.exchange_to_proto(exchange, result)
         self.bytes.add(sent=out.nbytes)
         return response, out
 
-    def _exchange_bulk(self, msg: pb.ExchangeRequest) -> bytes:
+    def _exchange_bulk(self, msg: pb.ExchangeRequest, alive: Callable[[], bool]) -> bytes:
         """An exchange whose payload, and answer, lie in the client's bulk region."""
         bulk = self._bulk()
         with self._refused(msg.bulk):
             self._check_request_size(msg.bulk.length)
         with bulk.read(msg.bulk, BULK_TIMEOUT_S) as payload:
             self.bytes.add(received=payload.nbytes)
-            exchange = exchange_from_proto(msg, payload)
-            result = self.shard.exchange(exchange)
-        response, out = exchange_to_proto(exchange, result)
+            exchange = wire.exchange_from_proto(msg, payload)
+            result = self.shard.exchange(exchange, alive)
+        response, out = wire.exchange_to_proto(exchange, result)
         if out.nbytes != msg.answer.length:
             raise InvalidArgumentError(
                 f"the exchange's answer region holds {msg.answer.length} bytes; the answer "
@@ -422,7 +286,8 @@ class ParameterServerServicer:
             try:
                 request = codec.decode(pb.ExchangeRequest, data)
             except WireError as exc:
-                _abort(context, exc)
+                _abort(context, WireError(f"Exchange: the request is not a valid "
+                                          f"ExchangeRequest ({exc})"))
             answer: bytes = exchange(request, context)
             return answer
 
@@ -478,7 +343,8 @@ class ParameterServerServicer:
         """The generic handler serving every method of the contract (protos/rpc.py) with the
         zero-copy codec."""
         methods = {
-            method.name: method.handler(self._timed(method.name, getattr(self, method.name)))
+            method.name: method.handler(self._timed(method.name, getattr(self, method.name)),
+                                        _abort)
             for method in rpc.METHODS
         }
         return grpc.method_handlers_generic_handler(rpc.SERVICE, methods)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -29,11 +30,13 @@ from ps.checkpoint import ShardState, TableState
 from ps.clocks import ClockBoard, Quorum
 from ps.consistency import ClockView, Decision, Policy, make_policy
 from ps.errors import (
+    CallEndedError,
     ClockWaitTimeoutError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     PSError,
+    ResourceExhaustedError,
     RolledBackError,
 )
 from ps.ledger import Admission, PushLedger
@@ -56,6 +59,43 @@ S = TypeVar("S", DenseSum, SparseSum)
 PULL_LOG_SIZE = 100_000
 
 
+# Clocks, generations and worker ids beyond these are refused before they are stored: far
+# past any job, and clock + 1 still fits every int64 field that reports it.
+MAX_CLOCK = 1 << 62
+MAX_WORKER = 1 << 31
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may make a shard hold or build. Defaults no real job meets; each is
+    a `pstrain server` flag (README: Limits)."""
+
+    max_table_bytes: int = 16 * GiB  # a dense table's values, whole
+    max_dim: int = 1 << 16  # a sparse table's row width
+    max_tables: int = 10_000  # tables on one shard
+    max_declare: int = 1_000  # tables in one declare
+    max_answer_bytes: int = 4 * GiB  # the pulled bytes of one exchange's answer
+
+    def __post_init__(self) -> None:
+        for name in ("max_table_bytes", "max_dim", "max_tables", "max_declare",
+                     "max_answer_bytes"):
+            if getattr(self, name) < 1:
+                raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+# Whether the caller still waits for the answer (gRPC's context.is_active); None: always.
+Alive = Callable[[], bool] | None
+# How often a wait for the clocks looks whether its caller is still there.
+ALIVE_POLL_S = 0.2
+
+
+def check_range(what: str, value: int, end: int) -> None:
+    """InvalidArgumentError unless 0 <= value < end."""
+    if not 0 <= value < end:
+        raise InvalidArgumentError(f"{what} must lie in [0, {end}), got {value}")
+
+
 @dataclass(frozen=True)
 class ShardConfig:
     shard: int
@@ -69,6 +109,7 @@ class ShardConfig:
     max_wait_s: float = 300.0
     # How long a retried push waits for its first attempt, still being applied, to finish.
     inflight_wait_s: float = 30.0
+    limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -151,6 +192,12 @@ class Exchange:
     pulls: Sequence[Pull]
     wait_s: float = 0.0
 
+    def __post_init__(self) -> None:
+        check_range("the worker id", self.worker, MAX_WORKER)
+        check_range("the generation", self.generation, MAX_CLOCK)
+        check_range("the push clock", self.push_clock, MAX_CLOCK)
+        check_range("the pull clock", self.pull_clock, MAX_CLOCK)
+
 
 @dataclass(frozen=True)
 class _Prepared:
@@ -224,13 +271,34 @@ class Shard:
     # ---- tables ----------------------------------------------------------------------------
 
     def declare(self, specs: Sequence[TableSpec]) -> list[RowRange]:
-        """Creates the tables that do not exist yet; checks the others match. All or nothing."""
+        """Creates the tables that do not exist yet; checks the others match. All or nothing.
+
+        InvalidArgumentError for a name given twice or a table over the size limits;
+        ResourceExhaustedError past the shard's table count."""
+        limits = self.config.limits
+        if len(specs) > limits.max_declare:
+            raise ResourceExhaustedError(
+                f"one declare names {len(specs)} tables; this server takes at most "
+                f"{limits.max_declare} at a time (--max-declare-tables): declare in batches"
+            )
+        twice = sorted(n for n, k in collections.Counter(s.name for s in specs).items() if k > 1)
+        if twice:
+            raise InvalidArgumentError(f"one declare names table(s) {_some(twice)} twice; "
+                                       "name each table once")
+        for spec in specs:
+            self._check_size(spec)
         with self._lock:
             for spec in specs:
                 held = self._tables.get(spec.name)
                 if held is not None:
                     check_same_spec(held.spec, spec)
                 self._policy_for(spec)
+            new = sum(1 for spec in specs if spec.name not in self._tables)
+            if new and len(self._tables) + new > limits.max_tables:
+                raise ResourceExhaustedError(
+                    f"shard {self.config.shard} holds {len(self._tables)} tables and takes at "
+                    f"most {limits.max_tables} (--max-tables); {new} more do not fit"
+                )
             placements = []
             for spec in specs:
                 table = self._tables.get(spec.name)
@@ -252,6 +320,22 @@ class Shard:
                 )
             return placements
 
+    def _check_size(self, spec: TableSpec) -> None:
+        limits = self.config.limits
+        if spec.kind == "sparse" and spec.dim > limits.max_dim:
+            raise InvalidArgumentError(
+                f"table {spec.name!r}: dim {spec.dim} is over this server's limit of "
+                f"{limits.max_dim} (--max-dim)"
+            )
+        if spec.kind == "dense":
+            nbytes = math.prod(spec.shape) * spec.itemsize
+            if nbytes > limits.max_table_bytes:
+                raise InvalidArgumentError(
+                    f"table {spec.name!r}: shape {list(spec.shape)} of {spec.dtype} is "
+                    f"{nbytes} bytes, over this server's limit of {limits.max_table_bytes} "
+                    "bytes for a dense table (--max-table-mib)"
+                )
+
     def _policy_for(self, spec: TableSpec) -> Policy:
         return make_policy(spec.mode or self.config.mode, self.config.staleness)
 
@@ -266,10 +350,9 @@ class Shard:
         with self._lock:
             table = self._tables.get(name)
             if table is None:
-                known = ", ".join(sorted(self._tables)) or "none"
                 raise NotFoundError(
-                    f"shard {self.config.shard} has no table {name!r} (tables: {known}); "
-                    "declare it first"
+                    f"shard {self.config.shard} has no table {name!r} (tables: "
+                    f"{_some(sorted(self._tables)) or 'none'}); declare it first"
                 )
             return table, self._policies[name]
 
@@ -297,13 +380,14 @@ class Shard:
             )
 
     def _await_pull(
-        self, name: str, policy: Policy, worker: int, clock: int, wait_s: float
+        self, name: str, policy: Policy, worker: int, clock: int, wait_s: float,
+        alive: Alive,
     ) -> None:
         if not policy.pull_waits:
             return
         with self._clocks:
             view = self._wait_for(
-                lambda: self.board.view(worker, clock), policy.on_pull, wait_s,
+                lambda: self.board.view(worker, clock), policy.on_pull, wait_s, alive,
                 lambda last, waited: ClockWaitTimeoutError(
                     f"waited {waited:.1f} s: "
                     + policy.explain_pull_wait(name, last, self.board.waiters())
@@ -316,12 +400,13 @@ class Shard:
 
     def _wait_for(
         self, view_fn: Callable[[], ClockView], decide: Callable[[ClockView], Decision],
-        wait_s: float, on_timeout: Callable[[ClockView, float], PSError],
+        wait_s: float, alive: Alive, on_timeout: Callable[[ClockView, float], PSError],
     ) -> ClockView:
         """Asks `decide` until it stops saying WAIT. Caller holds self._clocks.
 
         Past the wait's limit, raises what `on_timeout` makes of the last view and the
-        seconds waited.
+        seconds waited; CallEndedError as soon as `alive` says the caller has gone (looked
+        at every ALIVE_POLL_S), so an abandoned call does not hold its thread.
         """
         limit = self.config.max_wait_s if wait_s <= 0 else min(wait_s, self.config.max_wait_s)
         start = self._now()
@@ -329,14 +414,19 @@ class Shard:
             view = view_fn()
             if decide(view) is not Decision.WAIT:
                 return view
+            if alive is not None and not alive():
+                raise CallEndedError(
+                    f"the caller ended its call after {self._now() - start:.1f} s of waiting "
+                    "for the clocks; nothing more of it was done"
+                )
             remaining = start + limit - self._now()
             if remaining <= 0:
                 raise on_timeout(view, self._now() - start)
-            self._clocks.wait(remaining)
+            self._clocks.wait(remaining if alive is None else min(remaining, ALIVE_POLL_S))
 
     # ---- pushes ----------------------------------------------------------------------------
 
-    def exchange(self, request: Exchange) -> ExchangeResult:
+    def exchange(self, request: Exchange, alive: Alive = None) -> ExchangeResult:
         """A worker's step in one call: its pushes, the end of its iteration, its pulls.
 
         Every push and pull is checked before anything changes, so a refused exchange
@@ -355,21 +445,37 @@ class Shard:
         # Resolved and checked once, here, before anything changes: each pull's policy and
         # how to read it once its clock allows.
         reads: list[tuple[Policy, Callable[[], torch.Tensor | SparseRows]]] = []
+        answer_bytes = 0
+        dense_pulls: set[str] = set()
         for pull in request.pulls:
             if pull.keys is None:
+                if pull.table in dense_pulls:
+                    raise InvalidArgumentError(
+                        f"the exchange pulls dense table {pull.table!r} twice; pull it once"
+                    )
+                dense_pulls.add(pull.table)
                 dense, policy = self._dense(pull.table)
+                answer_bytes += dense.value.numel() * dense.value.element_size()
                 reads.append((policy, dense.read))
             else:
                 sparse, policy = self._sparse(pull.table)
                 sparse.check_keys(pull.keys)
+                answer_bytes += len(pull.keys) * sparse.spec.dim * sparse.spec.itemsize
                 reads.append((policy, partial(sparse.pull, pull.keys)))
-        outcomes = [self._commit(p) for p in prepared]
+        if answer_bytes > self.config.limits.max_answer_bytes:
+            raise ResourceExhaustedError(
+                f"the exchange's answer would hold {answer_bytes} bytes, over this server's "
+                f"limit of {self.config.limits.max_answer_bytes} (--max-answer-mib); pull "
+                "fewer rows per request"
+            )
+        outcomes = [self._commit(p, alive) for p in prepared]
         open_clock = None
         if request.end_iteration:
             open_clock = self.tick(worker, request.incarnation, request.push_clock, generation)
         pulled: list[torch.Tensor | SparseRows] = []
         for pull, (policy, read) in zip(request.pulls, reads, strict=True):
-            self._await_pull(pull.table, policy, worker, request.pull_clock, request.wait_s)
+            self._await_pull(pull.table, policy, worker, request.pull_clock, request.wait_s,
+                             alive)
             pulled.append(read())
         return ExchangeResult(outcomes, open_clock, pulled)
 
@@ -422,7 +528,7 @@ class Shard:
             aggregate=lambda: self._sum(name, SparseSum).add(keys, rows),
         )
 
-    def _commit(self, p: _Prepared) -> PushOutcome:
+    def _commit(self, p: _Prepared, alive: Alive = None) -> PushOutcome:
         """Applies (or aggregates, or drops, or keeps the values an assign if absent finds)
         a checked push once, as its table's mode says; answers when that is done."""
         name, table, policy, meta = p.name, p.table, p.policy, p.meta
@@ -434,7 +540,7 @@ class Shard:
             table.count(pushes_duplicate=1)
             return PushOutcome.DUPLICATE
         try:
-            outcome = self._run_push(name, table, policy, meta, p.apply, p.aggregate)
+            outcome = self._run_push(name, table, policy, meta, p.apply, p.aggregate, alive)
         except BaseException:
             self.ledger.abandon(meta.worker, meta.incarnation, meta.seq)
             raise
@@ -443,7 +549,7 @@ class Shard:
 
     def _run_push(
         self, name: str, table: Table, policy: Policy, meta: PushMeta,
-        apply: Callable[[], bool], aggregate: Callable[[], None],
+        apply: Callable[[], bool], aggregate: Callable[[], None], alive: Alive,
     ) -> PushOutcome:
         if meta.assign:
             return PushOutcome.APPLIED if apply() else PushOutcome.KEPT
@@ -461,6 +567,7 @@ class Shard:
                 )
             view = self._wait_for(
                 lambda: self.board.view(meta.worker, meta.clock), policy.on_push, meta.wait_s,
+                alive,
                 lambda last, waited: ClockWaitTimeoutError(
                     f"waited {waited:.1f} s: "
                     + policy.explain_push_wait(name, last, self.board.waiters())
@@ -487,6 +594,8 @@ class Shard:
 
     def tick(self, worker: int, incarnation: int, clock: int, generation: int = 0) -> int:
         """`worker` finished iteration `clock` on this shard; returns the open sync clock."""
+        check_range("the worker id", worker, MAX_WORKER)
+        check_range("the clock", clock, MAX_CLOCK)
         self.check_generation(worker, generation)
         self.ledger.check_incarnation(worker, incarnation)
         with self._clocks:
@@ -499,6 +608,8 @@ class Shard:
         self, worker: int, incarnation: int, generation: int = 0
     ) -> tuple[int, int, bool]:
         """A worker process announces itself: (its clock here, the open clock, is it live)."""
+        check_range("the worker id", worker, MAX_WORKER)
+        check_range("the generation", generation, MAX_CLOCK)
         self.check_generation(worker, generation)
         new = self.ledger.check_incarnation(worker, incarnation)
         with self._clocks:
@@ -511,6 +622,9 @@ class Shard:
 
     def set_live(self, workers: Iterable[int]) -> ClockState:
         """Replaces the live set: the quorum and the ssp minimum follow at once."""
+        workers = list(workers)
+        for worker in workers:
+            check_range("a live worker id", worker, MAX_WORKER)
         with self._clocks:
             self.board.set_live(workers)
             log.info("shard %d: live workers %s (quorum %d)", self.config.shard,
@@ -619,6 +733,8 @@ class Shard:
         are refused from now on. FailedPreconditionError if the snapshot is of another shard
         or shard count.
         """
+        if generation is not None:
+            check_range("the generation", generation, MAX_CLOCK)
         if state is not None and (state.shard, state.num_shards) != (
             self.config.shard, self.config.num_shards
         ):
@@ -660,3 +776,8 @@ class Shard:
             tables = [(t, self._policies[n].mode) for n, t in self._tables.items()]
         return [(t.stats(), mode) for t, mode in tables]
 
+
+def _some(names: Sequence[str], shown: int = 5) -> str:
+    """The first `shown` names, and how many more: error texts stay short however many."""
+    head = ", ".join(repr(n) for n in names[:shown])
+    return head if len(names) <= shown else f"{head} and {len(names) - shown} more"

@@ -257,8 +257,8 @@ class Scheduler:
                                    rollback.generation)
                 done.add(shard)
             except grpc.RpcError as exc:
-                log.warning("scheduler: restoring shard %d failed (%s); retrying", shard,
-                            exc.code())
+                log.warning("scheduler: restoring shard %d to checkpoint %r failed (%s: %s); "
+                            "retrying", shard, checkpoint_id, exc.code(), exc.details())
         if len(done) < self.spec.servers:
             return
         clock = int(next(iter(entries.values()), {}).get("clock", 0)) if entries else 0

@@ -129,6 +129,10 @@ class LaneContext:
     def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
         raise LaneAbort(code, details, self._marks)
 
+    def is_active(self) -> bool:
+        """A lane call has no deadline of its own: its client waits on the connection."""
+        return True
+
 
 Handler = Callable[[bytes, LaneContext], bytes]
 _ACCEPT, _WAKE = object(), object()  # the watcher's own sockets

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -214,3 +215,27 @@ def test_modes_travel_as_enum_and_bound_and_the_bound_holds(procs: Procs) -> Non
             assert err.value.code.name == "DEADLINE_EXCEEDED"
             assert f"clock >= {2 - bound} (staleness {bound}); waiting for workers 1 (clock 0)" \
                 in err.value.details
+
+
+def test_an_abandoned_wait_frees_its_thread(procs: Procs) -> None:
+    """Pulls for a clock that will not come, whose callers give up after 0.3 s: each frees
+    its server thread at once (the wait looks whether its caller is still there) instead of
+    holding it for --max-wait-s, so a server with 2 threads still answers afterwards."""
+    server = procs.server(extra=["--mode", "sync", "--workers", "2", "--grpc-threads", "2",
+                                 "--max-wait-s", "300"])
+    with PSClient([server.address], worker=0) as client:
+        client.declare_dense("w", (4,), optimizer="sgd", lr=1.0)
+        request = pb.ExchangeRequest(worker=1, incarnation=1, pull_clock=5, wait_ms=300_000)
+        request.pulls.add(table="w", dense=True)
+        channel = grpc.insecure_channel(server.address)
+        call = channel.unary_unary("/pstrain.v1.ParameterServer/Exchange")
+        for _ in range(4):
+            with pytest.raises(grpc.RpcError) as err:
+                call(request.SerializeToString(), timeout=0.3)
+            assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        start = time.monotonic()
+        time.sleep(0.5)  # ALIVE_POLL_S and a margin: the last wait has seen its caller go
+        assert client.stats()[0].info.shard == 0
+        assert time.monotonic() - start < 3
+        channel.close()
+    assert "Traceback" not in server.log()

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from procs import Procs
+from procs import Proc, Procs
 
-from protos import codec
+from protos import codec, rpc
 from protos import pstrain_pb2 as pb
 from protos.parts import cut
 from worker.client import PSClient
@@ -26,6 +26,7 @@ _SERVICE = "/pstrain.v1.ParameterServer/"
 class Raw:
     channel: grpc.Channel
     client: PSClient
+    server: Proc
 
     def exchange(self, request: bytes) -> pb.ExchangeResponse:
         call = self.channel.unary_unary(_SERVICE + "Exchange")
@@ -34,6 +35,10 @@ class Raw:
     def stream(self, parts: list[bytes]) -> list[bytes]:
         call = self.channel.stream_stream(_SERVICE + "ExchangeStream")
         return list(call(iter(parts), timeout=10))
+
+    def call(self, method: str, request: bytes) -> bytes:
+        result: bytes = self.channel.unary_unary(_SERVICE + method)(request, timeout=10)
+        return result
 
     def snapshot(self) -> tuple[torch.Tensor, torch.Tensor, int, list[tuple[int, int]]]:
         dense = self.client.pull_dense("w")
@@ -130,6 +135,36 @@ def _then_dense(values: torch.Tensor, shape: list[int], dtype: int = pb.FLOAT32)
     return add
 
 
+def _clock(clock: int) -> Callable[[pb.ExchangeRequest, codec.Payload], None]:
+    def add(msg: pb.ExchangeRequest, payload: codec.Payload) -> None:
+        msg.push_clock = clock
+    return add
+
+
+def _worker(worker: int) -> Callable[[pb.ExchangeRequest, codec.Payload], None]:
+    def add(msg: pb.ExchangeRequest, payload: codec.Payload) -> None:
+        msg.worker = worker
+    return add
+
+
+def _dense_pulls(times: int) -> Callable[[pb.ExchangeRequest, codec.Payload], None]:
+    def add(msg: pb.ExchangeRequest, payload: codec.Payload) -> None:
+        msg.pulls.extend(pb.ExchangePull(table="w", dense=True) for _ in range(times))
+    return add
+
+
+def _sparse_spec(name: str, dim: int) -> pb.TableSpec:
+    return pb.TableSpec(name=name, sparse=pb.SparseSpec(dim=dim, dtype=pb.FLOAT32))
+
+
+def _dense_spec(name: str, shape: list[int]) -> pb.TableSpec:
+    return pb.TableSpec(name=name, dense=pb.DenseSpec(shape=shape, dtype=pb.FLOAT32))
+
+
+def _declare(*specs: pb.TableSpec) -> bytes:
+    return pb.DeclareTablesRequest(tables=list(specs)).SerializeToString()
+
+
 def _then_pull(table: str, span: pb.Span | None = None) -> Callable[
     [pb.ExchangeRequest, codec.Payload], None
 ]:
@@ -141,12 +176,15 @@ def _then_pull(table: str, span: pb.Span | None = None) -> Callable[
 
 @pytest.fixture
 def raw(procs: Procs) -> Iterator[Raw]:
-    server = procs.server(extra=["--max-message-mib", "4", "--chunk-mib", "1"])
+    server = procs.server(extra=["--max-message-mib", "4", "--chunk-mib", "1",
+                                 "--max-answer-mib", "0.001", "--max-table-mib", "1",
+                                 "--max-dim", "64", "--max-tables", "45",
+                                 "--max-declare-tables", "50"])
     client = PSClient([server.address])
     client.declare_dense("w", (8, 4), optimizer="sgd", lr=1.0, init=("uniform", -1, 1))
     client.declare_sparse("e", 4, optimizer="adagrad", lr=0.1)
     channel = grpc.insecure_channel(server.address)
-    yield Raw(channel, client)
+    yield Raw(channel, client, server)
     channel.close()
     client.close()
 
@@ -242,6 +280,75 @@ CASES = [
         lambda r: r.stream(_streamed(torch.full((8, 4), float("nan")))),
         "INVALID_ARGUMENT", "non-finite value (nan) at flat element 0", id="stream-nan",
     ),
+    # Requests that do not decode, and integers past what the server stores.
+    pytest.param(
+        lambda r: r.call("Exchange", b"\xff\xff\xff"),
+        "INVALID_ARGUMENT", "Exchange: the request is not a valid ExchangeRequest",
+        id="undecodable-exchange",
+    ),
+    pytest.param(
+        lambda r: r.exchange(_exchange(_clock(2**63 - 1))),
+        "INVALID_ARGUMENT", "the push clock must lie in [0, 4611686018427387904), got "
+        "9223372036854775807", id="clock-out-of-range",
+    ),
+    pytest.param(
+        lambda r: r.exchange(_exchange(_worker(-1))),
+        "INVALID_ARGUMENT", "the worker id must lie in [0, 2147483648), got -1",
+        id="negative-worker",
+    ),
+    pytest.param(
+        lambda r: r.call("Join", pb.JoinRequest(worker=1, incarnation=1,
+                                                generation=2**63 - 1).SerializeToString()),
+        "INVALID_ARGUMENT", "the generation must lie in [0, 4611686018427387904)",
+        id="join-generation-out-of-range",
+    ),
+    pytest.param(
+        lambda r: r.call("SetMembership",
+                         pb.MembershipRequest(live_workers=[0, 2**40]).SerializeToString()),
+        "INVALID_ARGUMENT", "a live worker id must lie in [0, 2147483648), got 1099511627776",
+        id="membership-worker-out-of-range",
+    ),
+    pytest.param(
+        lambda r: r.call("Restore", pb.RestoreRequest(generation=2**63 - 1).SerializeToString()),
+        "INVALID_ARGUMENT", "the generation must lie in [0, 4611686018427387904)",
+        id="restore-generation-out-of-range",
+    ),
+    # What one request may make the server build or hold.
+    pytest.param(
+        lambda r: r.exchange(_exchange(_dense_pulls(2))),
+        "INVALID_ARGUMENT", "pulls dense table 'w' twice", id="dense-pulled-twice",
+    ),
+    pytest.param(
+        lambda r: r.exchange(_sparse_pull(codec.keys_bytes(np.arange(100)).tobytes())),
+        "RESOURCE_EXHAUSTED", "answer would hold 1600 bytes, over this server's limit of 1048 "
+        "(--max-answer-mib)", id="answer-over-budget",
+    ),
+    pytest.param(
+        lambda r: r.call("DeclareTables", _declare(_sparse_spec("x", 4), _sparse_spec("x", 8))),
+        "INVALID_ARGUMENT", "one declare names table(s) 'x' twice", id="declare-name-twice",
+    ),
+    pytest.param(
+        lambda r: r.call("DeclareTables", _declare(_sparse_spec("wide", 65))),
+        "INVALID_ARGUMENT", "table 'wide': dim 65 is over this server's limit of 64",
+        id="declare-over-dim",
+    ),
+    pytest.param(
+        lambda r: r.call("DeclareTables", _declare(_dense_spec("huge", [2**40]))),
+        "INVALID_ARGUMENT", "table 'huge': shape [1099511627776] of torch.float32 is "
+        "4398046511104 bytes, over this server's limit of 1048576", id="declare-over-bytes",
+    ),
+    pytest.param(
+        lambda r: r.call("DeclareTables",
+                         _declare(*[_sparse_spec(f"t{i}", 4) for i in range(51)])),
+        "RESOURCE_EXHAUSTED", "one declare names 51 tables; this server takes at most 50",
+        id="declare-too-many-at-once",
+    ),
+    pytest.param(
+        lambda r: r.call("DeclareTables",
+                         _declare(*[_sparse_spec(f"t{i}", 4) for i in range(50)])),
+        "RESOURCE_EXHAUSTED", "holds 2 tables and takes at most 45 (--max-tables); 50 more do "
+        "not fit", id="declare-past-table-count",
+    ),
     # An exchange is checked whole before its first push applies or its iteration ends.
     pytest.param(
         lambda r: r.exchange(_exchange(_then_dense(torch.ones(8, 5), [8, 5]))),
@@ -282,6 +389,7 @@ def test_bad_input_gets_status_and_changes_nothing(
     torch.testing.assert_close(after[0], before[0], atol=0, rtol=0)
     torch.testing.assert_close(after[1], before[1], atol=0, rtol=0)
     assert after[2:] == before[2:]
+    assert {t.name for t in raw.client.stats()[0].tables} == {"w", "e"}
 
 
 def test_an_assign_if_absent_answers_whether_it_was_kept(raw: Raw) -> None:
@@ -368,3 +476,41 @@ def test_a_bad_mode_on_the_wire_is_refused_and_declares_nothing(
     assert err.value.code().name == "INVALID_ARGUMENT"
     assert message in (err.value.details() or "")
     assert "m" not in {t.name for t in raw.client.stats()[0].tables}
+
+
+@pytest.mark.parametrize("method", [m.name for m in rpc.METHODS if not m.streams_in])
+def test_an_undecodable_request_to_any_method_is_invalid_argument_without_a_traceback(
+    raw: Raw, method: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        raw.call(method, b"\x0a\xff\xff\xff\xff\x0f")  # a field that claims 4 GiB
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith(f"{method}: the request is not a valid ")
+    assert "Exception deserializing" not in raw.server.log()
+    assert "Traceback" not in raw.server.log()
+    raw.client.stats()  # still serving
+
+
+def test_an_undecodable_streamed_part_is_invalid_argument(raw: Raw) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        raw.stream([b"\x0a\xff\xff\xff\xff\x0f"])
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "ExchangeStream: the request is not a valid ExchangePart" in (
+        err.value.details() or "")
+
+
+def test_not_found_names_a_few_tables_however_many_there_are(raw: Raw) -> None:
+    raw.call("DeclareTables", _declare(*[_sparse_spec(f"t{i:02d}", 4) for i in range(40)]))
+    with pytest.raises(grpc.RpcError) as err:
+        raw.exchange(_sparse_pull(codec.keys_bytes(KEYS).tobytes(), "nope"))
+    details = err.value.details() or ""
+    assert err.value.code() is grpc.StatusCode.NOT_FOUND
+    assert "no table 'nope' (tables: 'e', 't00', 't01', 't02', 't03' and 37 more)" in details
+    assert len(details) < 200
+
+
+def test_a_clock_past_the_limit_leaves_stats_and_membership_working(raw: Raw) -> None:
+    with pytest.raises(grpc.RpcError):
+        raw.exchange(_exchange(_clock(2**63 - 1)))
+    raw.client.stats()
+    raw.call("SetMembership", pb.MembershipRequest(live_workers=[0, 1]).SerializeToString())

@@ -42,7 +42,7 @@ ADDRESSES = {"a": "10.47.0.10", "b": "10.47.0.11", "c0": "10.47.0.12", "c1": "10
 ParseCommand = Callable[[list[str]], argparse.Namespace]
 
 sys.path.insert(0, str(REPO / "tests"))
-from job_worker import batch  # noqa: E402
+from job_worker import local_sync_run  # noqa: E402
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -171,18 +171,6 @@ def claimant(store: JobStore, pid: int) -> int | None:
                  if e.type == "claimed" and e.detail.get("pid") == pid), None)
 
 
-def single_process_sync(workers: int, steps: int, dim: int = 16, lr: float = 0.5) -> torch.Tensor:
-    """What a sync job of tests/job_worker.py computes: SGD on the workers' mean gradient."""
-    w = torch.zeros(dim)
-    for t in range(steps):
-        grads = []
-        for r in range(workers):
-            x, y = batch(r, t, dim)
-            grads.append(x.T @ (torch.sigmoid(x @ w) - y) / len(y))
-        w -= lr * torch.stack(grads).mean(0)
-    return w
-
-
 def test_roles_on_separate_hosts_train_to_the_single_process_result(
     hosts: Hosts, procs: Procs,
 ) -> None:
@@ -202,7 +190,7 @@ def test_roles_on_separate_hosts_train_to_the_single_process_result(
     finals = [json.loads((procs.workdir / "out" / f"worker{r}.json").read_text())
               for r in range(2)]
     assert [f["clock"] for f in finals] == [steps, steps]
-    expected = single_process_sync(2, steps)
+    expected = local_sync_run(2, steps)
     for final in finals:
         assert torch.allclose(torch.tensor(final["w"]), expected, atol=1e-5), final
     # Separate hosts share no memory: every worker's bulk data crossed the network (gRPC).

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import torch
+from beats import server_pid, worker_clock
 from procs import REPO, Procs, wait_until
 
 from scheduler.store import JobStore
@@ -89,16 +90,6 @@ def test_up_refuses_a_bad_value_naming_it() -> None:
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2
     assert "backups must be in [0, workers=2), got 2" in done.stderr
-
-
-def worker_clock(store: JobStore, rank: int) -> int:
-    beat = store.heartbeats("worker", [rank]).get(rank)
-    return -1 if beat is None else int(beat["clock"])
-
-
-def server_pid(store: JobStore, shard: int) -> int | None:
-    beat = store.heartbeats("server", [shard]).get(shard)
-    return None if beat is None else int(beat["pid"])
 
 
 def test_killed_server_restarts_restores_and_the_job_finishes(procs: Procs) -> None:

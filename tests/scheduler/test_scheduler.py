@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from beats import server_pid, worker_clock
 from procs import REPO, Proc, Procs, wait_until
 
 from scheduler.store import JobStore
@@ -213,16 +214,6 @@ def up_sync_job(procs: Procs, redis: str, job: str, steps: int = OUTAGE_STEPS,
         str(procs.workdir / "ckpt"), "--checkpoint-every-clocks", "20", "--log-dir",
         str(procs.workdir / "logs"), "--no-view", JOB_WORKER, "--", "--steps", str(steps),
         "--sleep-ms", "20", "--out", str(procs.workdir / "out")], "up")
-
-
-def worker_clock(store: JobStore, rank: int) -> int:
-    beat = store.heartbeats("worker", [rank]).get(rank)
-    return -1 if beat is None else int(beat["clock"])
-
-
-def server_pid(store: JobStore, shard: int) -> int | None:
-    beat = store.heartbeats("server", [shard]).get(shard)
-    return None if beat is None else int(beat["pid"])
 
 
 def worker_restarts(up: Proc) -> int:

@@ -57,11 +57,11 @@ def cut(cls: type[Part], head: Message, payload: Sequence[memoryview], nbytes: i
 class Joiner(Generic[Part, M]):
     """Joins the parts of one stream. Not thread-safe: one stream, one reader.
 
-    `check_size(nbytes)` sees the announced size on the first part, before any payload is
-    held, and raises to refuse it.
+    `check_head(head, nbytes)` sees the message and the announced size on the first part,
+    before any payload is held, and raises to refuse them.
     """
 
-    def __init__(self, first: Frame[Part], check_size: Callable[[int], None],
+    def __init__(self, first: Frame[Part], check_head: Callable[[Message, int], None],
                  what: str) -> None:
         field = _head_field(type(first.msg))
         if not first.msg.HasField(field):  # type: ignore[arg-type]
@@ -69,7 +69,7 @@ class Joiner(Generic[Part, M]):
         self.head = getattr(first.msg, field)
         self.nbytes = int(first.msg.payload_bytes)
         self.what = what
-        check_size(self.nbytes)
+        check_head(self.head, self.nbytes)
         # Not zeroed (that is a pass over the whole payload): finish() hands it out only
         # once every byte has been written.
         self._buffer = np.empty(self.nbytes, dtype=np.uint8)
@@ -103,13 +103,13 @@ class Joiner(Generic[Part, M]):
         return head, self._buffer.data
 
 
-def join(parts: Iterator[Frame[Part]], check_size: Callable[[int], None],
+def join(parts: Iterator[Frame[Part]], check_head: Callable[[Message, int], None],
          what: str) -> tuple[Message, memoryview]:
     """The message and payload of a whole stream of parts (see Joiner)."""
     first = next(parts, None)
     if first is None:
         raise WireError(f"{what}: the stream ended before its first part")
-    joiner: Joiner[Part, Message] = Joiner(first, check_size, what)
+    joiner: Joiner[Part, Message] = Joiner(first, check_head, what)
     for part in parts:
         joiner.add(part)
     return joiner.finish()

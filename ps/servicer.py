@@ -233,7 +233,7 @@ class ParameterServerServicer:
 
         def run() -> tuple[pb.ExchangeResponse, codec.Payload]:
             try:
-                msg, payload = joined(parts, self._check_request_size, "ExchangeStream")
+                msg, payload = joined(parts, self._check_stream_head, "ExchangeStream")
             except grpc.RpcError as exc:  # the client ended the call mid-stream
                 raise StreamEndedError("the client ended the stream before its last part; "
                                        "nothing of it was applied") from exc
@@ -329,6 +329,13 @@ class ParameterServerServicer:
             if refs and self.bulk is not None:
                 self.bulk.discard(*refs)
             raise
+
+    def _check_stream_head(self, head: object, nbytes: int) -> None:
+        """A streamed exchange's first part: its size and the tables it names are checked
+        before any more of it is received or held."""
+        self._check_request_size(nbytes)
+        if isinstance(head, pb.ExchangeRequest):
+            self.shard.check_tables(wire.tables_named(head))
 
     def _check_request_size(self, nbytes: int) -> None:
         if nbytes > self.limits.max_request_bytes:

@@ -356,6 +356,15 @@ class Shard:
                 )
             return table, self._policies[name]
 
+    def check_tables(self, named: Iterable[tuple[str, bool]]) -> None:
+        """NotFoundError or InvalidArgumentError unless each (table, dense) names a table
+        of that kind here. Thread-safe; changes nothing."""
+        for name, dense in named:
+            if dense:
+                self._dense(name)
+            else:
+                self._sparse(name)
+
     def _dense(self, name: str) -> tuple[DenseTable, Policy]:
         table, policy = self._table(name)
         if not isinstance(table, DenseTable):

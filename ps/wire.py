@@ -30,7 +30,7 @@ from ps.shard import (
 from ps.tables import OptimizerConfig, TableSpec, TableStats
 
 __all__ = ["clocks_to_proto", "exchange_from_proto", "exchange_to_proto", "spec_from_proto",
-           "stats_to_proto"]
+           "stats_to_proto", "tables_named"]
 
 
 def spec_from_proto(msg: pb.TableSpec) -> TableSpec:
@@ -159,3 +159,8 @@ def clocks_to_proto(state: ClockState) -> list[pb.WorkerClock]:
         pb.WorkerClock(worker=w, clock=c, live=w in state.live)
         for w, c in sorted(state.clocks.items())
     ]
+
+
+def tables_named(msg: pb.ExchangeRequest) -> list[tuple[str, bool]]:
+    """(table, dense) for every push and pull of `msg`: what its header alone tells."""
+    return [(p.table, p.dense) for p in msg.pushes] + [(q.table, q.dense) for q in msg.pulls]

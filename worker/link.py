@@ -297,7 +297,7 @@ class Link:
         parts = cut(pb.ExchangePart, msg, payload.parts, payload.nbytes, self.chunk_bytes)
         call = self._stubs().stream(rpc.EXCHANGE_STREAM, parts, self.reach.timeout_s)
 
-        def expected(nbytes: int) -> None:
+        def expected(head: object, nbytes: int) -> None:
             if nbytes != answer_bytes:
                 raise codec.WireError(f"an answer of {nbytes} bytes where {answer_bytes} "
                                       "were due")

@@ -21,8 +21,8 @@ def _parts(buffers: list[bytes], chunk_bytes: int) -> list[codec.Frame[pb.Exchan
             for p in cut(pb.ExchangePart, HEAD, views, total, chunk_bytes)]
 
 
-def _accept(nbytes: int) -> None:
-    del nbytes
+def _accept(head: object, nbytes: int) -> None:
+    del head, nbytes
 
 
 @pytest.mark.parametrize(
@@ -70,11 +70,11 @@ def test_parts_out_of_order_or_past_the_total_are_refused() -> None:
         join(iter([]), _accept, "test")
 
 
-def test_the_size_is_checked_before_any_payload_is_held() -> None:
-    seen: list[int] = []
+def test_the_head_and_size_are_checked_before_any_payload_is_held() -> None:
+    seen: list[tuple[object, int]] = []
 
-    def refuse(nbytes: int) -> None:
-        seen.append(nbytes)
+    def refuse(head: object, nbytes: int) -> None:
+        seen.append((head, nbytes))
         raise OverflowError(f"{nbytes} is too many")
 
     def parts() -> Iterator[codec.Frame[pb.ExchangePart]]:
@@ -84,7 +84,7 @@ def test_the_size_is_checked_before_any_payload_is_held() -> None:
 
     with pytest.raises(OverflowError, match="too many"):
         join(parts(), refuse, "test")
-    assert seen == [1 << 50]
+    assert seen == [(HEAD, 1 << 50)]
 
 
 def test_answers_are_cut_and_joined_the_same_way() -> None:

@@ -277,6 +277,13 @@ CASES = [
         id="stream-over-request-limit",
     ),
     pytest.param(
+        lambda r: r.stream([codec.encode(pb.ExchangePart(
+            request=pb.ExchangeRequest(worker=1, pushes=[pb.ExchangePush(table="nope",
+                                                                         dense=True)]),
+            payload_bytes=1 << 30))]),
+        "NOT_FOUND", "no table 'nope'", id="stream-unknown-table-refused-on-its-first-part",
+    ),
+    pytest.param(
         lambda r: r.stream(_streamed(torch.full((8, 4), float("nan")))),
         "INVALID_ARGUMENT", "non-finite value (nan) at flat element 0", id="stream-nan",
     ),

@@ -273,15 +273,27 @@ class Cluster:
     def request_stop(self) -> None:
         self._stopping = True
 
-    def stop(self) -> None:
-        """Stops every process started here, workers first: SIGTERM, then SIGKILL."""
+    def stop(self, keep_logs: bool = False) -> None:
+        """Stops every process started here, workers first: SIGTERM, then SIGKILL; then
+        removes this run's temporary directory. Without --log-dir, `keep_logs` (a failed
+        run) keeps the logs there, and says where, so the messages that point at them hold."""
         order = {"worker": 0, "server": 1, "scheduler": 2, "redis": 3}
         for child in sorted(self.children, key=lambda c: order.get(c.role, 9)):
             self._terminate(child)
         if self.store is not None:
             with contextlib.suppress(Exception):
                 self.store.redis.close()
-        if not self.config.log_dir:
+        if keep_logs and not self.config.log_dir:
+            for entry in self.tmp.iterdir():
+                if entry == self.log_dir:
+                    continue
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+            print(f"pstrain up: the processes' logs are kept in {self.log_dir}",
+                  file=sys.stderr)
+        else:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
     def _terminate(self, child: Child) -> None:
@@ -367,9 +379,11 @@ def up(config: UpConfig) -> int:
         raise KeyboardInterrupt
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    keep_logs = True  # unless the run ends well, or by the user's interrupt
     try:
         cluster.start()
         code = cluster.run()
+        keep_logs = code != 0
         for child in cluster.children:
             if child.role == "worker":
                 result = _last_json(child.log_path)
@@ -380,6 +394,7 @@ def up(config: UpConfig) -> int:
         print(json.dumps(summary), flush=True)
         return code
     except KeyboardInterrupt:
+        keep_logs = False
         print("pstrain up: interrupted; stopping every process it started", file=sys.stderr)
         return 130
     except _Failed as failed:
@@ -389,7 +404,7 @@ def up(config: UpConfig) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        cluster.stop()
+        cluster.stop(keep_logs=keep_logs)
 
 
 def status_of(store: JobStore, events: int = 20) -> dict[str, Any]:

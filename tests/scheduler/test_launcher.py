@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from beats import server_pid, worker_clock
 from procs import REPO, Procs, wait_until
@@ -82,6 +86,25 @@ def test_worker_exit_status_is_returned(procs: Procs) -> None:
     up = procs.pstrain(["up", "--workers", "2", "--no-view", str(script)], "up")
     assert up.popen.wait(timeout=120) == 3
     assert "worker1 exited with status 3" in up.log()
+    # The log the message points at is still there, and so is the note saying where.
+    pointed = re.search(r"last lines of (\S+):", up.log())
+    assert pointed is not None, up.log()
+    assert Path(pointed.group(1)).is_file()
+    kept = re.search(r"the processes' logs are kept in (\S+)", up.log())
+    assert kept is not None and Path(pointed.group(1)).parent == Path(kept.group(1))
+    shutil.rmtree(Path(kept.group(1)).parent)
+
+
+@pytest.mark.parametrize("log_dir", [True, False], ids=["log-dir", "no-log-dir"])
+def test_a_run_that_ends_well_leaves_no_temporary_directory(procs: Procs, log_dir: bool) -> None:
+    job = f"tidy{os.getpid()}{int(log_dir)}"
+    logs = procs.workdir / "logs"
+    up = procs.pstrain(["up", "--job", job, "--no-view",
+                        *(["--log-dir", str(logs)] if log_dir else []), JOB_WORKER, "--",
+                        "--steps", "3", "--out", str(procs.workdir / "out")], "up")
+    assert up.popen.wait(timeout=120) == 0, up.log()
+    assert not list(Path(tempfile.gettempdir()).glob(f"pstrain-{job}-*"))
+    assert (logs / "worker0.log").is_file() == log_dir
 
 
 def test_up_refuses_a_bad_value_naming_it() -> None:

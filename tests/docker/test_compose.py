@@ -363,7 +363,9 @@ def test_compose_cluster_trains_to_completion_through_a_killed_server_and_worker
 ) -> None:
     job = f"compose{os.getpid()}"
     compose = load_compose({
-        "PSTRAIN_JOB": job, "PSTRAIN_EPOCHS": "4", "PSTRAIN_BATCH_SIZE": "256",
+        # Long enough (625 clocks) that the kills below land while it trains, on a fast
+        # machine too: 4 epochs ended within a second of starting on one.
+        "PSTRAIN_JOB": job, "PSTRAIN_EPOCHS": "20", "PSTRAIN_BATCH_SIZE": "256",
         "PSTRAIN_MAX_SAMPLES": "20000", "PSTRAIN_CHECKPOINT_EVERY_CLOCKS": "20",
     })
     cluster = LocalCompose(compose, procs)
@@ -436,7 +438,7 @@ def test_compose_cluster_trains_to_completion_through_a_killed_server_and_worker
     for replica in workers:
         assert replica.proc is not None
         result = last_json(replica.proc)
-        assert result["train_samples"] == 8000 and result["epochs"] == 4, result
+        assert result["train_samples"] == 8000 and result["epochs"] == 20, result
         assert result["test_auc"] > 0.6, result
     # Checkpoints are in the named volume: both shards of each clock.
     written = [p.relative_to(cluster.volume_root / "checkpoints" / job) for p in

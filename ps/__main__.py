@@ -85,6 +85,9 @@ def parser() -> argparse.ArgumentParser:
                    help="largest single gRPC message accepted, MiB (default 64)")
     p.add_argument("--max-request-mib", type=float, default=4096.0,
                    help="largest whole push accepted, MiB (default 4096)")
+    p.add_argument("--stream-idle-s", type=float, default=60.0,
+                   help="cancel a streamed request that sends nothing for this long "
+                        "(default 60)")
     limits = Limits()
     p.add_argument("--max-answer-mib", type=float, default=limits.max_answer_bytes / MiB,
                    help="largest answer one exchange may make the server build, MiB "
@@ -172,7 +175,8 @@ def build(argv: list[str]) -> Built:
         workers=workers, backups=backups, max_wait_s=a.max_wait_s,
         torch_threads=a.torch_threads, grpc_threads=a.grpc_threads,
         chunk_bytes=int(a.chunk_mib * MiB), max_message_bytes=int(a.max_message_mib * MiB),
-        max_request_bytes=int(a.max_request_mib * MiB), ready_file=a.ready_file,
+        max_request_bytes=int(a.max_request_mib * MiB), stream_idle_s=a.stream_idle_s,
+        ready_file=a.ready_file,
         metrics_port=a.metrics_port, transport=a.transport,
         limits=Limits(max_table_bytes=int(a.max_table_mib * MiB), max_dim=a.max_dim,
                       max_tables=a.max_tables, max_declare=a.max_declare_tables,

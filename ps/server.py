@@ -52,6 +52,7 @@ class ServerConfig:
     chunk_bytes: int = 2 * MiB
     max_message_bytes: int = 64 * MiB
     max_request_bytes: int = 4096 * MiB
+    stream_idle_s: float = 60.0
     ready_file: str = ""
     grace_s: float = 2.0
     metrics_port: int = 0  # 0: no metrics
@@ -65,6 +66,8 @@ class ServerConfig:
                 f"--bind must be HOST:PORT (e.g. 0.0.0.0:7000, or port 0 for any), "
                 f"got {self.bind!r}"
             )
+        if self.stream_idle_s <= 0:
+            raise InvalidArgumentError(f"--stream-idle-s must be > 0, got {self.stream_idle_s}")
         for name in ("torch_threads", "grpc_threads", "chunk_bytes", "max_message_bytes"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -106,7 +109,8 @@ class ParameterServer:
         self.bulk = BulkEndpoint(parse_choice(config.transport), config.shard)
         self.servicer = ParameterServerServicer(
             self.shard,
-            WireLimits(config.chunk_bytes, config.max_message_bytes, config.max_request_bytes),
+            WireLimits(config.chunk_bytes, config.max_message_bytes, config.max_request_bytes,
+                       config.stream_idle_s),
             VERSION,
             self.bulk,
         )

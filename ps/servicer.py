@@ -67,6 +67,50 @@ class WireLimits:
     chunk_bytes: int
     max_message_bytes: int
     max_request_bytes: int
+    # A streamed request that sends no part for this long is cancelled: a stalled client
+    # must not hold a handler thread.
+    stream_idle_s: float = 60.0
+
+
+class _StreamWatch:
+    """Cancels streamed calls that have gone quiet. One daemon thread, running while some
+    stream is open; thread-safe."""
+
+    def __init__(self, idle_s: float) -> None:
+        self.idle_s = idle_s
+        # Guards _due and _thread: call id -> (deadline, the call's cancel).
+        self._lock = threading.Lock()
+        self._due: dict[int, tuple[float, Callable[[], None]]] = {}
+        self._thread: threading.Thread | None = None
+
+    def progress(self, key: int, cancel: Callable[[], None]) -> None:
+        """The call `key` made progress: its deadline moves on."""
+        with self._lock:
+            self._due[key] = (time.monotonic() + self.idle_s, cancel)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ps-stream-watch",
+                                                daemon=True)
+                self._thread.start()
+
+    def done(self, key: int) -> None:
+        with self._lock:
+            self._due.pop(key, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.idle_s / 4))
+            now = time.monotonic()
+            with self._lock:
+                late = [(k, cancel) for k, (due, cancel) in self._due.items() if due <= now]
+                for key, _ in late:
+                    del self._due[key]
+                if not self._due and not late:
+                    self._thread = None  # the next stream starts another
+                    return
+            for _, cancel in late:
+                log.warning("a streamed exchange sent nothing for %.0f s; cancelling it",
+                            self.idle_s)
+                cancel()
 
 
 # Longest a bulk transfer of one request may take once the server starts it.
@@ -122,6 +166,7 @@ class ParameterServerServicer:
         self.limits = limits
         self.version = version
         self.bytes = _ByteCounter()
+        self._watch = _StreamWatch(limits.stream_idle_s)
         # Request latency by method, when the server exports metrics.
         self.latency: Histogram | None = None
 
@@ -231,12 +276,23 @@ class ParameterServerServicer:
         has arrived: a stream cut short (cancelled, past its deadline, its client gone) is
         refused whole, so its retry applies everything once."""
 
+        key = id(context)
+
+        def watched() -> Iterator[Frame[pb.ExchangePart]]:
+            self._watch.progress(key, context.cancel)
+            for part in parts:
+                self._watch.progress(key, context.cancel)
+                yield part
+
         def run() -> tuple[pb.ExchangeResponse, codec.Payload]:
             try:
-                msg, payload = joined(parts, self._check_stream_head, "ExchangeStream")
-            except grpc.RpcError as exc:  # the client ended the call mid-stream
-                raise StreamEndedError("the client ended the stream before its last part; "
-                                       "nothing of it was applied") from exc
+                msg, payload = joined(watched(), self._check_stream_head, "ExchangeStream")
+            except grpc.RpcError as exc:  # the call ended mid-stream (the client, or the watch)
+                raise StreamEndedError("the stream ended before its last part (cancelled by "
+                                       "its client, or idle too long); nothing of it was "
+                                       "applied") from exc
+            finally:
+                self._watch.done(key)
             if not isinstance(msg, pb.ExchangeRequest) or msg.HasField("bulk") or msg.payload:
                 raise InvalidArgumentError(
                     "a streamed exchange carries its payload in its parts, not in the request"

@@ -4,6 +4,8 @@ not the client's."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -521,3 +523,41 @@ def test_a_clock_past_the_limit_leaves_stats_and_membership_working(raw: Raw) ->
         raw.exchange(_exchange(_clock(2**63 - 1)))
     raw.client.stats()
     raw.call("SetMembership", pb.MembershipRequest(live_workers=[0, 1]).SerializeToString())
+
+
+def test_stalled_streams_are_cancelled_and_free_their_threads(procs: Procs) -> None:
+    """Two clients each send the first part of a streamed exchange and then nothing, on a
+    server with two threads: each stream is cancelled once idle for --stream-idle-s, and
+    the server answers other calls again, with nothing applied."""
+    server = procs.server(extra=["--stream-idle-s", "1", "--grpc-threads", "2"])
+    client = PSClient([server.address])
+    client.declare_dense("w", (8, 4), optimizer="sgd", lr=1.0, init=("zeros", 0, 0))
+    first = _streamed(torch.ones(8, 4))[0]
+    release = threading.Event()
+
+    def stalled() -> Iterator[bytes]:
+        yield first
+        release.wait(60)
+
+    channel = grpc.insecure_channel(server.address)
+    call = channel.stream_stream(_SERVICE + "ExchangeStream")
+    errors: list[grpc.StatusCode] = []
+
+    def send() -> None:
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(stalled(), timeout=30))
+        errors.append(err.value.code())
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=send) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    took = time.monotonic() - start
+    release.set()
+    assert errors == [grpc.StatusCode.CANCELLED] * 2 and took < 10, (errors, took)
+    torch.testing.assert_close(client.pull_dense("w"), torch.zeros(8, 4))
+    assert "sent nothing for 1 s; cancelling it" in server.log()
+    channel.close()
+    client.close()

@@ -85,8 +85,6 @@ class Rpc(Generic[Req, Resp]):
                 refuse(context, exc)
             return behaviour(frame, context)
 
-        if self.streams_out and not self.streams_in:  # pragma: no cover - none in the contract
-            raise TypeError(f"{name}: unary-stream methods are not served")
         factory = getattr(grpc, f"{self.shape}_rpc_method_handler")
         handler: grpc.RpcMethodHandler = factory(run)
         return handler

@@ -40,9 +40,7 @@ from ps.errors import (
     RolledBackError,
     StreamEndedError,
 )
-from ps.shard import (
-    Shard,
-)
+from ps.shard import Shard
 
 log = logging.getLogger(__name__)
 

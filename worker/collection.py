@@ -89,21 +89,6 @@ class KeyedJagged:
     def batch_size(self) -> int:
         return self.lengths.numel() // max(len(self.keys), 1)
 
-    @classmethod
-    def from_dense(cls, features: Mapping[str, torch.Tensor]) -> KeyedJagged:
-        """From one tensor per feature: [B] (one id per sample) or [B, L] (L ids each)."""
-        keys = tuple(features)
-        values, lengths = [], []
-        for key in keys:
-            ids = features[key]
-            if ids.dim() not in (1, 2):
-                raise PSModuleError(f"feature {key!r}: ids must be [B] or [B, L], got "
-                                    f"{tuple(ids.shape)}")
-            per_sample = 1 if ids.dim() == 1 else ids.shape[1]
-            values.append(ids.reshape(-1))
-            lengths.append(torch.full((ids.shape[0],), per_sample, dtype=torch.int64))
-        return cls(keys, torch.cat(values), torch.cat(lengths))
-
 
 @dataclass(frozen=True)
 class _Member:
@@ -140,16 +125,19 @@ class _Group(_SparseLookup):
         self.members.append(_Member(name, len(self.members)))
         self._slots = torch.arange(len(self.members), dtype=torch.int64) << ID_BITS
 
+    def _singles(self, split: _Split) -> bool:
+        """Whether every member has exactly one id per sample in `split`."""
+        return all(split.lengths[m.name] is None for m in self.members)
+
     def keys(self, split: _Split) -> torch.Tensor:
         """Every member's ids, namespaced by its slot, as one flat int64 CPU tensor."""
         spans = [split.spans[m.name] for m in self.members]
-        singles = all(split.lengths[m.name] is None for m in self.members)
         contiguous = all(a[1] == b[0] for a, b in itertools.pairwise(spans))
         ids = (split.values[spans[0][0] : spans[-1][1]] if contiguous
                else torch.cat([split.values[a:b] for a, b in spans]))
         if len(self.members) == 1:
             return ids
-        if singles:
+        if self._singles(split):
             # One op for the common case: a [features, batch] view OR its slots' column.
             return (ids.view(len(self.members), split.batch) | self._slots.view(-1, 1)).view(-1)
         totals = torch.tensor([b - a for a, b in spans], dtype=torch.int64)
@@ -160,7 +148,7 @@ class _Group(_SparseLookup):
         them of `split`."""
         inverse, rows = self._lookup(keys)
         batch, count = split.batch, len(self.members)
-        if all(split.lengths[m.name] is None for m in self.members):
+        if self._singles(split):
             # One id per sample: pooling is the row itself.
             return list(F.embedding(inverse.view(count, batch), rows).unbind(0))
         ones = torch.ones(batch, dtype=torch.int64)

@@ -18,18 +18,29 @@ from protos import pstrain_pb2 as pb
 from protos.frames import (
     Frame,
     Payload,
+    Received,
     WireError,
     decode,
     encode,
-    span_of,
 )
 
 # torch warns on every view of an immutable buffer; the views made here are only read.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 __all__ = [
-    "FLOAT_DTYPES", "Frame", "Payload", "WireError", "decode", "dtype_from_wire", "dtype_name",
-    "dtype_to_wire", "encode", "keys_bytes", "keys_from_bytes", "span_of", "tensor_bytes",
+    "FLOAT_DTYPES",
+    "Frame",
+    "Payload",
+    "Received",
+    "WireError",
+    "decode",
+    "dtype_from_wire",
+    "dtype_name",
+    "dtype_to_wire",
+    "encode",
+    "keys_bytes",
+    "keys_from_bytes",
+    "tensor_bytes",
     "tensor_from_bytes",
 ]
 

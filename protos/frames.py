@@ -13,6 +13,7 @@ It imports no torch, so the CLI's admin and health calls start in a fraction of 
 
 from __future__ import annotations
 
+import bisect
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -199,11 +200,75 @@ class Payload:
             pos += part.nbytes
 
 
-def span_of(payload: memoryview, span: pb.Span, what: str) -> memoryview:
-    """The bytes `span` names in `payload`; WireError when it reaches past the end."""
-    end = span.offset + span.length
-    if end > payload.nbytes:
-        raise WireError(
-            f"{what} names bytes [{span.offset}, {end}) of a {payload.nbytes}-byte payload"
-        )
-    return payload[span.offset : end]
+class Received:
+    """A received payload held as the buffers it arrived in, back to back: the parts of a
+    streamed request are not copied into one buffer. Read-only; not copied unless asked."""
+
+    def __init__(self, buffers: Sequence[memoryview]) -> None:
+        self.buffers = [b for b in buffers if b.nbytes]
+        self.starts: list[int] = []
+        self.nbytes = 0
+        for b in self.buffers:
+            self.starts.append(self.nbytes)
+            self.nbytes += b.nbytes
+
+    def _check(self, span: pb.Span, what: str) -> int:
+        end = span.offset + span.length
+        if end > self.nbytes:
+            raise WireError(
+                f"{what} names bytes [{span.offset}, {end}) of a {self.nbytes}-byte payload"
+            )
+        return end
+
+    def span(self, span: pb.Span, what: str) -> memoryview:
+        """The bytes `span` names, as one view: a copy only when they cross buffers;
+        WireError when the span reaches past the end."""
+        pieces = [view for _, view in self._cover(span.offset, self._check(span, what))]
+        if len(pieces) == 1:
+            return pieces[0]
+        return memoryview(b"".join(pieces))
+
+    def elements(self, span: pb.Span, itemsize: int, what: str) -> list[tuple[int, memoryview]]:
+        """The bytes `span` names as (element offset, view) pieces in order, each a whole
+        number of `itemsize`-byte elements; only an element cut between two buffers is
+        copied. WireError when the span reaches past the end or is not whole elements."""
+        end = self._check(span, what)
+        if span.length % itemsize:
+            raise WireError(f"{what} carries {span.length} bytes, not a whole number of "
+                            f"{itemsize}-byte elements")
+        out: list[tuple[int, memoryview]] = []
+        carry = b""  # the head of an element cut at the end of the previous buffer
+        for start, piece in self._cover(span.offset, end):
+            at, view = start - span.offset, piece
+            if carry:
+                need = itemsize - len(carry)
+                carry += bytes(view[:need])
+                if len(carry) < itemsize:
+                    continue
+                out.append(((at + need) // itemsize - 1, memoryview(carry)))
+                at, view, carry = at + need, view[need:], b""
+            whole = view.nbytes - view.nbytes % itemsize
+            if whole:
+                out.append((at // itemsize, view[:whole]))
+            carry = bytes(view[whole:])
+        return out
+
+    def whole(self) -> memoryview:
+        """All of it as one writable buffer (a copy; the buffers are left as they are)."""
+        out = bytearray(self.nbytes)
+        view = memoryview(out)
+        for at, b in zip(self.starts, self.buffers, strict=True):
+            view[at : at + b.nbytes] = b
+        return view
+
+    def _cover(self, begin: int, end: int) -> list[tuple[int, memoryview]]:
+        """(payload offset, view) of the buffers' bytes in [begin, end), in order."""
+        out = []
+        i = max(0, bisect.bisect_right(self.starts, begin) - 1)
+        while i < len(self.buffers) and self.starts[i] < end:
+            at, b = self.starts[i], self.buffers[i]
+            lo, hi = max(begin, at), min(end, at + b.nbytes)
+            if hi > lo:
+                out.append((lo, b[lo - at : hi - at]))
+            i += 1
+        return out

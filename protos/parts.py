@@ -2,9 +2,10 @@
 
 The first part carries the message (with an empty payload) and the payload's total size;
 every part carries the next bytes of the payload, at the offset it names. `Joiner` takes
-the parts as they arrive and hands back the message and its payload only when exactly the
-announced bytes have arrived in order, so a stream that ends early is refused whole. Both
-ends use this for both directions (ExchangePart, ExchangeAnswerPart). Torch-free.
+the parts as they arrive and hands back the message and its payload (the parts' own
+buffers, not copied) only when exactly the announced bytes have arrived in order, so a
+stream that ends early is refused whole. Both ends use this for both directions
+(ExchangePart, ExchangeAnswerPart). Torch-free.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, TypeVar
 
-import numpy as np
 from google.protobuf.message import Message
 
 from protos import pstrain_pb2 as pb
-from protos.frames import Frame, WireError, encode
+from protos.frames import Frame, Received, WireError, encode
 
 Part = TypeVar("Part", pb.ExchangePart, pb.ExchangeAnswerPart)
 M = TypeVar("M", bound=Message)
@@ -70,9 +70,7 @@ class Joiner(Generic[Part, M]):
         self.nbytes = int(first.msg.payload_bytes)
         self.what = what
         check_head(self.head, self.nbytes)
-        # Not zeroed (that is a pass over the whole payload): finish() hands it out only
-        # once every byte has been written.
-        self._buffer = np.empty(self.nbytes, dtype=np.uint8)
+        self._buffers: list[memoryview] = []
         self._received = 0
         self.add(first)
 
@@ -89,10 +87,10 @@ class Joiner(Generic[Part, M]):
             raise WireError(
                 f"{self.what}: parts carry more than the {self.nbytes} bytes announced"
             )
-        self._buffer[self._received : end] = data
+        self._buffers.append(data)
         self._received = end
 
-    def finish(self) -> tuple[M, memoryview]:
+    def finish(self) -> tuple[M, Received]:
         """The message and its whole payload; WireError when bytes are missing."""
         if self._received != self.nbytes:
             raise WireError(
@@ -100,11 +98,11 @@ class Joiner(Generic[Part, M]):
                 f"{self.nbytes} bytes announced; nothing of it was applied"
             )
         head: M = self.head
-        return head, self._buffer.data
+        return head, Received(self._buffers)
 
 
 def join(parts: Iterator[Frame[Part]], check_head: Callable[[Message, int], None],
-         what: str) -> tuple[Message, memoryview]:
+         what: str) -> tuple[Message, Received]:
     """The message and payload of a whole stream of parts (see Joiner)."""
     first = next(parts, None)
     if first is None:

@@ -263,7 +263,8 @@ class ParameterServerServicer:
             if request.msg.HasField("bulk"):
                 return self._exchange_bulk(request.msg, context.is_active)
             self._check_request_size(payload.nbytes)
-            response, out = self._exchange(request.msg, payload, context.is_active)
+            response, out = self._exchange(request.msg, codec.Received([payload]),
+                                           context.is_active)
             return codec.encode(response, {"payload": out.parts})
 
         return _guard(run, context)
@@ -301,7 +302,7 @@ class ParameterServerServicer:
         yield from cut(pb.ExchangeAnswerPart, response, out.parts, out.nbytes,
                        self.limits.chunk_bytes)
 
-    def _exchange(self, msg: pb.ExchangeRequest, payload: memoryview,
+    def _exchange(self, msg: pb.ExchangeRequest, payload: codec.Received,
                   alive: Callable[[], bool]) -> tuple[pb.ExchangeResponse, codec.Payload]:
         self.bytes.add(received=payload.nbytes)
         exchange = wire.exchange_from_proto(msg, payload)
@@ -317,7 +318,7 @@ class ParameterServerServicer:
             self._check_request_size(msg.bulk.length)
         with bulk.read(msg.bulk, BULK_TIMEOUT_S) as payload:
             self.bytes.add(received=payload.nbytes)
-            exchange = wire.exchange_from_proto(msg, payload)
+            exchange = wire.exchange_from_proto(msg, codec.Received([payload]))
             result = self.shard.exchange(exchange, alive)
         response, out = wire.exchange_to_proto(exchange, result)
         if out.nbytes != msg.answer.length:

@@ -168,7 +168,9 @@ class DensePush:
     meta: PushMeta
     dtype: torch.dtype
     shape: tuple[int, ...]
-    values: torch.Tensor  # the whole block, flat
+    # The block's gradient (or values) as (flat element offset, 1-d slice) parts covering it
+    # once, as they came off the wire; empty for an empty block.
+    parts: Sequence[tuple[int, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -448,7 +450,7 @@ class Shard:
         prepared = [
             self._prepare_sparse(p.table, p.meta, p.dtype, p.dim, p.keys, p.values)
             if isinstance(p, SparsePush)
-            else self._prepare_dense(p.table, p.meta, p.dtype, p.shape, p.values)
+            else self._prepare_dense(p.table, p.meta, p.dtype, p.shape, p.parts)
             for p in request.pushes
         ]
         # Resolved and checked once, here, before anything changes: each pull's policy and
@@ -490,14 +492,14 @@ class Shard:
 
     def _prepare_dense(
         self, name: str, meta: PushMeta, dtype: torch.dtype, shape: tuple[int, ...],
-        values: torch.Tensor,
+        received: Sequence[tuple[int, torch.Tensor]],
     ) -> _Prepared:
         table, policy = self._dense(name)
-        received = [(0, values)] if values.numel() else []
         try:
             table.check_push(dtype, shape)
             if not meta.assign and not table.spec.allow_non_finite:
-                check_finite(name, values)
+                for offset, part in received:
+                    check_finite(name, part, offset)
         except PSError:
             table.count(pushes_rejected=1)
             raise

@@ -171,14 +171,15 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def check_finite(table: str, values: torch.Tensor) -> None:
-    """InvalidArgumentError naming the first NaN or Inf element of a gradient."""
+def check_finite(table: str, values: torch.Tensor, offset: int = 0) -> None:
+    """InvalidArgumentError naming the first NaN or Inf element of a gradient, or of its
+    part that starts at flat element `offset`."""
     first = rows_first_nonfinite(values)
     if first >= 0:
         bad = values.reshape(-1)[first].item()
         raise InvalidArgumentError(
             f"gradient for table {table!r} has a non-finite value ({bad}) at flat element "
-            f"{first}; the push was refused whole. Fix the gradient (clip it, lower "
+            f"{offset + first}; the push was refused whole. Fix the gradient (clip it, lower "
             f"the learning rate) or declare the table with allow_non_finite"
         )
 

@@ -76,8 +76,9 @@ def _push_result(outcome: PushOutcome, elements: int) -> pb.PushResponse:
     )
 
 
-def exchange_from_proto(msg: pb.ExchangeRequest, payload: memoryview) -> Exchange:
-    """A domain Exchange from its wire form; WireError or InvalidArgumentError if malformed."""
+def exchange_from_proto(msg: pb.ExchangeRequest, payload: codec.Received) -> Exchange:
+    """A domain Exchange from its wire form; WireError or InvalidArgumentError if malformed.
+    A dense push keeps the pieces its bytes arrived in (see DensePush)."""
     wait_s = msg.wait_ms / 1000
     pushes: list[SparsePush | DensePush] = []
     for p in msg.pushes:
@@ -86,24 +87,27 @@ def exchange_from_proto(msg: pb.ExchangeRequest, payload: memoryview) -> Exchang
                         clock=msg.push_clock, assign=p.assign, wait_s=wait_s,
                         generation=msg.generation, if_absent=p.if_absent)
         dtype = codec.dtype_from_wire(p.dtype)
-        values = codec.span_of(payload, p.values, what)
         if not p.dense:
-            keys = codec.keys_from_bytes(codec.span_of(payload, p.keys, what))
+            keys = codec.keys_from_bytes(payload.span(p.keys, what))
+            values = payload.span(p.values, what)
             pushes.append(SparsePush(p.table, meta, dtype, p.dim, keys, values))
             continue
         shape = tuple(p.shape)
         itemsize = dtype.itemsize
         expected = math.prod(shape) * itemsize
-        if values.nbytes != expected:
+        if p.values.length != expected:
             raise InvalidArgumentError(
-                f"dense push to {p.table!r} carries {values.nbytes} bytes but shape "
+                f"dense push to {p.table!r} carries {p.values.length} bytes but shape "
                 f"{list(shape)} of {codec.dtype_name(p.dtype)} needs {expected}"
             )
-        flat = codec.tensor_from_bytes(values, dtype, (expected // itemsize,))
-        pushes.append(DensePush(p.table, meta, dtype, shape, flat))
+        parts = [
+            (offset, codec.tensor_from_bytes(view, dtype, (view.nbytes // itemsize,)))
+            for offset, view in payload.elements(p.values, itemsize, what)
+        ]
+        pushes.append(DensePush(p.table, meta, dtype, shape, parts))
     pulls = [
         Pull(q.table) if q.dense else Pull(
-            q.table, codec.keys_from_bytes(codec.span_of(payload, q.keys, f"pull of {q.table!r}"))
+            q.table, codec.keys_from_bytes(payload.span(q.keys, f"pull of {q.table!r}"))
         )
         for q in msg.pulls
     ]
@@ -136,7 +140,7 @@ def exchange_to_proto(
 
 
 def _elements(push: SparsePush | DensePush) -> int:
-    return len(push.keys) * push.dim if isinstance(push, SparsePush) else push.values.numel()
+    return len(push.keys) * push.dim if isinstance(push, SparsePush) else math.prod(push.shape)
 
 
 def stats_to_proto(s: TableStats, mode: modes.Mode) -> pb.TableStats:

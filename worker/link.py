@@ -262,7 +262,7 @@ class Link:
     # ---- the data call -------------------------------------------------------------------
 
     def exchange(self, msg: pb.ExchangeRequest, payload: codec.Payload,
-                 answer_bytes: int) -> tuple[pb.ExchangeResponse, memoryview]:
+                 answer_bytes: int) -> tuple[pb.ExchangeResponse, codec.Received]:
         """One try of an exchange: the answer and its payload (`answer_bytes` long).
 
         Through the bulk transport where one is agreed and takes the request; a transport
@@ -284,16 +284,16 @@ class Link:
                     answer = np.frombuffer(region.view, dtype=np.uint8, count=answer_bytes,
                                            offset=payload.nbytes)
                     weakref.finalize(answer, region.release)
-                    return frame.msg, answer.data
+                    return frame.msg, codec.Received([answer.data])
         limit = 2 * self.chunk_bytes
         if payload.nbytes <= limit and answer_bytes <= limit:
             data = codec.encode(msg, {"payload": payload.parts})
             frame = self.unary(rpc.EXCHANGE, data)
-            return frame.msg, frame.payload("payload")
+            return frame.msg, codec.Received([frame.payload("payload")])
         return self._stream(msg, payload, answer_bytes)
 
     def _stream(self, msg: pb.ExchangeRequest, payload: codec.Payload,
-                answer_bytes: int) -> tuple[pb.ExchangeResponse, memoryview]:
+                answer_bytes: int) -> tuple[pb.ExchangeResponse, codec.Received]:
         parts = cut(pb.ExchangePart, msg, payload.parts, payload.nbytes, self.chunk_bytes)
         call = self._stubs().stream(rpc.EXCHANGE_STREAM, parts, self.reach.timeout_s)
 
@@ -309,7 +309,7 @@ class Link:
             raise PSClientError(str(exc)) from exc
         if not isinstance(response, pb.ExchangeResponse):  # pragma: no cover - by construction
             raise PSClientError(f"shard {self.index} answered {type(response).__name__}")
-        return response, data
+        return response, codec.Received([data.whole()])  # one buffer, writable
 
     # ---- what the link uses ----------------------------------------------------------------
 

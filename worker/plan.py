@@ -173,7 +173,7 @@ class ExchangePlan:
             for i, (msg, payload) in sorted(self._shards.items())
         ]
 
-    def unpack(self, index: int, msg: pb.ExchangeResponse, payload: memoryview) -> None:
+    def unpack(self, index: int, msg: pb.ExchangeResponse, payload: codec.Received) -> None:
         """Puts shard `index`'s answer (its pulled parts in `payload`) where the pulls want
         it. A pull answered whole by one shard keeps a writable `payload`'s memory as its
         tensor (no copy); read-only answers are copied."""
@@ -184,7 +184,7 @@ class ExchangePlan:
             )
         for (pull, where), part in zip(routes, msg.pulled, strict=True):
             out = self._outputs[pull]
-            data = codec.span_of(payload, part.values, f"shard {index}'s answer")
+            data = payload.span(part.values, f"shard {index}'s answer")
             values = codec.tensor_from_bytes(data, out.dtype, tuple(part.shape))
             if out.parts == 1 and not data.readonly and values.numel():
                 out.values = values.view(out.shape)

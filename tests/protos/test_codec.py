@@ -72,3 +72,47 @@ def test_size_mismatch_names_both_sizes() -> None:
         codec.dtype_from_wire(99)
     with pytest.raises(codec.WireError, match="cannot travel"):
         codec.dtype_to_wire(torch.complex64)
+
+
+DATA = bytes(range(40))
+
+
+def received(cut_every: int) -> codec.Received:
+    return codec.Received([memoryview(DATA[i : i + cut_every])
+                           for i in range(0, len(DATA), cut_every)])
+
+
+@pytest.mark.parametrize("cut_every", [1, 3, 7, 40])
+def test_a_received_payload_reads_like_its_bytes_back_to_back(cut_every: int) -> None:
+    payload = received(cut_every)
+    assert payload.nbytes == 40 and bytes(payload.whole()) == DATA
+    assert not payload.whole().readonly  # the one copy is the caller's to keep
+    for offset, length in [(0, 40), (5, 11), (39, 1), (12, 0)]:
+        span = pb.Span(offset=offset, length=length)
+        assert bytes(payload.span(span, "x")) == DATA[offset : offset + length]
+        if length % 4 == 0:
+            pieces = payload.elements(span, 4, "x")
+            at = 0
+            for element, view in pieces:  # whole elements, in order, each byte once
+                assert element * 4 == at and view.nbytes % 4 == 0
+                at += view.nbytes
+            assert b"".join(bytes(v) for _, v in pieces) == DATA[offset : offset + length]
+
+
+def test_a_span_inside_one_buffer_is_not_copied() -> None:
+    data = bytearray(DATA)
+    payload = codec.Received([memoryview(data)[:20], memoryview(data)[20:]])
+    view = payload.span(pb.Span(offset=4, length=8), "x")
+    data[4] = 99
+    assert view[0] == 99
+    ((_, piece),) = payload.elements(pb.Span(offset=24, length=8), 4, "x")
+    data[24] = 77
+    assert piece[0] == 77
+
+
+def test_spans_past_the_end_or_of_part_elements_are_wire_errors() -> None:
+    payload = received(7)
+    with pytest.raises(codec.WireError, match=r"keys names bytes \[36, 44\) of a 40-byte"):
+        payload.span(pb.Span(offset=36, length=8), "keys")
+    with pytest.raises(codec.WireError, match=r"carries 6 bytes, not a whole number of 4-byte"):
+        payload.elements(pb.Span(offset=0, length=6), 4, "push")

@@ -534,7 +534,7 @@ def test_a_checkpoint_keeps_whether_each_dense_block_was_written(tmp_path: Path)
                    for name in ("trained", "blank", "old")])
     for name in ("trained", "old"):
         push = DensePush(name, PushMeta(0, 1, len(name), assign=True), torch.float32, (3,),
-                         torch.ones(3))
+                         [(0, torch.ones(3))])
         shard.exchange(Exchange(worker=0, incarnation=1, generation=0, push_clock=0,
                                 pushes=[push], end_iteration=False, pull_clock=0, pulls=[]))
     state = shard.snapshot("c000002")
@@ -545,7 +545,7 @@ def test_a_checkpoint_keeps_whether_each_dense_block_was_written(tmp_path: Path)
     back = Shard(config)
     back.restore(read_shard(written.path, written.sha256))
     offers = [DensePush(name, PushMeta(1, 1, seq, assign=True, if_absent=True), torch.float32,
-                        (3,), torch.full((3,), 7.0))
+                        (3,), [(0, torch.full((3,), 7.0))])
               for seq, name in enumerate(("trained", "blank", "old"), 1)]
     result = back.exchange(Exchange(worker=1, incarnation=1, generation=0, push_clock=0,
                                     pushes=offers, end_iteration=False, pull_clock=0,

@@ -145,7 +145,7 @@ def pull_sparse(shard: Shard, name: str, worker: int, clock: int, keys: np.ndarr
 
 
 def push_dense(shard: Shard, name: str, meta: PushMeta, values: torch.Tensor) -> PushOutcome:
-    push = DensePush(name, meta, values.dtype, tuple(values.shape), values.reshape(-1))
+    push = DensePush(name, meta, values.dtype, tuple(values.shape), [(0, values.reshape(-1))])
     outcome: PushOutcome = _one(shard, meta.worker, push, clock=meta.clock)
     return outcome
 
@@ -406,7 +406,7 @@ def test_a_table_that_allows_non_finite_values_takes_them() -> None:
 
 def test_a_refused_exchange_changes_nothing() -> None:
     shard, _ = make_shard("sync")
-    good = DensePush("w", PushMeta(0, 1, 1, 0), F32, (4,), torch.ones(4))
+    good = DensePush("w", PushMeta(0, 1, 1, 0), F32, (4,), [(0, torch.ones(4))])
     bad = SparsePush("emb", PushMeta(0, 1, 2, 0), F32, 3, np.array([1], dtype=np.int64),
                      codec.tensor_bytes(torch.ones(1, 3)))
     request = Exchange(worker=0, incarnation=1, generation=0, push_clock=0,

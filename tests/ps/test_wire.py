@@ -23,20 +23,38 @@ from ps.shard import (
 )
 
 
-def request(*parts: bytes) -> tuple[pb.ExchangeRequest, memoryview, list[pb.Span]]:
+def request(*parts: bytes, cut_every: int = 0
+            ) -> tuple[pb.ExchangeRequest, codec.Received, list[pb.Span]]:
+    """A request header, its payload (in buffers of `cut_every` bytes, as a stream's parts
+    arrive, or one buffer), and the span of each part."""
     payload = codec.Payload()
     spans = [payload.add(p) for p in parts]
+    data = b"".join(bytes(p) for p in payload.parts)
+    step = cut_every or max(1, len(data))
+    buffers = [memoryview(data[i : i + step]) for i in range(0, len(data), step)]
     return pb.ExchangeRequest(worker=3, incarnation=9, generation=2, push_clock=5,
-                              pull_clock=6, wait_ms=1500), \
-        memoryview(b"".join(bytes(p) for p in payload.parts)), spans
+                              pull_clock=6, wait_ms=1500), codec.Received(buffers), spans
 
 
-def test_an_exchange_becomes_its_domain_values() -> None:
+def whole(push: DensePush) -> torch.Tensor:
+    """A dense push's parts put back together, checking they cover the block once in order."""
+    at = 0
+    for offset, part in push.parts:
+        assert offset == at
+        at += part.numel()
+    return torch.cat([part for _, part in push.parts]) if push.parts else torch.empty(0)
+
+
+# The dense push's 16 bytes start at byte 50, off a 4-byte boundary; buffers of `cut_every`
+# bytes cut its elements in different places, and the pieces follow the buffers.
+@pytest.mark.parametrize(("cut_every", "pieces"), [(0, 1), (1, 4), (3, 4), (5, 4), (16, 2)])
+def test_an_exchange_becomes_its_domain_values(cut_every: int, pieces: int) -> None:
     keys = np.array([4, -1, 2**40], dtype="<i8")
     rows = torch.arange(6, dtype=torch.float32)
-    dense = torch.ones(4, dtype=torch.float32)
-    msg, payload, (k, v, d, pk) = request(keys.tobytes(), codec.tensor_bytes(rows),
-                                          codec.tensor_bytes(dense), keys[:2].tobytes())
+    dense = torch.arange(4, dtype=torch.float32)
+    msg, payload, (k, v, _, d, pk) = request(
+        keys.tobytes(), codec.tensor_bytes(rows), bytes(2), codec.tensor_bytes(dense),
+        keys[:2].tobytes(), cut_every=cut_every)
     msg.pushes.add(table="e", seq=7, dtype=pb.FLOAT32, dim=2, keys=k, values=v)
     msg.pushes.add(table="w", seq=8, dtype=pb.FLOAT32, shape=[2, 2], values=d, dense=True,
                    assign=True, if_absent=True)
@@ -53,7 +71,8 @@ def test_an_exchange_becomes_its_domain_values() -> None:
     assert sparse.keys.tolist() == keys.tolist() and sparse.dim == 2
     assert bytes(sparse.values) == codec.tensor_bytes(rows).tobytes()
     assert dense_push.meta.assign and dense_push.meta.if_absent
-    assert dense_push.shape == (2, 2) and torch.equal(dense_push.values, dense)
+    assert dense_push.shape == (2, 2) and torch.equal(whole(dense_push), dense)
+    assert len(dense_push.parts) == pieces
     assert ex.pulls[0] == Pull("w")
     assert ex.pulls[1].keys is not None and ex.pulls[1].keys.tolist() == [4, -1]
 
@@ -81,9 +100,9 @@ def test_answers_carry_each_outcome_and_the_pulled_bytes() -> None:
     meta = PushMeta(0, 1, 1)
     pushes = [
         SparsePush("e", meta, torch.float32, 2, np.array([1, 2]), memoryview(bytes(16))),
-        DensePush("w", meta, torch.float32, (3,), torch.zeros(3)),
-        DensePush("w", meta, torch.float32, (3,), torch.zeros(3)),
-        DensePush("w", meta, torch.float32, (3,), torch.zeros(3)),
+        DensePush("w", meta, torch.float32, (3,), [(0, torch.zeros(3))]),
+        DensePush("w", meta, torch.float32, (3,), [(0, torch.zeros(3))]),
+        DensePush("w", meta, torch.float32, (3,), [(0, torch.zeros(3))]),
     ]
     exchange = Exchange(0, 1, 0, 0, pushes, True, 1, [Pull("w")])
     pulled = torch.arange(3, dtype=torch.float32)
@@ -96,8 +115,8 @@ def test_answers_carry_each_outcome_and_the_pulled_bytes() -> None:
     assert response.open_clock == 4
     (answer,) = response.pulled
     assert list(answer.shape) == [3] and answer.dtype == pb.FLOAT32
-    payload = memoryview(b"".join(bytes(p) for p in out.parts))
-    assert bytes(codec.span_of(payload, answer.values, "pull")) == pulled.numpy().tobytes()
+    payload = codec.Received(out.parts)
+    assert bytes(payload.span(answer.values, "pull")) == pulled.numpy().tobytes()
 
 
 def test_a_table_spec_becomes_its_domain_value_and_a_bad_one_is_refused() -> None:

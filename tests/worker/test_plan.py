@@ -32,7 +32,7 @@ def plan(end_iteration: bool = False) -> ExchangePlan:
 
 
 def serve(request: pb.ExchangeRequest, payload: memoryview, rows: dict[int, float],
-          writable: bool = False) -> tuple[pb.ExchangeResponse, memoryview]:
+          writable: bool = False) -> tuple[pb.ExchangeResponse, codec.Received]:
     """What a shard would answer: dense blocks of its own rows, sparse rows key * 10."""
     out = codec.Payload()
     response = pb.ExchangeResponse()
@@ -42,14 +42,14 @@ def serve(request: pb.ExchangeRequest, payload: memoryview, rows: dict[int, floa
             values = torch.arange(block.start * 2, block.end * 2, dtype=torch.float32)
             values = values.reshape(block.rows, 2)
         else:
-            keys = codec.keys_from_bytes(codec.span_of(payload, pull.keys, "keys"))
+            keys = codec.keys_from_bytes(codec.Received([payload]).span(pull.keys, "keys"))
             values = torch.from_numpy(keys.astype(np.float32) * 10).reshape(-1, 1).repeat(1, 4)
         response.pulled.append(pb.ExchangePulled(
             dtype=pb.FLOAT32, shape=list(values.shape),
             values=out.add(codec.tensor_bytes(values.contiguous()))))
     data = bytearray(out.nbytes)
     out.copy_into(memoryview(data))
-    return response, memoryview(data if writable else bytes(data))
+    return response, codec.Received([memoryview(data if writable else bytes(data))])
 
 
 def payload_of(request: pb.ExchangeRequest, payload: codec.Payload) -> memoryview:
@@ -75,7 +75,7 @@ def test_a_step_is_one_request_per_shard_and_answers_come_back_in_order() -> Non
         sparse = [push for push in msg.pushes if not push.dense]
         data = payload_of(msg, payload)
         for push in sparse:
-            pushed = codec.keys_from_bytes(codec.span_of(data, push.keys, "keys"))
+            pushed = codec.keys_from_bytes(codec.Received([data]).span(push.keys, "keys"))
             assert (shard_of_keys(pushed, SHARDS) == index).all()
             assert len(set(pushed.tolist())) == len(pushed)  # repeats summed before sending
         response, answer = serve(msg, data, {"shard": index})
@@ -115,7 +115,8 @@ def test_a_pull_one_shard_answers_keeps_a_writable_answer_without_a_copy(writabl
     p.unpack(index, response, answer)
     (rows,) = p.results()
     assert rows.tolist() == [[30.0] * 4]
-    shares = rows.untyped_storage().data_ptr() == np.frombuffer(answer, np.uint8).ctypes.data
+    (buffer,) = answer.buffers
+    shares = rows.untyped_storage().data_ptr() == np.frombuffer(buffer, np.uint8).ctypes.data
     assert shares is writable  # read-only answers (gRPC's buffers) are copied
 
 

@@ -184,6 +184,11 @@ class LaneServer:
         """The watcher: accepts connections and hands each frame's connection to `run`."""
         while True:
             events = self._selector.select()
+            # Wake-ups are read before the parked list is taken: a connection parked after
+            # this read sends a wake-up of its own, so none is left parked unwatched.
+            if any(key.data is _WAKE for key, _ in events):
+                with contextlib.suppress(BlockingIOError):
+                    self._wake_r.recv(4096)
             with self._lock:
                 if self._closed:
                     return
@@ -193,10 +198,7 @@ class LaneServer:
             for key, _ in events:
                 if key.data is _ACCEPT:
                     self._accept()
-                elif key.data is _WAKE:
-                    with contextlib.suppress(BlockingIOError):
-                        self._wake_r.recv(4096)
-                else:
+                elif key.data is not _WAKE:
                     self._selector.unregister(key.fileobj)
                     self._start(self._serve_one, key.data)
 

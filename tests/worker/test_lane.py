@@ -230,6 +230,37 @@ def test_lane_calls_answer_in_order_from_many_threads(
     assert 1 <= server.connections() <= 4  # one per call in flight, kept for the next
 
 
+def test_no_call_is_left_waiting_when_answers_end_together(
+    lane_server: tuple[LaneServer, LaneClient], request: pytest.FixtureRequest
+) -> None:
+    """Two calls at a time, in rounds: their connections go back to the watcher at nearly
+    the same moment, and each must be watched again at once (a wake-up read for one must
+    not hide the other's), or its call waits out its deadline while the other waits for it."""
+    _, client = lane_server
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads interleave often, as on a loaded server
+    request.addfinalizer(lambda: sys.setswitchinterval(switch))
+    rounds = threading.Barrier(2)
+    late: list[str] = []
+
+    def run(i: int) -> None:
+        for k in range(4000):
+            try:
+                client.call(b"%d" % k, 1.0)
+            except LaneError as exc:
+                late.append(f"call {k} of thread {i}: {exc}")
+                rounds.abort()
+                return
+            rounds.wait(timeout=5)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not late and client.calls == 8000
+
+
 def test_lane_refusals_deadlines_and_bugs(lane_server: tuple[LaneServer, LaneClient]) -> None:
     server, client = lane_server
     with pytest.raises(LaneError) as err:

@@ -14,8 +14,10 @@ that the machine's noise falls on all of them alike:
 - each bulk transport (grpc, shm, ucx where installed, and auto) beside a PyTorch RPC
   (torch.distributed.rpc over TensorPipe) parameter server in its own process doing the same
   work: dense pull and push of 1, 16 and 64 MiB, and sparse pull (index_select) and push (SGD
-  through index_add_) of 64k rows x dim 64 on a table of the same size. `torchrpc_ratio`
-  holds pstrain's rate with transport auto over PyTorch RPC's for the four headline figures;
+  through index_add_) of 64k rows x dim 64 on a table of the same size, and a small
+  training step's round trip (push 128 rows' gradients and pull 128 rows in one exchange;
+  `small_step_us`, microseconds per step). `torchrpc_ratio` holds pstrain's rate with
+  transport auto over PyTorch RPC's for the four headline figures;
 - across hosts (`cross_host`): two hosts made of network namespaces joined by a veth pair
   (benchmarks/netns.py; needs root), pstrain's server and a PyTorch RPC server on one, a
   client on the other: the transport the handshake picks, then gRPC (and UCX over TCP where
@@ -60,12 +62,13 @@ import netns  # noqa: E402  (benchmarks/netns.py, beside this script)
 from protos.runtime import tune_malloc  # noqa: E402
 from protos.transport import available  # noqa: E402
 from ps.index import KeyIndex  # noqa: E402
-from worker.client import PSClient  # noqa: E402
+from worker.client import PSClient, Pull, Push  # noqa: E402
 
 MiB = 1024 * 1024
 PARTS = ["dense", "sparse", "index", "transports", "cross-host"]
 RAW_SERVICE = "/bench.Raw/"
 TRPC_LR = 1e-9
+STEP_ROWS = 128  # rows pushed and pulled by a small training step (small_step_us)
 
 
 # ---- the PyTorch RPC baseline server (runs in a subprocess) ---------------------------------
@@ -91,6 +94,13 @@ def _trpc_pull_sparse(name: str, rows: torch.Tensor) -> torch.Tensor:
 
 def _trpc_push_sparse(name: str, rows: torch.Tensor, grads: torch.Tensor) -> None:
     _trpc_tables[name].index_add_(0, rows, grads, alpha=-TRPC_LR)
+
+
+def _trpc_step_sparse(name: str, rows: torch.Tensor, grads: torch.Tensor,
+                      ahead: torch.Tensor) -> torch.Tensor:
+    """A training step's round trip: push rows' gradients, pull the next step's rows."""
+    _trpc_push_sparse(name, rows, grads)
+    return _trpc_pull_sparse(name, ahead)
 
 
 def trpc_options(port: int, tcp_only: bool, host: str = "127.0.0.1") -> object:
@@ -359,6 +369,21 @@ def bench_transports(
                 "ps", _trpc_push_sparse, args=("emb", row_ids[pick()], grads))
             t_s = interleaved(methods, sparse_reps)
             out["sparse_rows_per_s"] = {k: len(batches[0]) / v for k, v in t_s.items()}
+            # A small training step's round trip (the fixed cost per step at small batches):
+            # push STEP_ROWS rows' gradients, pull STEP_ROWS others, in one exchange.
+            small = [b[:STEP_ROWS] for b in batches]
+            small_ids = [ids[:STEP_ROWS] for ids in row_ids]
+            small_grads = grads[:STEP_ROWS]
+            methods = {}
+            for t, c in clients.items():
+                methods[t] = lambda c=c: c.exchange(
+                    [Push("emb", small_grads, small[pick()])],
+                    pulls=[Pull("emb", small[pick()])])
+            methods["torchrpc"] = lambda: rpc.rpc_sync(
+                "ps", _trpc_step_sparse, args=("emb", small_ids[pick()], small_grads,
+                                               small_ids[pick()]))
+            t_s = interleaved(methods, sparse_reps * 4)
+            out["small_step_us"] = {k: v * 1e6 for k, v in t_s.items()}
     finally:
         for c in clients.values():
             c.close()
@@ -713,14 +738,19 @@ def print_dense(dense: dict[str, dict[str, float]]) -> None:
 def print_transports(tr: dict[str, dict[str, float]], ratios: dict[str, float],
                      title: str = "one host (dense GB/s, sparse M rows/s), PyTorch RPC beside",
                      ratio_title: str = "pstrain (auto) / PyTorch RPC: ") -> None:
-    names = sorted({k.rsplit("_", 1)[0] for g in tr.values() for k in g})
+    rates = {what: g for what, g in tr.items() if what != "small_step_us"}
+    names = sorted({k.rsplit("_", 1)[0] for g in rates.values() for k in g})
     print(f"\nby transport, {title}")
     print(f"{'':<22}" + "".join(f"{n:>10}" for n in names))
-    for what, g in tr.items():
+    for what, g in rates.items():
         scale = 1e6 if what.startswith("sparse") else 1.0
         for op in ("pull", "push"):
             print(f"{what.replace('_GBps', '').replace('_rows_per_s', '') + ' ' + op:<22}"
                   + "".join(f"{g[f'{n}_{op}'] / scale:>10.2f}" for n in names))
+    small = tr.get("small_step_us")
+    if small:
+        print(f"{f'step of {STEP_ROWS} rows, us':<22}"
+              + "".join(f"{small[n]:>10.0f}" for n in names))
     print(ratio_title + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
 
 

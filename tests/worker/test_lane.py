@@ -25,7 +25,7 @@ from procs import Procs
 from protos import marks
 from protos import pstrain_pb2 as pb
 from protos.transport import ChannelBrokenError, available
-from protos.transport.lane import LaneClient, LaneContext, LaneError, LaneServer
+from protos.transport.lane import LINGER_S, LaneClient, LaneContext, LaneError, LaneServer
 from scheduler.admin import ServerAdmin
 from worker.bulk import ENV_LANES, TransportChoiceError, TransportSettings
 from worker.client import PSClient, Pull, Push
@@ -301,6 +301,29 @@ def test_lane_calls_run_on_the_servers_executor_within_its_thread_limit(
     for t in threads:
         t.join(timeout=30)
     assert time.monotonic() - started >= 1.9
+
+
+def test_a_connection_is_served_again_on_its_thread_only_briefly() -> None:
+    """The task that answered a call reads its connection for the next one for LINGER_S,
+    then gives the thread back: on a one-thread server, a second client is not kept
+    waiting by the first one's quiet connection."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="one")
+    server = LaneServer(handle, lambda session, token, pid: "", max_frame_bytes=1 << 20,
+                        run=pool)
+    first, second = LaneClient(server.address, 1, "t"), LaneClient(server.address, 1, "t")
+    try:
+        first.check(5.0)
+        second.check(5.0)
+        for _ in range(3):
+            assert first.call(b"ab", 5.0) == b"ba"
+            started = time.monotonic()
+            assert second.call(b"cd", 5.0) == b"dc"
+            assert time.monotonic() - started < LINGER_S + 0.5
+    finally:
+        first.close()
+        second.close()
+        server.close()
+        pool.shutdown(wait=True)
 
 
 def test_open_connections_hold_no_thread_each(

@@ -165,16 +165,14 @@ class JoinResponse(_message.Message):
     def __init__(self, clock: _Optional[int] = ..., open_clock: _Optional[int] = ..., live: _Optional[bool] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("checkpoint_id", "path", "sha256", "generation")
+    __slots__ = ("checkpoint_id", "sha256", "generation")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
-    PATH_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
-    path: str
     sha256: str
     generation: int
-    def __init__(self, checkpoint_id: _Optional[str] = ..., path: _Optional[str] = ..., sha256: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+    def __init__(self, checkpoint_id: _Optional[str] = ..., sha256: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
     __slots__ = ("clock",)

@@ -181,6 +181,7 @@ def build(argv: list[str]) -> Built:
         limits=Limits(max_table_bytes=int(a.max_table_mib * MiB), max_dim=a.max_dim,
                       max_tables=a.max_tables, max_declare=a.max_declare_tables,
                       max_answer_bytes=int(a.max_answer_mib * MiB)),
+        checkpoint_dir=directory,
     )
     prepare = None
     if restored is not None:

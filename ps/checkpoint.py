@@ -203,6 +203,47 @@ def checkpoint_dir(directory: StrPath, job: str, checkpoint_id: str) -> Path:
     return Path(directory) / job / checkpoint_id
 
 
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def check_reference(checkpoint_id: str, sha256: str) -> None:
+    """CheckpointError unless `checkpoint_id` can name a directory and `sha256` is a digest
+    (64 lowercase hex digits, as manifests record them)."""
+    _check_name("checkpoint id", checkpoint_id)
+    if not isinstance(sha256, str) or not _SHA256_RE.fullmatch(sha256):
+        raise CheckpointError(
+            f"checkpoint {checkpoint_id!r}: the shard's sha256 must be 64 lowercase hex "
+            f"digits, as its manifest records it; got {sha256[:80]!r}"
+        )
+
+
+def read_checkpoint(directory: StrPath, job: str, checkpoint_id: str, shard: int,
+                    num_shards: int, sha256: str) -> ShardState:
+    """Shard `shard` of `num_shards`'s file of checkpoint `checkpoint_id`, looked up by name
+    inside `directory` (never a path given from outside) and hashed against `sha256` (the
+    digest its manifest or Redis recorded) while it is read.
+
+    CheckpointError when there is no directory, a name is unsafe or the digest malformed,
+    or the file cannot be read; CheckpointCorruptError when it does not match. Blocks on
+    file I/O.
+    """
+    if not str(directory):
+        raise CheckpointError(
+            f"this server has no checkpoint directory (the job's, or --checkpoint-dir), so it "
+            f"cannot load checkpoint {checkpoint_id!r}"
+        )
+    check_reference(checkpoint_id, sha256)
+    _check_shard_numbers(shard, num_shards)
+    path = checkpoint_dir(directory, job, checkpoint_id) / shard_file_name(shard, num_shards)
+    state = read_shard(path, sha256)
+    if (state.job, state.checkpoint_id) != (job, checkpoint_id):
+        raise CheckpointCorruptError(
+            f"{path} holds checkpoint {state.checkpoint_id!r} of job {state.job!r}, not "
+            f"{checkpoint_id!r} of {job!r}"
+        )
+    return state
+
+
 def write_shard(directory: StrPath, state: ShardState) -> ShardFile:
     """Writes `state` atomically to ``<directory>/<job>/<checkpoint_id>/shard-<k>-of-<n>...``.
 
@@ -260,22 +301,27 @@ def read_shard(path: StrPath, sha256: str | None = None) -> ShardState:
     """
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        # Non-blocking, so that opening a FIFO or a device cannot hang; refused below.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise CheckpointError(
             f"cannot open checkpoint shard {path}: {exc}; check the path and permissions"
         ) from exc
     hasher = _BackgroundSha256() if sha256 is not None else None
     try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"checkpoint shard {path} is not a regular file")
+        os.set_blocking(fd, True)
         with contextlib.suppress(AttributeError, OSError):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        size = os.fstat(fd).st_size
+        size = info.st_size
         head = _read_exact(fd, 8, path, 0)
         (header_len,) = struct.unpack("<Q", head)
         if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-            raise CheckpointCorruptError(
-                f"checkpoint shard {path} is truncated or not a safetensors file: header length "
-                f"{header_len}, file size {size}; restore from another checkpoint"
+            raise CheckpointCorruptError(  # names no byte of the file: it may not be ours
+                f"checkpoint shard {path} is truncated or not a safetensors file (its header "
+                "does not fit in it); restore from another checkpoint"
             )
         header_bytes = _read_exact(fd, header_len, path, 8)
         if hasher is not None:

@@ -17,7 +17,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ps.checkpoint import ShardState, latest_complete, read_shard, write_manifest, write_shard
+from ps.checkpoint import (
+    ShardState,
+    latest_complete,
+    read_checkpoint,
+    write_manifest,
+    write_shard,
+)
 from ps.errors import PSError
 from ps.server import ParameterServer
 from scheduler.heartbeat import Heartbeat
@@ -184,8 +190,11 @@ def find_checkpoint(
     if store is not None:
         latest = store.latest_checkpoint(num_shards)
         if latest is not None:
-            entry = latest[1][shard]
-            return read_shard(entry["path"], entry["sha256"]), latest[1]
+            # Redis names the checkpoint and its digest; the file is looked up here, by name.
+            checkpoint_id, entries = latest
+            state = read_checkpoint(directory, job, checkpoint_id, shard, num_shards,
+                                    str(entries[shard].get("sha256", "")))
+            return state, entries
     if directory and (from_disk or spec is not None):
         manifest = latest_complete(directory, job)
         created_ns = 0 if from_disk or spec is None else int(spec.created_s * 1e9)
@@ -193,5 +202,6 @@ def find_checkpoint(
             file = manifest.shards[shard]
             entries = {k: {"path": f.path, "sha256": f.sha256, "nbytes": f.nbytes,
                            "clock": manifest.clock} for k, f in manifest.shards.items()}
-            return read_shard(file.path, file.sha256), entries
+            return read_checkpoint(directory, job, manifest.checkpoint_id, shard, num_shards,
+                                   file.sha256), entries
     return None

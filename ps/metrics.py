@@ -88,6 +88,6 @@ class ServerMetrics:
         )
         self.registry.register(_ShardCollector(shard, traffic))
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        """Serves /metrics on `port` from a daemon thread; returns at once."""
+    def serve(self, port: int, host: str) -> None:
+        """Serves /metrics on `host`:`port` from a daemon thread; returns at once."""
         start_http_server(port, addr=host, registry=self.registry)

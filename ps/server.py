@@ -21,6 +21,7 @@ from protos.modes import ASYNC, Mode
 from protos.runtime import tune_malloc
 from protos.transport import TransportError, parse_choice
 from ps.bulk import BulkEndpoint
+from ps.checkpoint import read_checkpoint
 from ps.clocks import Quorum
 from ps.errors import InvalidArgumentError
 from ps.metrics import ServerMetrics
@@ -58,6 +59,7 @@ class ServerConfig:
     metrics_port: int = 0  # 0: no metrics
     transport: str = "auto"  # bulk transport: auto, or one of protos.transport.PREFERENCE
     limits: Limits = field(default_factory=Limits)
+    checkpoint_dir: str = ""  # where Restore finds checkpoints by id ("" : it cannot)
 
     def __post_init__(self) -> None:
         host, sep, port = self.bind.rpartition(":")
@@ -112,6 +114,9 @@ class ParameterServer:
             WireLimits(config.chunk_bytes, config.max_message_bytes, config.max_request_bytes,
                        config.stream_idle_s),
             VERSION,
+            lambda checkpoint_id, sha256: read_checkpoint(
+                config.checkpoint_dir, config.job, checkpoint_id, config.shard,
+                config.num_shards, sha256),
             self.bulk,
         )
         # Runs gRPC's calls and the request lanes' alike: one thread limit for both.
@@ -159,8 +164,11 @@ class ParameterServer:
             )
         self._grpc.start()
         if self.config.metrics_port:
-            self.metrics.serve(self.config.metrics_port)
-            log.info("shard %d: metrics on :%d/metrics", self.config.shard,
+            # Where the server listens, and nowhere else: a server bound to loopback does not
+            # show its tables' names and sizes to the network.
+            host = self.config.bind.rpartition(":")[0].strip("[]")
+            self.metrics.serve(self.config.metrics_port, host)
+            log.info("shard %d: metrics on %s:%d/metrics", self.config.shard, host,
                      self.config.metrics_port)
         for service in ("", rpc.SERVICE):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)

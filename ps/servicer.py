@@ -27,7 +27,7 @@ from protos.transport import TransportError
 from protos.transport.lane import LaneContext
 from ps import wire
 from ps.bulk import BulkEndpoint
-from ps.checkpoint import CheckpointError, read_shard
+from ps.checkpoint import CheckpointError, ShardState
 from ps.errors import (
     CallEndedError,
     ClockWaitTimeoutError,
@@ -157,8 +157,11 @@ class ParameterServerServicer:
     """Serves one Shard over gRPC. Thread-safe: gRPC calls it from its thread pool."""
 
     def __init__(self, shard: Shard, limits: WireLimits, version: str,
+                 load: Callable[[str, str], ShardState],
                  bulk: BulkEndpoint | None = None) -> None:
         self.shard = shard
+        # This shard's state in checkpoint (id, sha256), from the server's own directory.
+        self.load = load
         # Bulk transports other than inline gRPC; None serves everything inline.
         self.bulk = bulk
         self.limits = limits
@@ -231,7 +234,8 @@ class ParameterServerServicer:
         msg = request.msg
 
         def restore() -> int:
-            state = read_shard(msg.path, msg.sha256 or None) if msg.checkpoint_id else None
+            checkpoint_id, sha256 = wire.restore_from_proto(msg)
+            state = self.load(checkpoint_id, sha256) if checkpoint_id else None
             self.shard.restore(state, msg.generation)
             return self.shard.clock_state().open_clock
 

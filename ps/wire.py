@@ -15,6 +15,7 @@ import torch
 from protos import codec, modes
 from protos import pstrain_pb2 as pb
 from protos.codec import WireError
+from ps.checkpoint import CheckpointError, check_reference
 from ps.errors import InvalidArgumentError
 from ps.initializers import InitSpec
 from ps.shard import (
@@ -29,8 +30,8 @@ from ps.shard import (
 )
 from ps.tables import OptimizerConfig, TableSpec, TableStats
 
-__all__ = ["clocks_to_proto", "exchange_from_proto", "exchange_to_proto", "spec_from_proto",
-           "stats_to_proto", "tables_named"]
+__all__ = ["clocks_to_proto", "exchange_from_proto", "exchange_to_proto",
+           "restore_from_proto", "spec_from_proto", "stats_to_proto", "tables_named"]
 
 
 def spec_from_proto(msg: pb.TableSpec) -> TableSpec:
@@ -163,6 +164,18 @@ def clocks_to_proto(state: ClockState) -> list[pb.WorkerClock]:
         pb.WorkerClock(worker=w, clock=c, live=w in state.live)
         for w, c in sorted(state.clocks.items())
     ]
+
+
+def restore_from_proto(msg: pb.RestoreRequest) -> tuple[str, str]:
+    """(checkpoint id, sha256) of a Restore, ("", "") for an empty shard;
+    InvalidArgumentError unless the id can name a directory and the digest is one."""
+    if not msg.checkpoint_id:
+        return "", ""
+    try:
+        check_reference(msg.checkpoint_id, msg.sha256)
+    except CheckpointError as exc:
+        raise InvalidArgumentError(f"Restore: {exc}") from exc
+    return msg.checkpoint_id, msg.sha256
 
 
 def tables_named(msg: pb.ExchangeRequest) -> list[tuple[str, bool]]:

@@ -30,11 +30,10 @@ class ServerAdmin:
         request = pb.MembershipRequest(live_workers=live).SerializeToString()
         return self._stubs(address).unary(rpc.SET_MEMBERSHIP, request, self.timeout_s).msg
 
-    def restore(
-        self, address: str, checkpoint_id: str, path: str, sha256: str, generation: int
-    ) -> int:
-        """Has the server at `address` load its file of a checkpoint; returns its clock."""
-        request = pb.RestoreRequest(checkpoint_id=checkpoint_id, path=path, sha256=sha256,
+    def restore(self, address: str, checkpoint_id: str, sha256: str, generation: int) -> int:
+        """Has the server at `address` load its file of a checkpoint (found by id in its own
+        checkpoint directory, checked against `sha256`); returns its clock."""
+        request = pb.RestoreRequest(checkpoint_id=checkpoint_id, sha256=sha256,
                                     generation=generation).SerializeToString()
         # A large shard takes a while to read.
         answer = self._stubs(address).unary(rpc.RESTORE, request, max(self.timeout_s, 300.0))

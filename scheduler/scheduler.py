@@ -253,8 +253,7 @@ class Scheduler:
             entry = entries.get(shard, {})
             try:
                 self.admin.restore(str(beat["address"]), checkpoint_id,
-                                   str(entry.get("path", "")), str(entry.get("sha256", "")),
-                                   rollback.generation)
+                                   str(entry.get("sha256", "")), rollback.generation)
                 done.add(shard)
             except grpc.RpcError as exc:
                 log.warning("scheduler: restoring shard %d to checkpoint %r failed (%s: %s); "

@@ -30,6 +30,7 @@ from ps.checkpoint import (
     TableState,
     latest_complete,
     list_checkpoints,
+    read_checkpoint,
     read_manifest,
     read_shard,
     write_manifest,
@@ -238,6 +239,63 @@ def test_garbage_file_raises_checkpoint_error(tmp_path: Path, content: bytes) ->
 def test_missing_file_raises_checkpoint_error(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"nope\.safetensors"):
         read_shard(tmp_path / "nope.safetensors")
+
+
+def test_a_file_that_is_not_regular_is_refused_without_blocking(tmp_path: Path) -> None:
+    fifo = tmp_path / "shard-0-of-1.safetensors"
+    os.mkfifo(fifo)  # opened for reading with no writer, a blocking open would hang
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match="is not a regular file"):
+        read_shard(fifo)
+    assert time.monotonic() - started < 5
+
+
+def test_a_garbage_file_s_error_names_none_of_its_bytes(tmp_path: Path) -> None:
+    path = tmp_path / "secret"
+    path.write_bytes(b"hunter2!" + b"x" * 40)
+    with pytest.raises(CheckpointCorruptError) as info:
+        read_shard(path)
+    assert str(int.from_bytes(b"hunter2!", "little")) not in str(info.value)
+    assert "48" not in str(info.value)  # nor its size
+
+
+# ---- finding a checkpoint by its id ---------------------------------------------------------
+
+
+def test_a_checkpoint_is_read_by_id_inside_the_directory_and_checked(tmp_path: Path) -> None:
+    written = write_shard(tmp_path, _state("c7"))
+    state = read_checkpoint(tmp_path, JOB, "c7", 0, 1, written.sha256)
+    assert state.checkpoint_id == "c7" and state.tables[0].name == "emb"
+    with pytest.raises(CheckpointCorruptError, match="sha256"):
+        read_checkpoint(tmp_path, JOB, "c7", 0, 1, "0" * 64)
+    with pytest.raises(CheckpointError, match="cannot open"):
+        read_checkpoint(tmp_path, JOB, "c8", 0, 1, written.sha256)  # no such checkpoint
+    with pytest.raises(CheckpointError, match="cannot open"):
+        read_checkpoint(tmp_path, JOB, "c7", 1, 2, written.sha256)  # nor such a shard
+
+
+@pytest.mark.parametrize(("directory", "job", "checkpoint_id", "sha256", "message"), [
+    ("", JOB, "c7", "0" * 64, "has no checkpoint directory"),
+    ("DIR", JOB, "../../etc", "0" * 64, "cannot name a directory"),
+    ("DIR", JOB, "/etc/passwd", "0" * 64, "cannot name a directory"),
+    ("DIR", "..", "c7", "0" * 64, "cannot name a directory"),
+    ("DIR", JOB, "c7", "", "sha256 must be 64 lowercase hex digits"),
+    ("DIR", JOB, "c7", "A" * 64, "sha256 must be 64 lowercase hex digits"),
+])
+def test_a_checkpoint_reference_that_could_leave_the_directory_is_refused(
+    tmp_path: Path, directory: str, job: str, checkpoint_id: str, sha256: str, message: str
+) -> None:
+    with pytest.raises(CheckpointError, match=message):
+        read_checkpoint(directory and tmp_path, job, checkpoint_id, 0, 1, sha256)
+
+
+def test_a_file_of_another_checkpoint_under_the_right_name_is_refused(tmp_path: Path) -> None:
+    written = write_shard(tmp_path, _state("c7"))
+    moved = tmp_path / JOB / "c9"
+    moved.mkdir()
+    os.rename(written.path, moved / Path(written.path).name)
+    with pytest.raises(CheckpointCorruptError, match="holds checkpoint 'c7'"):
+        read_checkpoint(tmp_path, JOB, "c9", 0, 1, written.sha256)
 
 
 # ---- manifests ------------------------------------------------------------------------------

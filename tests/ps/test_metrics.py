@@ -57,3 +57,23 @@ def test_server_and_worker_metrics(procs: Procs) -> None:
         assert re.search(r'pstrain_worker_pushes_dropped_total\{rank="0"\} 0', mine)
     finally:
         ctx.close()
+
+
+def listening_hosts(port: int) -> set[str]:
+    """The IPv4 addresses some socket of this host listens on at `port` (/proc/net/tcp)."""
+    hosts = set()
+    with open("/proc/net/tcp") as table:
+        next(table)
+        for line in table:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                hosts.add(".".join(str(b) for b in reversed(bytes.fromhex(address))))
+    return hosts
+
+
+def test_metrics_listen_where_the_server_binds(procs: Procs) -> None:
+    port = free_port()
+    procs.server(extra=["--metrics-port", str(port)])  # bound to 127.0.0.1
+    assert listening_hosts(port) == {"127.0.0.1"}
+    assert "pstrain_open_clock" in scrape(port)

@@ -322,6 +322,24 @@ CASES = [
         "INVALID_ARGUMENT", "the generation must lie in [0, 4611686018427387904)",
         id="restore-generation-out-of-range",
     ),
+    # Restore finds a checkpoint by id in the server's own directory, never by a path.
+    pytest.param(
+        lambda r: r.call("Restore", pb.RestoreRequest(
+            checkpoint_id="../../etc/passwd", sha256="0" * 64).SerializeToString()),
+        "INVALID_ARGUMENT", "checkpoint id '../../etc/passwd' cannot name a directory",
+        id="restore-path-as-id",
+    ),
+    pytest.param(
+        lambda r: r.call("Restore", pb.RestoreRequest(checkpoint_id="c1").SerializeToString()),
+        "INVALID_ARGUMENT", "the shard's sha256 must be 64 lowercase hex digits",
+        id="restore-without-digest",
+    ),
+    pytest.param(
+        lambda r: r.call("Restore", pb.RestoreRequest(
+            checkpoint_id="c1", sha256="0" * 64).SerializeToString()),
+        "FAILED_PRECONDITION", "this server has no checkpoint directory",
+        id="restore-without-directory",
+    ),
     # What one request may make the server build or hold.
     pytest.param(
         lambda r: r.exchange(_exchange(_dense_pulls(2))),

@@ -177,7 +177,7 @@ def test_a_worker_from_before_a_rollback_is_told_to_restart(two_shards: PSClient
     admin = ServerAdmin()
     try:  # The job rolls back to an empty checkpoint: generation 1.
         for shard in client.links:
-            admin.restore(shard.address, "", "", "", generation=1)
+            admin.restore(shard.address, "", "", generation=1)
     finally:
         admin.close()
     with pytest.raises(RolledBackError) as err:

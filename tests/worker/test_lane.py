@@ -97,7 +97,7 @@ def test_a_worker_from_before_a_rollback_is_told_on_the_lane(procs: Procs) -> No
         client.on_rolled_back = lambda: told.append(1)
         admin = ServerAdmin()
         try:
-            admin.restore(server.address, "", "", "", generation=1)
+            admin.restore(server.address, "", "", generation=1)
         finally:
             admin.close()
         with pytest.raises(RolledBackError) as err:

@@ -38,8 +38,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pstrain server", description="Run one parameter-server shard."
     )
-    p.add_argument("--bind", default=env.get("PSTRAIN_BIND", "0.0.0.0:7000"),
-                   help="HOST:PORT to listen on; port 0 picks a free one (env PSTRAIN_BIND)")
+    p.add_argument("--bind", default=env.get("PSTRAIN_BIND", "127.0.0.1:7000"),
+                   help="HOST:PORT to listen on (default 127.0.0.1:7000, this host only; "
+                        "0.0.0.0:PORT for every interface); port 0 picks a free one (env "
+                        "PSTRAIN_BIND)")
     p.add_argument("--advertise", default=env.get("PSTRAIN_ADVERTISE", ""),
                    help="HOST[:PORT] other machines reach this server at (default: the bind "
                         "host, or this host's address when binding all interfaces; env "

@@ -9,6 +9,7 @@ import pytest
 from procs import REPO, Procs, wait_ready
 
 from protos import modes
+from ps.__main__ import parser
 from scheduler import cli
 
 
@@ -34,6 +35,15 @@ def test_server_help() -> None:
 def test_unknown_command_names_it() -> None:
     out = _pstrain("serve")
     assert out.returncode == 2 and "invalid choice: 'serve'" in out.stderr
+
+
+def test_a_server_started_by_hand_listens_on_this_host_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("PSTRAIN_BIND", raising=False)
+    assert parser().parse_args([]).bind == "127.0.0.1:7000"
+    monkeypatch.setenv("PSTRAIN_BIND", "0.0.0.0:7001")
+    assert parser().parse_args([]).bind == "0.0.0.0:7001"
 
 
 def test_bad_server_flags_name_the_value() -> None:

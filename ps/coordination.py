@@ -18,8 +18,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from ps.checkpoint import (
+    CheckpointError,
     ShardState,
-    latest_complete,
+    list_checkpoints,
     read_checkpoint,
     write_manifest,
     write_shard,
@@ -180,28 +181,42 @@ def find_checkpoint(
     store: JobStore | None, spec: JobSpec | None, shard: int, num_shards: int, job: str,
     directory: str, from_disk: bool,
 ) -> Found | None:
-    """The newest complete checkpoint's state of this shard with the checkpoint's entries
-    (shard -> {path, sha256, nbytes, clock}, every shard's), or None.
+    """The newest complete checkpoint this shard can read: its state with the checkpoint's
+    entries (shard -> {path, sha256, nbytes, clock}, every shard's), or None when there is
+    none.
 
     Inside a running job Redis lists the checkpoints. If it lists none (it may have come
     back empty after an outage) the checkpoint directory is searched for one written since
-    the job was created; with `from_disk` (resuming a job under a fresh Redis) for any.
+    the job was created; with `from_disk` (resuming a job under a fresh Redis) for any. A
+    checkpoint whose file of this shard cannot be read or fails its digest is skipped with a
+    warning for the next older one (a sync job's rollback then goes to the one read); when
+    every one fails, the newest one's CheckpointError is raised.
     """
+    candidates: list[tuple[str, dict[int, dict[str, Any]]]] = []
     if store is not None:
-        latest = store.latest_checkpoint(num_shards)
-        if latest is not None:
-            # Redis names the checkpoint and its digest; the file is looked up here, by name.
-            checkpoint_id, entries = latest
+        for checkpoint_id in store.checkpoint_ids():
+            entries = store.checkpoint(checkpoint_id)
+            if len(entries) == num_shards:
+                candidates.append((checkpoint_id, entries))
+    if not candidates and directory and (from_disk or spec is not None):
+        created_ns = 0 if from_disk or spec is None else int(spec.created_s * 1e9)
+        for manifest in reversed(list_checkpoints(directory, job)):
+            if manifest.complete and manifest.written_at_ns >= created_ns:
+                candidates.append((manifest.checkpoint_id, {
+                    k: {"path": f.path, "sha256": f.sha256, "nbytes": f.nbytes,
+                        "clock": manifest.clock} for k, f in manifest.shards.items()}))
+    first_error: CheckpointError | None = None
+    for checkpoint_id, entries in candidates:
+        # The store or manifest names the checkpoint and its digest; the file is found here.
+        try:
             state = read_checkpoint(directory, job, checkpoint_id, shard, num_shards,
                                     str(entries[shard].get("sha256", "")))
-            return state, entries
-    if directory and (from_disk or spec is not None):
-        manifest = latest_complete(directory, job)
-        created_ns = 0 if from_disk or spec is None else int(spec.created_s * 1e9)
-        if manifest is not None and manifest.written_at_ns >= created_ns:
-            file = manifest.shards[shard]
-            entries = {k: {"path": f.path, "sha256": f.sha256, "nbytes": f.nbytes,
-                           "clock": manifest.clock} for k, f in manifest.shards.items()}
-            return read_checkpoint(directory, job, manifest.checkpoint_id, shard, num_shards,
-                                   file.sha256), entries
+        except CheckpointError as exc:
+            log.warning("shard %d: cannot restore checkpoint %r (%s); trying an older one",
+                        shard, checkpoint_id, exc)
+            first_error = first_error or exc
+            continue
+        return state, entries
+    if first_error is not None:
+        raise first_error
     return None

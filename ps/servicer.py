@@ -120,6 +120,8 @@ def _abort(context: grpc.ServicerContext | LaneContext, exc: Exception) -> NoRet
         context.set_trailing_metadata(((marks.CLOCK_WAIT, "1"),))
     if isinstance(exc, RolledBackError):
         context.set_trailing_metadata(((marks.ROLLED_BACK, "1"),))
+    if isinstance(exc, CheckpointError):
+        context.set_trailing_metadata(((marks.CHECKPOINT_UNREADABLE, "1"),))
     if isinstance(exc, TransportError):
         context.set_trailing_metadata(((marks.BULK_FAILED, "1"),))
         code = grpc.StatusCode.FAILED_PRECONDITION

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from protos import marks
 from scheduler.admin import ServerAdmin
 from scheduler.membership import MembershipTracker, Transition
 from scheduler.recovery import RedisWatch, next_generation, restarted, rollback_target
@@ -235,8 +236,10 @@ class Scheduler:
         if rollback is None:
             return
         if rollback.target is None:
-            target = rollback_target(rollback.restored,
-                                     self.store.complete_checkpoints(self.spec.servers))
+            complete = [c for c in self.store.complete_checkpoints(self.spec.servers)
+                        if c[0] not in rollback.unreadable]
+            restored = "" if rollback.restored in rollback.unreadable else rollback.restored
+            target = rollback_target(restored, complete)
             if target is None:
                 if not rollback.waiting:
                     rollback.waiting = True
@@ -256,6 +259,13 @@ class Scheduler:
                                    str(entry.get("sha256", "")), rollback.generation)
                 done.add(shard)
             except grpc.RpcError as exc:
+                if marks.CHECKPOINT_UNREADABLE in marks.marks_of(exc.trailing_metadata()):
+                    log.warning("scheduler: shard %d cannot restore checkpoint %r (%s); "
+                                "rolling back to an older checkpoint", shard, checkpoint_id,
+                                exc.details())
+                    rollback.unreadable.add(checkpoint_id)
+                    rollback.target, rollback.done = None, set()
+                    return
                 log.warning("scheduler: restoring shard %d to checkpoint %r failed (%s: %s); "
                             "retrying", shard, checkpoint_id, exc.code(), exc.details())
         if len(done) < self.spec.servers:
@@ -295,6 +305,8 @@ class _Rollback:
     target: str | None = None
     done: set[int] = field(default_factory=set)
     waiting: bool = False  # the wait for `restored` to be listed was logged
+    # Checkpoints some shard could not read or verify: the rollback goes to an older one.
+    unreadable: set[str] = field(default_factory=set)
 
 
 def _incarnations(beats: dict[int, dict[str, Any] | None], believe_lapses: bool

@@ -364,3 +364,30 @@ def test_server_killed_during_a_redis_outage_rolls_back_to_the_newest_checkpoint
     assert worker_clock(fresh, 0) < steps, "the job ended too soon: raise steps"
     assert_uninterrupted_result(procs, up, steps)
     assert worker_restarts(up) == 2, up.log()
+
+
+@pytest.mark.timeout(240)
+def test_a_corrupt_newest_checkpoint_rolls_back_to_the_one_before(procs: Procs) -> None:
+    steps = 800
+    redis = procs.redis().address
+    store = JobStore.connect(redis, "corrupt")
+    up = up_sync_job(procs, redis, "corrupt", steps=steps, restart=True)
+    wait_until(lambda: len(store.complete_checkpoints(2)) >= 2 and worker_clock(store, 0) >= 45,
+               90, "two checkpoints")
+    victim = server_pid(store, 0)
+    assert victim is not None
+    os.kill(victim, signal.SIGSTOP)  # sync: no clock closes, so no newer checkpoint completes
+    (newest, _), (older, _) = sorted(store.complete_checkpoints(2), key=lambda c: -c[1])[:2]
+    damaged = procs.workdir / "ckpt" / "corrupt" / newest / "shard-0-of-2.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-8:] = bytes(b ^ 0xFF for b in data[-8:])  # tensor bytes: only the digest can tell
+    damaged.write_bytes(data)
+    os.kill(victim, signal.SIGKILL)  # restarted by pstrain up, it finds the newest unreadable
+    rollback = wait_until(
+        lambda: next((e for e in store.events() if e.type == "rollback"), None), 90,
+        "the rollback")
+    assert rollback.detail["checkpoint"] == older, rollback  # type: ignore[attr-defined]
+    assert worker_clock(store, 0) < steps, "the job ended too soon: raise steps"
+    assert_uninterrupted_result(procs, up, steps)
+    scheduler_log = (procs.workdir / "logs" / "scheduler.log").read_text(errors="replace")
+    assert f"cannot restore checkpoint {newest!r}" in scheduler_log

@@ -151,7 +151,7 @@ class ServerCoordinator:
         ride_out("checkpoint", lambda: self.store.record_checkpoint(
             state.checkpoint_id, state.shard, entry), None)
         ride_out("checkpoint", lambda: self.store.event(
-            "checkpoint", "server", state.shard, id=state.checkpoint_id, clock=state.clock,
+            "checkpoint", "server", state.shard, checkpoint=state.checkpoint_id, clock=state.clock,
             nbytes=written.nbytes), None)
         log.info("shard %d: checkpoint %s at clock %d, %.1f MB in %.2f s", state.shard,
                  state.checkpoint_id, state.clock, written.nbytes / 1e6,

@@ -428,8 +428,8 @@ def status_of(store: JobStore, events: int = 20) -> dict[str, Any]:
                 "clock": info.get("clock", info.get("open_clock")),
                 "alive": beats.get(ident) is not None,
             })
-    out["events"] = [{"id": e.id, "time": e.time_s, "type": e.type, "role": e.role,
-                      "member": e.member, **e.detail} for e in store.events()[-events:]]
+    out["events"] = [{**e.detail, "id": e.id, "time": e.time_s, "type": e.type,
+                      "role": e.role, "member": e.member} for e in store.recent_events(events)]
     out["finished_ranks"] = sorted(store.finished_ranks())
     latest = store.latest_checkpoint(spec.servers) if spec else None
     out["latest_checkpoint"] = None if latest is None else {"id": latest[0],

@@ -355,12 +355,14 @@ class JobStore:
     def events(self, after: str = "-", count: int = 1000) -> list[Event]:
         """Events after id `after` ("-" from the start), oldest first."""
         start = "-" if after == "-" else f"({after}"
-        out = []
-        for eid, fields in self.redis.xrange(self.keys.events(), start, "+", count=count) or []:
-            f = {_text(k): _text(v) for k, v in (fields or {}).items()}
-            out.append(Event(_text(eid), float(f["time"]), f["type"], f["role"], f["member"],
-                             json.loads(f.get("detail", "{}"))))
-        return out
+        return [_event(eid, fields)
+                for eid, fields in self.redis.xrange(self.keys.events(), start, "+",
+                                                     count=count) or []]
+
+    def recent_events(self, count: int) -> list[Event]:
+        """The newest `count` events, oldest first."""
+        newest = self.redis.xrevrange(self.keys.events(), "+", "-", count=count) or []
+        return [_event(eid, fields) for eid, fields in reversed(newest)]
 
     # ---- the leader lease --------------------------------------------------------------------
 
@@ -435,6 +437,12 @@ class JobStore:
             if len(entries) == num_shards:
                 out.append((checkpoint_id, min(int(e.get("clock", 0)) for e in entries.values())))
         return out
+
+
+def _event(eid: object, fields: object) -> Event:
+    f = {_text(k): _text(v) for k, v in (fields or {}).items()}  # type: ignore[attr-defined]
+    return Event(_text(eid), float(f["time"]), f["type"], f["role"], f["member"],
+                 json.loads(f.get("detail", "{}")))
 
 
 def _text(value: object) -> str:

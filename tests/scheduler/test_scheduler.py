@@ -15,6 +15,7 @@ import torch
 from beats import server_pid, worker_clock
 from procs import REPO, Proc, Procs, wait_until
 
+from scheduler.launcher import status_of
 from scheduler.store import JobStore
 from worker.client import PSClient
 
@@ -163,6 +164,20 @@ def test_status_lists_processes_and_events(procs: Procs) -> None:
     assert roles[("worker", 0)]["alive"] and roles[("server", 0)]["address"]
     assert roles[("worker", 0)]["heartbeat_age_s"] < 2
     assert any(e["type"] == "joined" for e in status["events"])
+
+
+def test_status_shows_the_newest_events_of_a_long_stream(procs: Procs) -> None:
+    store = JobStore.connect(procs.redis().address, "long")
+    with store.redis.pipeline(transaction=False) as pipe:
+        for i in range(5000):
+            pipe.xadd(store.keys.events(), {"type": "checkpoint", "role": "server",
+                                            "member": "0", "time": f"{i}.0",
+                                            "detail": json.dumps({"checkpoint": f"c{i}"})})
+        pipe.execute()
+    store.event("checkpoint", "server", 1, checkpoint="newest", clock=9)
+    shown = status_of(store, events=3)["events"]
+    assert [e["checkpoint"] for e in shown] == ["c4998", "c4999", "newest"]
+    assert shown[-1]["id"] != "newest" and shown[-1]["member"] == "1"
 
 
 def pushes_applied(address: str) -> int:

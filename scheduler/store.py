@@ -255,9 +255,19 @@ class JobStore:
             )
         if not spec.created_s:
             spec = dataclasses.replace(spec, created_s=time.time())
+        # A new job under an old name starts fresh: with every rank still to run, and without
+        # the earlier run's checkpoints (their files stay; --resume carries on from them).
+        forgotten = self.checkpoint_ids()
+        pipe = self.redis.pipeline(transaction=False)
+        for checkpoint_id in forgotten:
+            pipe.delete(self.keys.checkpoint(checkpoint_id))
+        pipe.delete(self.keys.checkpoints(), self.keys.finished())
+        pipe.execute()
+        if forgotten:
+            log.warning("job %r: a new run under the name of an earlier one; it starts from "
+                        "fresh rows, not from that run's %d checkpoint(s) (--resume carries on "
+                        "from them)", spec.job, len(forgotten))
         self.put_spec(spec)
-        # A new job under an old name starts with every rank still to run.
-        self.redis.delete(self.keys.finished())
         return spec
 
     def is_live(self) -> bool:

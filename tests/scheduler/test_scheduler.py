@@ -412,3 +412,26 @@ def test_a_corrupt_newest_checkpoint_rolls_back_to_the_one_before(
     assert_uninterrupted_result(procs, up, steps)
     scheduler_log = (procs.workdir / "logs" / "scheduler.log").read_text(errors="replace")
     assert f"cannot restore checkpoint {newest!r}" in scheduler_log
+
+
+@pytest.mark.timeout(240)
+def test_a_finished_job_s_name_reused_without_resume_starts_fresh(procs: Procs) -> None:
+    redis = procs.redis().address
+    first = procs.pstrain([
+        "up", "--redis", redis, "--job", "reused", "--servers", "2", "--workers", "2",
+        "--mode", "sync", "--checkpoint-dir", str(procs.workdir / "ckpt-1"),
+        "--checkpoint-every-clocks", "20", "--no-view", JOB_WORKER, "--", "--steps", "100",
+        "--out", str(procs.workdir / "out-1")], "up-1")
+    assert first.popen.wait(timeout=120) == 0, first.log()[-3000:]
+    assert JobStore.connect(redis, "reused").checkpoint_ids()  # the first run checkpointed
+    second = procs.pstrain([
+        "up", "--redis", redis, "--job", "reused", "--servers", "2", "--workers", "2",
+        "--mode", "sync", "--checkpoint-dir", str(procs.workdir / "ckpt-2"), "--no-view",
+        JOB_WORKER, "--", "--steps", "60", "--out", str(procs.workdir / "out-2")], "up-2")
+    assert second.popen.wait(timeout=120) == 0, second.log()[-3000:]
+    expected = local_sync_run(2, 60)  # from fresh rows, not from the first run's clock 100
+    for r in range(2):
+        result = json.loads((procs.workdir / "out-2" / f"worker{r}.json").read_text())
+        assert result["clock"] == 60
+        torch.testing.assert_close(torch.tensor(result["w"]), expected, atol=1e-6, rtol=0)
+    assert "a new run under the name of an earlier one" in second.log()

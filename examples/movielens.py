@@ -397,15 +397,28 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
              len(train_rows), len(parts.train), len(parts.val), len(parts.test),
              ps.overlap if ps else "n/a")
     rng = np.random.default_rng(args.seed + 1000 * args.rank)
+    # A worker restarted inside a job (after a sync rollback, or a crash under --restart)
+    # joins at the job's clock, one step per batch: it carries on at that step's batch, in
+    # the same shuffled order, so the run ends where an uninterrupted one ends.
+    done_steps = client.clock if client is not None else 0
+    per_epoch = -(-len(train_rows) // args.batch_size)
+    if done_steps:
+        log.info("carrying on at step %d (epoch %d, batch %d)", done_steps,
+                 done_steps // per_epoch + 1, done_steps % per_epoch)
     trained = 0
     train_s = 0.0
     val_auc = float("nan")
     curve: list[tuple[float, float]] = []
     for epoch in range(args.epochs):
+        order = train_rows[rng.permutation(len(train_rows))]  # drawn for every epoch, done or not
+        first = min(max(done_steps - epoch * per_epoch, 0), per_epoch)
+        if first == per_epoch:
+            continue  # trained before this process started
         epoch_start = time.monotonic()
         losses: list[float] = []
         ahead = ps.prefetch_depth if ps is not None else 1
-        for batch, upcoming in lookahead(batches(data, train_rows, args.batch_size, rng), ahead):
+        todo = order[first * args.batch_size :]
+        for batch, upcoming in lookahead(batches(data, todo, args.batch_size), ahead):
             if upcoming is not None:
                 model.prefetch(upcoming)
             loss = F.binary_cross_entropy_with_logits(model(batch), batch.labels)

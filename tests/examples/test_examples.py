@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
 import sys
 from typing import Any
 
 import pytest
-from procs import REPO, Procs
+from beats import server_pid, worker_clock
+from procs import REPO, Procs, wait_until
+
+from scheduler.store import JobStore
 
 MOVIELENS = str(REPO / "examples" / "movielens.py")
 SYNTHETIC = str(REPO / "examples" / "synthetic_ctr.py")
@@ -75,6 +80,49 @@ def test_movielens_two_async_workers_share_two_servers(procs: Procs) -> None:
     # Each worker trained on its half of the 16000 training ratings, with overlap.
     assert [r["train_samples"] for r in results] == [8000, 8000]
     assert all(r["overlap"] is True and r["test_auc"] > 0.6 for r in results), results
+
+
+def _sync_up(procs: Procs, job: str, kill_server_at: int | None) -> list[dict[str, Any]]:
+    """MovieLens on 2 servers and 2 sync workers under `pstrain up --restart`, checkpointing
+    every 10 clocks; with `kill_server_at`, server 0 is killed once a checkpoint is listed
+    and worker 0 passed that clock. The workers' results, by rank."""
+    redis = procs.redis().address
+    store = JobStore.connect(redis, job)
+    up = procs.pstrain([
+        "up", "--redis", redis, "--job", job, "--servers", "2", "--workers", "2", "--mode",
+        "sync", "--restart", "--checkpoint-dir", str(procs.workdir / f"ckpt-{job}"),
+        "--checkpoint-every-clocks", "10", "--no-view", MOVIELENS, "--",
+        "--max-samples", "40000", "--epochs", "4", "--batch-size", "256"], f"up-{job}")
+    if kill_server_at is not None:
+        wait_until(lambda: store.latest_checkpoint(2) is not None
+                   and worker_clock(store, 0) >= kill_server_at, 120, "a checkpoint")
+        victim = server_pid(store, 0)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+    assert up.popen.wait(timeout=240) == 0, up.log()[-3000:]
+    results = {}
+    for line in up.log().splitlines():
+        for rank in (0, 1):
+            if line.startswith(f"worker {rank}: {{"):
+                results[rank] = json.loads(line.removeprefix(f"worker {rank}: "))
+    if kill_server_at is not None:
+        assert "rolled back to checkpoint" in up.log() or worker_restarts(up) >= 2, up.log()
+    return [results[0], results[1]]
+
+
+def worker_restarts(up: Any) -> int:
+    return str(up.log()).count("exited with 75; restarting it")
+
+
+@needs_movielens
+@pytest.mark.timeout(400)
+def test_movielens_after_a_sync_server_kill_ends_with_the_clean_run_s_auc(procs: Procs) -> None:
+    clean = _sync_up(procs, "clean", None)
+    killed = _sync_up(procs, "killed", 40)
+    # The rollback restarts the workers at the checkpoint's clock; the example carries on at
+    # that step's batch, so it trains exactly the uninterrupted run's steps.
+    for a, b in zip(clean, killed, strict=True):
+        assert (b["test_auc"], b["test_logloss"]) == (a["test_auc"], a["test_logloss"])
 
 
 def test_synthetic_ctr_grows_the_table_and_learns(procs: Procs) -> None:

@@ -215,16 +215,19 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     mode = "local" if args.local else "distributed"
     log.info("%s: %d steps of %d; best reachable AUC %.4f (the planted model's)", mode,
              args.steps, args.batch, best_auc)
-    rng = np.random.default_rng([args.seed, args.rank])
+    # A worker restarted inside a job joins at the job's clock, one step per batch; each
+    # step's batch comes from a seed of its own, so it carries on with that step's batch.
+    done_steps = min(client.clock, args.steps) if client is not None else 0
 
     def stream_batches() -> Any:
-        for _ in range(args.steps):
+        for step in range(done_steps, args.steps):
+            rng = np.random.default_rng([args.seed, args.rank, step])
             keys, dense, labels, _ = stream.sample(rng, args.batch)
             yield torch.from_numpy(keys), torch.from_numpy(dense), torch.from_numpy(labels)
 
     train_start = time.monotonic()
     losses: list[float] = []
-    step = 0
+    step = done_steps
     ahead = ps.prefetch_depth if ps is not None else 1
     for (keys, dense, labels), upcoming in lookahead(stream_batches(), ahead):
         if upcoming is not None:
@@ -241,7 +244,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             elapsed = time.monotonic() - train_start
             size = table_rows(client) if client is not None else args.local_buckets
             log.info("step %d: loss %.4f, %.0f samples/s, %d rows in %s", step,
-                     float(np.mean(losses[-args.log_every :])), step * args.batch / elapsed,
+                     float(np.mean(losses[-args.log_every :])),
+                     (step - done_steps) * args.batch / elapsed,
                      size, TABLE if client is not None else "the local table")
     if ps is not None:
         ps.flush()
@@ -250,7 +254,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "test_auc": round(test_auc, 5), "test_logloss": round(test_loss, 5),
         "best_auc": round(best_auc, 5),
-        "samples_per_s": round(step * args.batch / max(train_s, 1e-9), 1),
+        "samples_per_s": round((step - done_steps) * args.batch / max(train_s, 1e-9), 1),
         "wall_s": round(time.monotonic() - started, 2), "train_s": round(train_s, 2),
         "mode": mode, "rank": args.rank, "world_size": args.world_size, "steps": step,
         "batch": args.batch,

@@ -312,9 +312,14 @@ class Cluster:
 
 
 class _Failed(Exception):
+    """A child ended badly: `code` is its exit status, or -N when signal N killed it."""
+
     def __init__(self, code: int, child: Child) -> None:
-        super().__init__(f"{child.name} exited with status {code}")
-        self.code = code
+        how = (f"was killed by {signal.Signals(-code).name}" if code < 0
+               else f"exited with status {code}")
+        super().__init__(f"{child.name} {how}")
+        # What a shell reports for a process a signal killed: 128 + the signal's number.
+        self.code = 128 - code if code < 0 else code
         self.child = child
 
 
@@ -402,9 +407,17 @@ def up(config: UpConfig) -> int:
               f"{_tail(failed.child.log_path)}", file=sys.stderr)
         return failed.code or 1
     finally:
+        # Stopping is bounded (SIGTERM, then SIGKILL after 10 s a process): a second Ctrl-C
+        # while it runs is noted, not raised through it.
+        for s in previous:
+            signal.signal(s, _still_stopping)
+        cluster.stop(keep_logs=keep_logs)
         for s, handler in previous.items():
             signal.signal(s, handler)
-        cluster.stop(keep_logs=keep_logs)
+
+
+def _still_stopping(signum: int, frame: FrameType | None) -> None:
+    print("pstrain up: still stopping the processes it started", file=sys.stderr)
 
 
 def status_of(store: JobStore, events: int = 20) -> dict[str, Any]:

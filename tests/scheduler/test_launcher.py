@@ -74,9 +74,12 @@ def test_interrupted_up_leaves_no_process_behind(procs: Procs) -> None:
     started = wait_until(all_started, 90, "every process to start")
     time.sleep(1.0)
     os.kill(up.pid, signal.SIGINT)
+    time.sleep(0.2)
+    os.kill(up.pid, signal.SIGINT)  # a second Ctrl-C while it stops: noted, no traceback
     assert up.popen.wait(timeout=60) == 130
     left = [p for p in started if alive(p)]  # type: ignore[union-attr]
     assert not left, f"still running: {left}"
+    assert "Traceback" not in up.log(), up.log()
 
 
 def test_worker_exit_status_is_returned(procs: Procs) -> None:
@@ -93,6 +96,20 @@ def test_worker_exit_status_is_returned(procs: Procs) -> None:
     kept = re.search(r"the processes' logs are kept in (\S+)", up.log())
     assert kept is not None and Path(pointed.group(1)).parent == Path(kept.group(1))
     shutil.rmtree(Path(kept.group(1)).parent)
+
+
+def test_a_worker_killed_by_a_signal_is_named_and_up_exits_as_a_shell_would(
+    procs: Procs,
+) -> None:
+    script = procs.workdir / "killed.py"
+    script.write_text("import os, signal\nimport worker\nctx = worker.init()\n"
+                      "if ctx.rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n")
+    up = procs.pstrain(["up", "--workers", "2", "--no-view", str(script)], "up")
+    assert up.popen.wait(timeout=120) == 128 + signal.SIGKILL
+    assert "worker1 was killed by SIGKILL" in up.log()
+    kept = re.search(r"the processes' logs are kept in (\S+)", up.log())
+    if kept is not None:
+        shutil.rmtree(Path(kept.group(1)).parent)
 
 
 @pytest.mark.parametrize("log_dir", [True, False], ids=["log-dir", "no-log-dir"])

@@ -362,8 +362,8 @@ class LocalCluster:
             assert "$(" not in arg or not expand_vars, f"{pod.name}: unresolved {arg}"
             assert not arg.startswith("/") or arg.startswith("/proc/self/cwd/"), arg
         if "--metrics-port" in args and expand_vars:
-            # A metrics endpoint listens on every interface: one free port per pod here, as
-            # each pod's own network namespace has port 9100 to itself.
+            # A worker's metrics listen on every interface (a server's where it binds): one
+            # free port per pod here, as each pod's own network namespace has 9100 to itself.
             pod.metrics_port = pod.metrics_port or free_port()
             args[args.index("--metrics-port") + 1] = str(pod.metrics_port)
         args[0] = executable(args[0], f"pod {pod.name}")

@@ -347,8 +347,10 @@ class LocalCompose:
                    and len(r.exit_codes) > r.restarts for r in self.replicas[name])
 
 
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+def scrape(replica: Replica) -> str:
+    """The replica's metrics, at its own address: a server's listen where it binds."""
+    url = f"http://{replica.address}:{replica.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as reply:
         return str(reply.read().decode())
 
 
@@ -395,8 +397,8 @@ def test_compose_cluster_trains_to_completion_through_a_killed_server_and_worker
     wait_until(lambda: open_clock() >= 30 and store.latest_checkpoint(2), 90,
                "training past the first checkpoint")
     server0, server1 = cluster.replicas["server0"][0], cluster.replicas["server1"][0]
-    assert "pstrain_table_rows" in scrape(server0.metrics_port)
-    assert "pstrain_worker_clock" in scrape(workers[0].metrics_port)
+    assert "pstrain_table_rows" in scrape(server0)
+    assert "pstrain_worker_clock" in scrape(workers[0])
 
     # A server dies: its policy starts it again, it restores the newest checkpoint, the job
     # rolls back, and each `pstrain worker` starts its script again in place.

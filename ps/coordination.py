@@ -138,8 +138,14 @@ class ServerCoordinator:
             written = write_shard(self.spec.checkpoint_dir, state)
             write_manifest(self.spec.checkpoint_dir, state.checkpoint_id, state.job,
                            state.clock, {state.shard: written}, state.num_shards)
-        except PSError:
-            log.exception("shard %d: checkpoint %s failed", state.shard, state.checkpoint_id)
+        except PSError as exc:
+            # One line, and an event in Redis: `pstrain status` shows it to whoever runs the job.
+            error = str(exc)[:500]
+            log.error("shard %d: checkpoint %s failed: %s", state.shard, state.checkpoint_id,
+                      error)
+            ride_out("checkpoint", lambda: self.store.event(
+                "checkpoint_failed", "server", state.shard, checkpoint=state.checkpoint_id,
+                clock=state.clock, error=error), None)
             return
         entry = {"path": written.path, "sha256": written.sha256, "nbytes": written.nbytes,
                  "clock": state.clock}

@@ -293,7 +293,8 @@ def _status(store: JobStore, as_json: bool) -> int:
     print("recent events:")
     for e in status["events"]:
         when = time.strftime("%H:%M:%S", time.localtime(e["time"]))
-        print(f"  {when} {e['type']:<9} {e['role']} {e['member']}")
+        error = f": {e['error']}" if "error" in e else ""
+        print(f"  {when} {e['type']:<9} {e['role']} {e['member']}{error}")
     finished = status["finished_ranks"]
     print(f"finished ranks: {', '.join(map(str, finished)) if finished else 'none'}")
     latest = status["latest_checkpoint"]

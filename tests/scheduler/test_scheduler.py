@@ -435,3 +435,24 @@ def test_a_finished_job_s_name_reused_without_resume_starts_fresh(procs: Procs) 
         assert result["clock"] == 60
         torch.testing.assert_close(torch.tensor(result["w"]), expected, atol=1e-6, rtol=0)
     assert "a new run under the name of an earlier one" in second.log()
+
+
+@pytest.mark.timeout(180)
+def test_a_failing_checkpoint_is_an_event_that_status_shows(procs: Procs) -> None:
+    redis = procs.redis().address
+    job_dir = procs.workdir / "ckpt" / "unwritable"
+    job_dir.mkdir(parents=True)
+    (job_dir / "clock-0000000020").write_text("a file where that checkpoint's directory goes")
+    up = up_sync_job(procs, redis, "unwritable", steps=60)
+    assert up.popen.wait(timeout=120) == 0, up.log()[-3000:]  # training does not stop for it
+    store = JobStore.connect(redis, "unwritable")
+    failed = [e for e in store.events() if e.type == "checkpoint_failed"]
+    assert sorted((e.member, e.detail["checkpoint"]) for e in failed) == [
+        ("0", "clock-0000000020"), ("1", "clock-0000000020")], failed  # one per server
+    assert "clock-0000000020" in failed[0].detail["error"]
+    assert store.latest_checkpoint(2) is not None  # the later ones were written
+    shown = subprocess.run([sys.executable, "-m", "scheduler.cli", "status", "--redis", redis,
+                            "--job", "unwritable"], capture_output=True, text=True, cwd=REPO,
+                           timeout=60, check=False)
+    assert "checkpoint_failed server" in shown.stdout, shown
+    assert "clock-0000000020" in shown.stdout, shown

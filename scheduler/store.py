@@ -255,13 +255,18 @@ class JobStore:
             )
         if not spec.created_s:
             spec = dataclasses.replace(spec, created_s=time.time())
-        # A new job under an old name starts fresh: with every rank still to run, and without
-        # the earlier run's checkpoints (their files stay; --resume carries on from them).
+        # A new job under an old name starts fresh: with every rank still to run, without the
+        # earlier run's checkpoints (their files stay; --resume carries on from them), and
+        # without its members, which a scheduler taking over would declare dead (a sync
+        # quorum without them) until this run's register, nor its rank claims or requests.
         forgotten = self.checkpoint_ids()
         pipe = self.redis.pipeline(transaction=False)
         for checkpoint_id in forgotten:
             pipe.delete(self.keys.checkpoint(checkpoint_id))
-        pipe.delete(self.keys.checkpoints(), self.keys.finished())
+        for key in self.redis.scan_iter(f"{self.keys.prefix}rank:*", count=100):
+            pipe.delete(key)
+        pipe.delete(self.keys.checkpoints(), self.keys.finished(), self.keys.members("worker"),
+                    self.keys.members("server"), self.keys.checkpoint_request())
         pipe.execute()
         if forgotten:
             log.warning("job %r: a new run under the name of an earlier one; it starts from "

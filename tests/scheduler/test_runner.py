@@ -77,9 +77,11 @@ def test_a_new_job_under_a_finished_job_s_name_runs_every_rank_again(procs: Proc
     store.record_checkpoint("c1", 0, {"sha256": "0" * 64, "clock": 20})
     store.create_job(JobSpec("again", workers=2), adopt=True)  # adopting keeps its progress
     assert store.finished_ranks() == {0} and store.checkpoint_ids() == ["c1"]
+    store.register("worker", 1, {"incarnation": 5})
     store.create_job(JobSpec("again", workers=2), adopt=False)
     assert store.finished_ranks() == set()
     assert store.checkpoint_ids() == [] and store.checkpoint("c1") == {}  # nothing restores it
+    assert store.members("worker") == {}  # a scheduler taking over finds no one to call dead
 
 
 def start_job(procs: Procs, redis: str, job: str, workers: int) -> JobStore:

@@ -14,7 +14,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ps.checkpoint import (
@@ -198,21 +198,9 @@ def find_checkpoint(
     warning for the next older one (a sync job's rollback then goes to the one read); when
     every one fails, the newest one's CheckpointError is raised.
     """
-    candidates: list[tuple[str, dict[int, dict[str, Any]]]] = []
-    if store is not None:
-        for checkpoint_id in store.checkpoint_ids():
-            entries = store.checkpoint(checkpoint_id)
-            if len(entries) == num_shards:
-                candidates.append((checkpoint_id, entries))
-    if not candidates and directory and (from_disk or spec is not None):
-        created_ns = 0 if from_disk or spec is None else int(spec.created_s * 1e9)
-        for manifest in reversed(list_checkpoints(directory, job)):
-            if manifest.complete and manifest.written_at_ns >= created_ns:
-                candidates.append((manifest.checkpoint_id, {
-                    k: {"path": f.path, "sha256": f.sha256, "nbytes": f.nbytes,
-                        "clock": manifest.clock} for k, f in manifest.shards.items()}))
     first_error: CheckpointError | None = None
-    for checkpoint_id, entries in candidates:
+    for checkpoint_id, entries in _candidates(store, spec, num_shards, job, directory,
+                                              from_disk):
         # The store or manifest names the checkpoint and its digest; the file is found here.
         try:
             state = read_checkpoint(directory, job, checkpoint_id, shard, num_shards,
@@ -226,3 +214,23 @@ def find_checkpoint(
     if first_error is not None:
         raise first_error
     return None
+
+
+def _candidates(
+    store: JobStore | None, spec: JobSpec | None, num_shards: int, job: str, directory: str,
+    from_disk: bool,
+) -> Iterator[tuple[str, dict[int, dict[str, Any]]]]:
+    """Complete checkpoints, newest first, read as they are asked for: those Redis lists,
+    else those on disk written since the job was created (any, `from_disk`)."""
+    listed = False
+    for found in store.complete(num_shards) if store is not None else ():
+        listed = True
+        yield found
+    if listed or not directory or not (from_disk or spec is not None):
+        return
+    created_ns = 0 if from_disk or spec is None else int(spec.created_s * 1e9)
+    for manifest in reversed(list_checkpoints(directory, job)):
+        if manifest.complete and manifest.written_at_ns >= created_ns:
+            yield manifest.checkpoint_id, {
+                k: {"path": f.path, "sha256": f.sha256, "nbytes": f.nbytes,
+                    "clock": manifest.clock} for k, f in manifest.shards.items()}

@@ -75,6 +75,12 @@ class Child:
     exit_code: int | None = None
 
 
+def shell_status(returncode: int) -> int:
+    """A child's exit status as a shell reports it: 128 + N for one that signal N killed
+    (Popen gives -N)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
 def die_with_parent() -> None:
     """Runs in the child before exec: SIGKILL it when its parent dies."""
     name = ctypes.util.find_library("c")
@@ -318,8 +324,7 @@ class _Failed(Exception):
         how = (f"was killed by {signal.Signals(-code).name}" if code < 0
                else f"exited with status {code}")
         super().__init__(f"{child.name} {how}")
-        # What a shell reports for a process a signal killed: 128 + the signal's number.
-        self.code = 128 - code if code < 0 else code
+        self.code = shell_status(code)
         self.child = child
 
 

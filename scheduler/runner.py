@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from types import FrameType
 
 from scheduler.errors import ConfigError, JobNotFoundError, RankUnavailableError
-from scheduler.launcher import die_with_parent
+from scheduler.launcher import die_with_parent, shell_status
 from scheduler.spec import RESTART_EXIT_CODE, JobSpec
 from scheduler.store import ALL_FINISHED, NO_FREE_RANK, JobStore, redact, ride_out
 
@@ -197,7 +197,7 @@ class _Supervisor:
                 log.error("worker %s: another worker took this rank while this one could not "
                           "reach Redis; stopping the script", self.claim.rank)
                 self._stop_child()
-        return code if code >= 0 else 128 - code
+        return shell_status(code)
 
     def _stop_child(self) -> None:
         child = self.child

@@ -26,7 +26,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -435,23 +435,23 @@ class JobStore:
         """Checkpoint ids, newest first."""
         return [_text(c) for c in self.redis.zrevrange(self.keys.checkpoints(), 0, -1)]
 
-    def latest_checkpoint(self, num_shards: int) -> tuple[str, dict[int, dict[str, Any]]] | None:
-        """The newest checkpoint that every shard has written, with its entries."""
+    def complete(self, num_shards: int) -> Iterator[tuple[str, dict[int, dict[str, Any]]]]:
+        """(id, entries) of each checkpoint every shard has written, newest first; one read
+        per checkpoint listed, made as the caller asks for the next."""
         for checkpoint_id in self.checkpoint_ids():
             entries = self.checkpoint(checkpoint_id)
             if len(entries) == num_shards:
-                return checkpoint_id, entries
-        return None
+                yield checkpoint_id, entries
+
+    def latest_checkpoint(self, num_shards: int) -> tuple[str, dict[int, dict[str, Any]]] | None:
+        """The newest checkpoint that every shard has written, with its entries."""
+        return next(self.complete(num_shards), None)
 
     def complete_checkpoints(self, num_shards: int) -> list[tuple[str, int]]:
         """(id, clock) of every checkpoint that every shard has written, newest listed first;
-        the clock is the smallest its shards recorded. One read per checkpoint listed."""
-        out = []
-        for checkpoint_id in self.checkpoint_ids():
-            entries = self.checkpoint(checkpoint_id)
-            if len(entries) == num_shards:
-                out.append((checkpoint_id, min(int(e.get("clock", 0)) for e in entries.values())))
-        return out
+        the clock is the smallest its shards recorded."""
+        return [(checkpoint_id, min(int(e.get("clock", 0)) for e in entries.values()))
+                for checkpoint_id, entries in self.complete(num_shards)]
 
 
 def _event(eid: object, fields: object) -> Event:

@@ -167,6 +167,11 @@ def _declare(*specs: pb.TableSpec) -> bytes:
     return pb.DeclareTablesRequest(tables=list(specs)).SerializeToString()
 
 
+def _restore(**fields: object) -> Callable[[Raw], bytes]:
+    """A Restore request of `fields`, sent raw."""
+    return lambda r: r.call("Restore", pb.RestoreRequest(**fields).SerializeToString())
+
+
 def _then_pull(table: str, span: pb.Span | None = None) -> Callable[
     [pb.ExchangeRequest, codec.Payload], None
 ]:
@@ -318,25 +323,23 @@ CASES = [
         id="membership-worker-out-of-range",
     ),
     pytest.param(
-        lambda r: r.call("Restore", pb.RestoreRequest(generation=2**63 - 1).SerializeToString()),
+        _restore(generation=2**63 - 1),
         "INVALID_ARGUMENT", "the generation must lie in [0, 4611686018427387904)",
         id="restore-generation-out-of-range",
     ),
     # Restore finds a checkpoint by id in the server's own directory, never by a path.
     pytest.param(
-        lambda r: r.call("Restore", pb.RestoreRequest(
-            checkpoint_id="../../etc/passwd", sha256="0" * 64).SerializeToString()),
+        _restore(checkpoint_id="../../etc/passwd", sha256="0" * 64),
         "INVALID_ARGUMENT", "checkpoint id '../../etc/passwd' cannot name a directory",
         id="restore-path-as-id",
     ),
     pytest.param(
-        lambda r: r.call("Restore", pb.RestoreRequest(checkpoint_id="c1").SerializeToString()),
+        _restore(checkpoint_id="c1"),
         "INVALID_ARGUMENT", "the shard's sha256 must be 64 lowercase hex digits",
         id="restore-without-digest",
     ),
     pytest.param(
-        lambda r: r.call("Restore", pb.RestoreRequest(
-            checkpoint_id="c1", sha256="0" * 64).SerializeToString()),
+        _restore(checkpoint_id="c1", sha256="0" * 64),
         "FAILED_PRECONDITION", "this server has no checkpoint directory",
         id="restore-without-directory",
     ),

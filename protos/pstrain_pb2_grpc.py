@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class ParameterServerStub:
-    """The data-plane service. Every server also serves grpc.health.v1.Health.
+    """The data-plane service: what a worker calls. Every server also serves
+    grpc.health.v1.Health. With roles on (certificates or a job secret; see the README's
+    Security), the worker and admin roles may call it.
     """
 
     def __init__(self, channel):
@@ -50,20 +52,10 @@ class ParameterServerStub:
                 request_serializer=protos_dot_pstrain__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_pstrain__pb2.StatsResponse.FromString,
                 _registered_method=True)
-        self.SetMembership = channel.unary_unary(
-                '/pstrain.v1.ParameterServer/SetMembership',
-                request_serializer=protos_dot_pstrain__pb2.MembershipRequest.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.MembershipResponse.FromString,
-                _registered_method=True)
         self.Join = channel.unary_unary(
                 '/pstrain.v1.ParameterServer/Join',
                 request_serializer=protos_dot_pstrain__pb2.JoinRequest.SerializeToString,
                 response_deserializer=protos_dot_pstrain__pb2.JoinResponse.FromString,
-                _registered_method=True)
-        self.Restore = channel.unary_unary(
-                '/pstrain.v1.ParameterServer/Restore',
-                request_serializer=protos_dot_pstrain__pb2.RestoreRequest.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.RestoreResponse.FromString,
                 _registered_method=True)
         self.Handshake = channel.unary_unary(
                 '/pstrain.v1.ParameterServer/Handshake',
@@ -83,7 +75,9 @@ class ParameterServerStub:
 
 
 class ParameterServerServicer:
-    """The data-plane service. Every server also serves grpc.health.v1.Health.
+    """The data-plane service: what a worker calls. Every server also serves
+    grpc.health.v1.Health. With roles on (certificates or a job secret; see the README's
+    Security), the worker and admin roles may call it.
     """
 
     def GetServerInfo(self, request, context):
@@ -104,19 +98,7 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def SetMembership(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Join(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Restore(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -158,20 +140,10 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     request_deserializer=protos_dot_pstrain__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_pstrain__pb2.StatsResponse.SerializeToString,
             ),
-            'SetMembership': grpc.unary_unary_rpc_method_handler(
-                    servicer.SetMembership,
-                    request_deserializer=protos_dot_pstrain__pb2.MembershipRequest.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.MembershipResponse.SerializeToString,
-            ),
             'Join': grpc.unary_unary_rpc_method_handler(
                     servicer.Join,
                     request_deserializer=protos_dot_pstrain__pb2.JoinRequest.FromString,
                     response_serializer=protos_dot_pstrain__pb2.JoinResponse.SerializeToString,
-            ),
-            'Restore': grpc.unary_unary_rpc_method_handler(
-                    servicer.Restore,
-                    request_deserializer=protos_dot_pstrain__pb2.RestoreRequest.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.RestoreResponse.SerializeToString,
             ),
             'Handshake': grpc.unary_unary_rpc_method_handler(
                     servicer.Handshake,
@@ -197,7 +169,9 @@ def add_ParameterServerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ParameterServer:
-    """The data-plane service. Every server also serves grpc.health.v1.Health.
+    """The data-plane service: what a worker calls. Every server also serves
+    grpc.health.v1.Health. With roles on (certificates or a job secret; see the README's
+    Security), the worker and admin roles may call it.
     """
 
     @staticmethod
@@ -282,33 +256,6 @@ class ParameterServer:
             _registered_method=True)
 
     @staticmethod
-    def SetMembership(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pstrain.v1.ParameterServer/SetMembership',
-            protos_dot_pstrain__pb2.MembershipRequest.SerializeToString,
-            protos_dot_pstrain__pb2.MembershipResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
     def Join(request,
             target,
             options=(),
@@ -325,33 +272,6 @@ class ParameterServer:
             '/pstrain.v1.ParameterServer/Join',
             protos_dot_pstrain__pb2.JoinRequest.SerializeToString,
             protos_dot_pstrain__pb2.JoinResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Restore(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pstrain.v1.ParameterServer/Restore',
-            protos_dot_pstrain__pb2.RestoreRequest.SerializeToString,
-            protos_dot_pstrain__pb2.RestoreResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -433,6 +353,127 @@ class ParameterServer:
             '/pstrain.v1.ParameterServer/ExchangeStream',
             protos_dot_pstrain__pb2.ExchangePart.SerializeToString,
             protos_dot_pstrain__pb2.ExchangeAnswerPart.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class ParameterServerAdminStub:
+    """Calls that change who trains or what the tables hold as a whole: with roles on, only the
+    admin role (the scheduler, the admin CLI) may call them.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SetMembership = channel.unary_unary(
+                '/pstrain.v1.ParameterServerAdmin/SetMembership',
+                request_serializer=protos_dot_pstrain__pb2.MembershipRequest.SerializeToString,
+                response_deserializer=protos_dot_pstrain__pb2.MembershipResponse.FromString,
+                _registered_method=True)
+        self.Restore = channel.unary_unary(
+                '/pstrain.v1.ParameterServerAdmin/Restore',
+                request_serializer=protos_dot_pstrain__pb2.RestoreRequest.SerializeToString,
+                response_deserializer=protos_dot_pstrain__pb2.RestoreResponse.FromString,
+                _registered_method=True)
+
+
+class ParameterServerAdminServicer:
+    """Calls that change who trains or what the tables hold as a whole: with roles on, only the
+    admin role (the scheduler, the admin CLI) may call them.
+    """
+
+    def SetMembership(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Restore(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ParameterServerAdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SetMembership': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetMembership,
+                    request_deserializer=protos_dot_pstrain__pb2.MembershipRequest.FromString,
+                    response_serializer=protos_dot_pstrain__pb2.MembershipResponse.SerializeToString,
+            ),
+            'Restore': grpc.unary_unary_rpc_method_handler(
+                    servicer.Restore,
+                    request_deserializer=protos_dot_pstrain__pb2.RestoreRequest.FromString,
+                    response_serializer=protos_dot_pstrain__pb2.RestoreResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pstrain.v1.ParameterServerAdmin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pstrain.v1.ParameterServerAdmin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ParameterServerAdmin:
+    """Calls that change who trains or what the tables hold as a whole: with roles on, only the
+    admin role (the scheduler, the admin CLI) may call them.
+    """
+
+    @staticmethod
+    def SetMembership(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.ParameterServerAdmin/SetMembership',
+            protos_dot_pstrain__pb2.MembershipRequest.SerializeToString,
+            protos_dot_pstrain__pb2.MembershipResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Restore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.ParameterServerAdmin/Restore',
+            protos_dot_pstrain__pb2.RestoreRequest.SerializeToString,
+            protos_dot_pstrain__pb2.RestoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,12 +1,12 @@
 """The RPC surface of the wire contract: one typed table, checked against the proto.
 
-Each method of the `ParameterServer` service is one `Rpc` constant below. Its path, its
-streaming shape and its message classes come from the service descriptor in
-`pstrain_pb2`; the constant adds only the static types. Importing this module fails when the
-two disagree (a method renamed, retyped or missing), and `tests/protos/test_rpc.py` fails
-when the proto has a method with no constant here. The worker's stubs (`Stubs`), the
-server's handlers (`Rpc.handler`) and the admin calls are all made from these constants,
-so the method list is written once.
+Each method of the `ParameterServer` (data) and `ParameterServerAdmin` services is one `Rpc`
+constant below. Its service, path, streaming shape and message classes come from the service
+descriptors in `pstrain_pb2`; the constant adds only the static types. Importing this module
+fails when the two disagree (a method renamed, retyped or missing), and
+`tests/protos/test_rpc.py` fails when the proto has a method with no constant here. The
+worker's stubs (`Stubs`), the server's handlers (`Rpc.handler`) and the admin calls are all
+made from these constants, so the method list is written once.
 
 Requests travel as bytes the caller encoded (the codec appends bulk fields without a
 copy); answers come back as `codec.Frame`s whose bulk fields are views of the received
@@ -29,14 +29,17 @@ from protos.frames import Frame, WireError
 Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
 
-_DESCRIPTOR = pb.DESCRIPTOR.services_by_name["ParameterServer"]
-SERVICE: str = _DESCRIPTOR.full_name
+SERVICE: str = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+# Membership and restore: only the admin role may call this service when roles are on.
+ADMIN_SERVICE: str = pb.DESCRIPTOR.services_by_name["ParameterServerAdmin"].full_name
+SERVICES: tuple[str, ...] = (SERVICE, ADMIN_SERVICE)
 
 
 @dataclass(frozen=True)
 class Rpc(Generic[Req, Resp]):
     """One method of the service. Immutable; thread-safe."""
 
+    service: str  # its full name, e.g. "pstrain.v1.ParameterServer"
     name: str
     request: type[Req]
     response: type[Resp]
@@ -45,7 +48,7 @@ class Rpc(Generic[Req, Resp]):
 
     @property
     def path(self) -> str:
-        return f"/{SERVICE}/{self.name}"
+        return f"/{self.service}/{self.name}"
 
     @property
     def shape(self) -> str:
@@ -90,23 +93,27 @@ class Rpc(Generic[Req, Resp]):
         return handler
 
 
-def _rpc(name: str, request: type[Req], response: type[Resp]) -> Rpc[Req, Resp]:
-    method = _DESCRIPTOR.methods_by_name.get(name)
+def _rpc(name: str, request: type[Req], response: type[Resp],
+         service: str = SERVICE) -> Rpc[Req, Resp]:
+    descriptor = pb.DESCRIPTOR.services_by_name[service.rpartition(".")[2]]
+    method = descriptor.methods_by_name.get(name)
     if method is None:
-        raise ImportError(f"the proto's {SERVICE} has no method {name!r}")
+        raise ImportError(f"the proto's {service} has no method {name!r}")
     declared = (method.input_type.full_name, method.output_type.full_name)
     given = (request.DESCRIPTOR.full_name, response.DESCRIPTOR.full_name)
     if declared != given:
-        raise ImportError(f"{SERVICE}.{name} takes and returns {declared}, not {given}")
-    return Rpc(name, request, response, method.client_streaming, method.server_streaming)
+        raise ImportError(f"{service}.{name} takes and returns {declared}, not {given}")
+    return Rpc(service, name, request, response, method.client_streaming,
+               method.server_streaming)
 
 
 GET_SERVER_INFO = _rpc("GetServerInfo", pb.ServerInfoRequest, pb.ServerInfo)
 DECLARE_TABLES = _rpc("DeclareTables", pb.DeclareTablesRequest, pb.DeclareTablesResponse)
 GET_STATS = _rpc("GetStats", pb.StatsRequest, pb.StatsResponse)
 JOIN = _rpc("Join", pb.JoinRequest, pb.JoinResponse)
-SET_MEMBERSHIP = _rpc("SetMembership", pb.MembershipRequest, pb.MembershipResponse)
-RESTORE = _rpc("Restore", pb.RestoreRequest, pb.RestoreResponse)
+SET_MEMBERSHIP = _rpc("SetMembership", pb.MembershipRequest, pb.MembershipResponse,
+                      ADMIN_SERVICE)
+RESTORE = _rpc("Restore", pb.RestoreRequest, pb.RestoreResponse, ADMIN_SERVICE)
 HANDSHAKE = _rpc("Handshake", pb.HandshakeRequest, pb.HandshakeResponse)
 EXCHANGE = _rpc("Exchange", pb.ExchangeRequest, pb.ExchangeResponse)
 EXCHANGE_STREAM = _rpc("ExchangeStream", pb.ExchangePart, pb.ExchangeAnswerPart)
@@ -118,15 +125,18 @@ METHODS: tuple[Rpc[Any, Any], ...] = (
 
 
 class Stubs:
-    """Every method of the service bound to one channel, with typed calls.
+    """Every method of both services bound to one channel, with typed calls.
 
     Each call blocks until the answer (or, for `stream_out`, each answer) arrives or
-    `timeout` seconds pass, and raises grpc.RpcError on failure. Thread-safe, as gRPC's
+    `timeout` seconds pass, and raises grpc.RpcError on failure. `metadata` goes with every
+    call (the caller's job token, when the job has a secret). Thread-safe, as gRPC's
     multi-callables are.
     """
 
-    def __init__(self, channel: grpc.Channel) -> None:
+    def __init__(self, channel: grpc.Channel,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self._bound = {rpc.name: rpc.bind(channel) for rpc in METHODS}
+        self._metadata = metadata or None
 
     def _method(self, rpc: Rpc[Any, Any], streams_in: bool, streams_out: bool) -> Any:
         if (rpc.streams_in, rpc.streams_out) != (streams_in, streams_out):
@@ -136,14 +146,15 @@ class Stubs:
     def unary(self, rpc: Rpc[Any, Resp], request: bytes, timeout: float,
               **options: Any) -> Frame[Resp]:
         """One request, one answer. `options` go to gRPC (e.g. wait_for_ready)."""
-        frame: Frame[Resp] = self._method(rpc, False, False)(request, timeout=timeout,
-                                                               **options)
+        frame: Frame[Resp] = self._method(rpc, False, False)(
+            request, timeout=timeout, metadata=self._metadata, **options)
         return frame
 
     def stream(self, rpc: Rpc[Any, Resp], requests: Iterator[bytes],
                timeout: float) -> StreamCall[Resp]:
         """A stream of requests, a stream of answers. The call can be cancelled."""
-        call: StreamCall[Resp] = self._method(rpc, True, True)(requests, timeout=timeout)
+        call: StreamCall[Resp] = self._method(rpc, True, True)(requests, timeout=timeout,
+                                                              metadata=self._metadata)
         return call
 
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from protos import modes
+from protos import modes, security
 from protos.transport import PREFERENCE
 from ps.coordination import ServerCoordinator, advertised, find_checkpoint, new_incarnation
 from ps.errors import InvalidArgumentError, PSError
@@ -111,6 +111,7 @@ def parser() -> argparse.ArgumentParser:
                    help="bulk transport offered to workers: auto (every one that works here; "
                         "each worker gets the fastest both share), or one of "
                         f"{', '.join(PREFERENCE)} (env PSTRAIN_TRANSPORT, default auto)")
+    security.add_flags(p, env, "this server's certificate (its common name: server)")
     p.add_argument("--ready-file", default="",
                    help="write {address, pid} as JSON here once serving")
     p.add_argument("--log-level", default=env.get("PSTRAIN_LOG_LEVEL", "INFO"),
@@ -183,7 +184,7 @@ def build(argv: list[str]) -> Built:
         limits=Limits(max_table_bytes=int(a.max_table_mib * MiB), max_dim=a.max_dim,
                       max_tables=a.max_tables, max_declare=a.max_declare_tables,
                       max_answer_bytes=int(a.max_answer_mib * MiB)),
-        checkpoint_dir=directory,
+        checkpoint_dir=directory, security=security.from_flags(a),
     )
     prepare = None
     if restored is not None:
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config, attach, prepare = build(sys.argv[1:] if argv is None else argv)
         run(config, attach, prepare)
-    except (PSError, CoordinationError) as exc:
+    except (PSError, CoordinationError, security.SecurityError) as exc:
         print(f"pstrain server: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -19,7 +19,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from protos import rpc
 from protos.modes import ASYNC, Mode
 from protos.runtime import tune_malloc
+from protos.security import Security
 from protos.transport import TransportError, parse_choice
+from ps.auth import Gatekeeper
 from ps.bulk import BulkEndpoint
 from ps.checkpoint import read_checkpoint
 from ps.clocks import Quorum
@@ -60,6 +62,7 @@ class ServerConfig:
     transport: str = "auto"  # bulk transport: auto, or one of protos.transport.PREFERENCE
     limits: Limits = field(default_factory=Limits)
     checkpoint_dir: str = ""  # where Restore finds checkpoints by id ("" : it cannot)
+    security: Security = field(default_factory=Security)  # TLS and the job secret, when on
 
     def __post_init__(self) -> None:
         host, sep, port = self.bind.rpartition(":")
@@ -90,6 +93,11 @@ class ServerConfig:
             quorum=Quorum(self.workers, self.backups), max_wait_s=self.max_wait_s,
             limits=self.limits,
         )
+
+
+def _describe(security: Security) -> str:
+    tls = "TLS with client certificates" if security.tls else "no TLS"
+    return f"{tls}, {'a job secret' if security.secret else 'no job secret'}"
 
 
 def tune_process(torch_threads: int) -> None:
@@ -125,6 +133,7 @@ class ParameterServer:
         )
         self._grpc = grpc.server(
             self._calls,
+            interceptors=[Gatekeeper(config.security)] if config.security.enabled else [],
             options=[
                 ("grpc.max_receive_message_length", config.max_message_bytes),
                 ("grpc.max_send_message_length", config.max_message_bytes),
@@ -139,7 +148,7 @@ class ParameterServer:
             self.shard.observe_staleness = (
                 lambda table, clocks: self.metrics.staleness.labels(table).observe(clocks)
             )
-        self._grpc.add_generic_rpc_handlers((self.servicer.handler(),))
+        self._grpc.add_generic_rpc_handlers(self.servicer.handlers())
         self.bulk.serve_lanes(self.servicer.lane_handler(), config.max_message_bytes,
                               self._calls)
         self.health = health.HealthServicer()
@@ -155,7 +164,7 @@ class ParameterServer:
     def start(self) -> None:
         """Binds and starts serving. Raises InvalidArgumentError if the address is taken."""
         try:
-            self.port = self._grpc.add_insecure_port(self.config.bind)
+            self.port = self.config.security.add_port(self._grpc, self.config.bind)
         except RuntimeError as exc:
             raise InvalidArgumentError(f"cannot bind {self.config.bind}: {exc}") from exc
         if self.port == 0:
@@ -173,9 +182,10 @@ class ParameterServer:
         for service in ("", rpc.SERVICE):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "shard %d/%d serving on %s (incarnation %d, mode %s)", self.config.shard,
+            "shard %d/%d serving on %s (incarnation %d, mode %s, %s)", self.config.shard,
             self.config.num_shards, self.address, self.config.incarnation,
             self.config.mode.with_default(self.config.staleness),
+            _describe(self.config.security),
         )
         if self.config.ready_file:
             tmp = self.config.ready_file + ".tmp"

@@ -407,12 +407,14 @@ class ParameterServerServicer:
 
     # ---- registration ----------------------------------------------------------------------
 
-    def handler(self) -> grpc.GenericRpcHandler:
-        """The generic handler serving every method of the contract (protos/rpc.py) with the
-        zero-copy codec."""
-        methods = {
-            method.name: method.handler(self._timed(method.name, getattr(self, method.name)),
-                                        _abort)
-            for method in rpc.METHODS
-        }
-        return grpc.method_handlers_generic_handler(rpc.SERVICE, methods)
+    def handlers(self) -> tuple[grpc.GenericRpcHandler, ...]:
+        """One generic handler per service of the contract (protos/rpc.py: the data service
+        and the admin service), serving every method with the zero-copy codec."""
+        return tuple(
+            grpc.method_handlers_generic_handler(service, {
+                method.name: method.handler(
+                    self._timed(method.name, getattr(self, method.name)), _abort)
+                for method in rpc.METHODS if method.service == service
+            })
+            for service in rpc.SERVICES
+        )

@@ -9,21 +9,25 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import pstrain_pb2 as pb
 from protos import rpc
 from protos.rpc import Stubs
+from protos.security import Security
 from scheduler.errors import ConfigError
 
 
 class ServerAdmin:
-    """One channel per server address; calls block up to `timeout_s`. Not thread-safe."""
+    """One channel per server address, with the admin role's credentials (`security`);
+    calls block up to `timeout_s`. Not thread-safe."""
 
-    def __init__(self, timeout_s: float = 5.0) -> None:
+    def __init__(self, timeout_s: float = 5.0, security: Security | None = None) -> None:
         self.timeout_s = timeout_s
+        self.security = security or Security()
         self._channels: dict[str, tuple[grpc.Channel, Stubs]] = {}
 
     def _stubs(self, address: str) -> Stubs:
         found = self._channels.get(address)
         if found is None:
-            channel = grpc.insecure_channel(address)
-            found = self._channels[address] = (channel, Stubs(channel))
+            channel = self.security.channel(address)
+            found = self._channels[address] = (channel,
+                                               Stubs(channel, self.security.call_metadata()))
         return found[1]
 
     def set_membership(self, address: str, live: list[int]) -> pb.MembershipResponse:
@@ -53,16 +57,19 @@ def check_address(address: str) -> str:
     return address
 
 
-def health(address: str, service: str = "", timeout_s: float = 2.0) -> str:
+def health(address: str, service: str = "", timeout_s: float = 2.0,
+           security: Security | None = None) -> str:
     """Asks the standard gRPC health service at `address` about `service` ("" is the server
-    as a whole). Blocks up to `timeout_s`; returns the status name (SERVING, NOT_SERVING,
-    SERVICE_UNKNOWN, ...) or, when the server cannot be asked, the gRPC error's code and
-    details. Thread-safe (each call has its own channel)."""
+    as a whole), with `security`'s credentials. Blocks up to `timeout_s`; returns the status
+    name (SERVING, NOT_SERVING, SERVICE_UNKNOWN, ...) or, when the server cannot be asked,
+    the gRPC error's code and details. Thread-safe (each call has its own channel)."""
     check_address(address)
-    with grpc.insecure_channel(address) as channel:
+    security = security or Security()
+    with security.channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s,
+                               metadata=security.call_metadata() or None)
         except grpc.RpcError as exc:
             return f"{exc.code().name}: {exc.details()}"
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))

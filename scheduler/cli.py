@@ -19,7 +19,7 @@ import time
 from types import FrameType
 from typing import Any
 
-from protos import modes
+from protos import modes, security
 from protos.transport import ENV_VAR as ENV_TRANSPORT
 from protos.transport import PREFERENCE, TransportError, parse_choice
 from scheduler.admin import check_address, health
@@ -136,6 +136,7 @@ def _parser() -> argparse.ArgumentParser:
                         "without it a live job of that name is refused")
     s.add_argument("--poll-s", type=float, default=0.1, help="heartbeat polling period")
     s.add_argument("--lease-s", type=float, default=2.0, help="leader lease")
+    security.add_flags(s, os.environ, "the scheduler's certificate (its common name: admin)")
 
     u = sub.add_parser("up", help="run a whole local cluster and a training script on it")
     _redis_flags(u, job_required=False)
@@ -144,6 +145,9 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--resume", action="store_true",
                    help="start the servers from the job's newest complete checkpoint")
     u.add_argument("--no-view", action="store_true", help="no live view")
+    u.add_argument("--no-tls", action="store_true",
+                   help="no certificates or job secret: every process talks in the clear "
+                        "(default: mutual TLS and a job token, made for the run)")
     u.add_argument("--log-dir", default="", help="keep each process's log here")
     u.add_argument("--metrics-base-port", type=int, default=0,
                    help="serve Prometheus metrics: server K on this port + K, worker R on "
@@ -165,6 +169,22 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--service", default="",
                    help="service name to ask about (default '': the server as a whole)")
     h.add_argument("--timeout-s", type=float, default=2.0, help="how long to wait (default 2)")
+    security.add_flags(h, os.environ, "a certificate of the job (any role)")
+    ce = sub.add_parser("certs", help="make a job's CA, a certificate for each role, and its "
+                                      "secret, for mutual TLS between roles")
+    ce.add_argument("--out", required=True, help="directory to write them to (made 0700)")
+    ce.add_argument("--job", default=os.environ.get(ENV_JOB, ""),
+                    help=f"job name, written into every certificate (env {ENV_JOB})")
+    # The default is spelled out rather than imported: scheduler.certs loads `cryptography`,
+    # which the other commands need not pay for at start-up.
+    ce.add_argument("--host", action="append", default=None, metavar="HOST",
+                    help="a DNS name or IP address clients dial to reach the servers, for the "
+                         "server certificate; repeat for each (default: localhost, 127.0.0.1 "
+                         "and ::1)")
+    ce.add_argument("--days", type=int, default=365,
+                    help="days the certificates stay valid (default 365)")
+    ce.add_argument("--force", action="store_true",
+                    help="replace the files of an earlier run (every role then needs new ones)")
     return p
 
 
@@ -211,6 +231,8 @@ def _need_redis(a: argparse.Namespace) -> None:
 
 
 def _run(a: argparse.Namespace) -> int:
+    if a.command == "certs":
+        return _certs(a)
     if a.command == "worker":
         _need_redis(a)
         script_args = a.args[1:] if a.args[:1] == ["--"] else a.args
@@ -227,7 +249,7 @@ def _run(a: argparse.Namespace) -> int:
             env["PSTRAIN_METRICS_PORT"] = str(a.metrics_port)
         os.execve(sys.executable, [sys.executable, a.script, *script_args], env)
     if a.command == "health":
-        return _health(a.address, a.service, a.timeout_s)
+        return _health(a.address, a.service, a.timeout_s, _security(a))
     if a.command == "scheduler":
         return _scheduler(a)
     if a.command == "up":
@@ -237,7 +259,7 @@ def _run(a: argparse.Namespace) -> int:
         return up(UpConfig(
             script=a.script, script_args=tuple(script_args), spec=_spec(a.job, a),
             redis=a.redis, restart=a.restart, resume=a.resume, view=not a.no_view,
-            log_dir=a.log_dir, metrics_base_port=a.metrics_base_port,
+            log_dir=a.log_dir, metrics_base_port=a.metrics_base_port, tls=not a.no_tls,
         ))
     if a.command == "status":
         _need_redis(a)
@@ -248,10 +270,18 @@ def _run(a: argparse.Namespace) -> int:
     raise CoordinationError(f"unknown command {a.command!r}")
 
 
-def _health(address: str, service: str, timeout_s: float) -> int:
+def _security(a: argparse.Namespace) -> security.Security:
+    try:
+        return security.from_flags(a)
+    except security.SecurityError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def _health(address: str, service: str, timeout_s: float,
+            credentials: security.Security) -> int:
     if timeout_s <= 0:
         raise ConfigError(f"--timeout-s must be > 0, got {timeout_s:g}")
-    status = health(check_address(address), service, timeout_s)
+    status = health(check_address(address), service, timeout_s, credentials)
     print(f"{address}: {status}")
     return 0 if status == "SERVING" else 1
 
@@ -260,7 +290,8 @@ def _scheduler(a: argparse.Namespace) -> int:
     _need_redis(a)
     store = JobStore.connect(a.redis, a.job)
     spec = store.create_job(_spec(a.job, a), adopt=a.adopt, given=_given(a))
-    scheduler = Scheduler(store, spec, poll_s=a.poll_s, lease_s=a.lease_s)
+    scheduler = Scheduler(store, spec, poll_s=a.poll_s, lease_s=a.lease_s,
+                          security=_security(a))
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -340,6 +371,23 @@ def _checkpoint(store: JobStore, wait_s: float) -> int:
     print(f"pstrain checkpoint: {checkpoint_id} not complete after {wait_s:g} s "
           f"({len(store.checkpoint(checkpoint_id))} of {spec.servers} shards)", file=sys.stderr)
     return 1
+
+
+def _certs(a: argparse.Namespace) -> int:
+    # Here, not at the top: only this command pays for importing `cryptography`.
+    from scheduler.certs import DEFAULT_HOSTS, ROLES, make_job_certs  # noqa: PLC0415
+
+    certs = make_job_certs(a.out, a.job, hosts=a.host or DEFAULT_HOSTS, days=a.days,
+                           force=a.force)
+    files = certs.files()
+    print(f"wrote {len(files)} files for job {a.job!r} to {certs.directory}:")
+    for path in files:
+        print(f"  {path.name}")
+    holders = {"server": "server", "worker": "worker", "admin": "admin/scheduler"}
+    for role in ROLES:
+        print(f"{holders[role]} needs: {' '.join(p.name for p in certs.needed_by(role))}")
+    print(f"{certs.ca_key().name} stays with whoever makes certificates; give it to no role")
+    return 0
 
 
 if __name__ == "__main__":

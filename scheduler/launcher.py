@@ -1,10 +1,11 @@
 """`pstrain up`: a whole local cluster from one command.
 
-Starts a private redis-server (unless --redis is given), a scheduler, the servers and the
-workers, each as its own process through the CLI; restarts crashed ones with --restart;
-shows a live view; returns the workers' exit status; and on Ctrl-C or SIGTERM stops every
-process it started. Children get a parent-death signal, so none outlives this process even
-if it is killed outright.
+Starts a private redis-server (unless --redis is given; with a password of its own), a
+scheduler, the servers and the workers, each as its own process through the CLI, with
+certificates and a secret made for the run (mutual TLS and the job token, unless --no-tls);
+restarts crashed ones with --restart; shows a live view; returns the workers' exit status;
+and on Ctrl-C or SIGTERM stops every process it started. Children get a parent-death signal,
+so none outlives this process even if it is killed outright.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import enum
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -29,7 +31,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from scheduler.errors import CoordinationError
+from protos.security import Security
+from scheduler.errors import ConfigError, CoordinationError
 from scheduler.spec import RESTART_EXIT_CODE, JobSpec
 from scheduler.store import JobStore, ride_out
 
@@ -51,6 +54,7 @@ class UpConfig:
     host: str = "127.0.0.1"
     start_timeout_s: float = 120.0
     metrics_base_port: int = 0
+    tls: bool = True  # certificates and a job secret made for this run
 
 
 class State(enum.Enum):
@@ -73,6 +77,22 @@ class Child:
     restarts: int = 0
     state: State = State.STOPPED
     exit_code: int | None = None
+
+
+def _credentials(directory: Path, job: str) -> dict[str, dict[str, str]]:
+    """Makes the run's CA, role certificates and secret in `directory`; per role (server,
+    worker, admin), the environment entries that hand them to its processes."""
+    # Imported here: only a run with TLS pays for the cryptography package.
+    from scheduler.certs import make_job_certs  # noqa: PLC0415
+
+    try:
+        certs = make_job_certs(directory, job)
+    except ConfigError as exc:
+        raise CoordinationError(f"cannot make the run's certificates: {exc}; or pass "
+                                "--no-tls") from exc
+    return {role: Security(str(certs.cert(role)), str(certs.key(role)), str(certs.ca()),
+                           str(certs.secret())).env()
+            for role in ("server", "worker", "admin")}
 
 
 def shell_status(returncode: int) -> int:
@@ -108,6 +128,8 @@ class Cluster:
         self.redis_url = config.redis
         self.redis_child: Child | None = None
         self.store: JobStore | None = None
+        # Each role's credentials, as environment entries for its processes.
+        self.credentials: dict[str, dict[str, str]] = {}
         self._stopping = False
         self._last_view = 0.0
 
@@ -137,6 +159,8 @@ class Cluster:
     def start(self) -> None:
         """Starts Redis (if private), the scheduler, the servers and the workers. Blocks
         until each stage is up; CoordinationError naming the stage and its log otherwise."""
+        if self.config.tls:
+            self.credentials = _credentials(self.tmp / "certs", self.spec.job)
         if not self.redis_url:
             self._start_redis()
         self.store = JobStore.connect(self.redis_url, self.spec.job)
@@ -144,20 +168,24 @@ class Cluster:
         self.spec = self.store.create_job(self.spec, adopt=self.config.resume)
         py = sys.executable
         spec = self.spec
+        # The Redis URL travels in the environment: it may hold a password, and a command
+        # line is readable by every user of the host.
+        redis = {"PSTRAIN_REDIS": self.redis_url}
         self._child("scheduler", "scheduler", 0, [
-            py, "-m", "scheduler.cli", "scheduler", "--redis", self.redis_url, "--job",
-            spec.job, *self._spec_flags(), "--adopt",
-        ])
+            py, "-m", "scheduler.cli", "scheduler", "--job", spec.job, *self._spec_flags(),
+            "--adopt",
+        ], {**redis, **self.credentials.get("admin", {})})
         self._await(lambda: self.store is not None and self.store.leader() is not None,
                     "the scheduler to lead", "scheduler")
         for k in range(spec.servers):
-            args = [py, "-m", "ps", "--redis", self.redis_url, "--job", spec.job, "--shard",
-                    str(k), "--bind", f"{self.config.host}:0"]
+            args = [py, "-m", "ps", "--job", spec.job, "--shard", str(k), "--bind",
+                    f"{self.config.host}:0"]
             if self.config.resume:
                 args += ["--restore", "latest"]
             if self.config.metrics_base_port:
                 args += ["--metrics-port", str(self.config.metrics_base_port + k)]
-            self._child(f"server{k}", "server", k, args)
+            self._child(f"server{k}", "server", k, args,
+                        {**redis, **self.credentials.get("server", {})})
         self._await(self._servers_up, f"all {spec.servers} servers to register", "server0")
         env = {"PSTRAIN_REDIS": self.redis_url, "PSTRAIN_JOB": spec.job,
                "PSTRAIN_WORLD_SIZE": str(spec.workers)}
@@ -167,7 +195,8 @@ class Cluster:
                        if self.config.metrics_base_port else {})
             self._child(f"worker{r}", "worker", r,
                         [py, self.config.script, *self.config.script_args],
-                        {**env, "PSTRAIN_RANK": str(r), **metrics})
+                        {**env, "PSTRAIN_RANK": str(r), **metrics,
+                         **self.credentials.get("worker", {})})
 
     def _spec_flags(self) -> list[str]:
         s = self.spec
@@ -186,13 +215,20 @@ class Cluster:
                 "redis-server is not installed: run `apt-get install redis-server` (or "
                 "bash scripts/setup.sh), or pass --redis URL of a running Redis"
             )
+        # A password, so that other users of this host cannot reach the job's state; it lies
+        # in a file only this user reads, not on a command line.
+        password = secrets.token_hex(16)
+        conf = self.tmp / "redis.conf"
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"requirepass {password}\n")
         for _ in range(5):
             port = free_port(self.config.host)
             child = self._child("redis", "redis", 0, [
-                binary, "--port", str(port), "--bind", self.config.host, "--save", "",
-                "--appendonly", "no", "--dir", str(self.tmp), "--protected-mode", "no",
+                binary, str(conf), "--port", str(port), "--bind", self.config.host, "--save",
+                "", "--appendonly", "no", "--dir", str(self.tmp), "--protected-mode", "no",
             ])
-            self.redis_url = f"redis://{self.config.host}:{port}/0"
+            self.redis_url = f"redis://:{password}@{self.config.host}:{port}/0"
             try:
                 JobStore.connect(self.redis_url, self.spec.job, timeout_s=5)
             except CoordinationError:

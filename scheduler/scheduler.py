@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 
 from protos import marks
+from protos.security import Security
 from scheduler.admin import ServerAdmin
 from scheduler.membership import MembershipTracker, Transition
 from scheduler.recovery import RedisWatch, next_generation, restarted, rollback_target
@@ -38,6 +39,7 @@ class Scheduler:
     def __init__(
         self, store: JobStore, spec: JobSpec, *, poll_s: float = 0.1, lease_s: float = 2.0,
         ident: str | None = None, clock: Callable[[], float] = time.monotonic,
+        security: Security | None = None,
     ) -> None:
         self.store = store
         self.spec = spec
@@ -48,7 +50,7 @@ class Scheduler:
         self.leading = False
         self.workers = MembershipTracker()
         self.servers = MembershipTracker()
-        self.admin = ServerAdmin()
+        self.admin = ServerAdmin(security=security)
         self._pushed: dict[int, tuple[int, tuple[int, ...]]] = {}
         self._next_checkpoint_s = 0.0
         # The incarnation each shard last served under, as this scheduler saw it (kept across

@@ -25,11 +25,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import redis
 import redis.exceptions
@@ -121,8 +123,40 @@ return 0
 """
 
 
+# A failed TLS handshake reaches us as a bare socket error (a missing client certificate as
+# "tlsv13 alert certificate required" or "EOF occurred in violation of protocol", a plain
+# client at a TLS port as "Connection reset by peer"), so the message says what to check.
+_HINTS = {
+    "rediss": "; over TLS also that ssl_ca_certs is the CA that signed the server's certificate "
+              "and, where the server checks clients (tls-auth-clients), that ssl_certfile and "
+              "ssl_keyfile name a certificate and key its CA signed",
+    "redis": " (a TLS port needs rediss://)",
+}
+_TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+
+
+def _check_tls_query(url: str) -> None:
+    """Refuses ssl_* parameters without rediss://, and TLS files that are missing (redis-py's
+    own error names neither the parameter nor the path, and comes only after the timeout)."""
+    parts = urlsplit(url)
+    query = parse_qs(parts.query)
+    if parts.scheme != "rediss" and any(name.startswith("ssl_") for name in query):
+        raise RedisUnavailableError(
+            f"Redis URL {redact(url)!r} has ssl_* parameters but no TLS; use rediss://"
+        )
+    for name in _TLS_FILES:
+        for path in query.get(name, [])[:1]:
+            if not os.path.isfile(path):
+                raise RedisUnavailableError(
+                    f"{name}={path!r} in Redis URL {redact(url)!r} is not a file; give the "
+                    "path of the PEM file (percent-encoded)"
+                )
+
+
 def redact(url: str) -> str:
-    """The URL with any password replaced, for messages and logs."""
+    """The URL with any password replaced (before the host, or as a `password=` query
+    parameter, which redis-py also takes), for messages and logs."""
+    url = re.sub(r"([?&]password=)[^&#]*", r"\1***", url)
     parts = urlsplit(url)
     if parts.password is None:
         return url
@@ -197,8 +231,11 @@ class JobStore:
         """Connects and pings; RedisUnavailableError naming the URL if that fails in time.
 
         Accepts redis://, rediss:// (TLS) and unix:// URLs, with a password or an ACL user and
-        password in the URL (redis://user:secret@host:6379/0).
+        password in the URL (redis://user:secret@host:6379/0). TLS takes its files from
+        redis-py's query parameters, paths percent-encoded:
+        rediss://host:6380/0?ssl_ca_certs=ca.pem&ssl_certfile=worker.pem&ssl_keyfile=worker.key
         """
+        _check_tls_query(url)
         try:
             client = redis.Redis.from_url(
                 url, socket_connect_timeout=min(2.0, timeout_s), socket_timeout=2.0,
@@ -223,8 +260,16 @@ class JobStore:
                     raise RedisUnavailableError(
                         f"cannot reach Redis at {redact(url)} within {timeout_s:g} s ({exc}); "
                         "check the URL, that redis-server runs, and the network"
+                        + _HINTS.get(urlsplit(url).scheme, "")
                     ) from exc
                 time.sleep(0.25)
+            except (TypeError, redis.exceptions.RedisError) as exc:
+                # redis-py hands unknown query parameters to the connection as keyword arguments
+                # and checks some values (ssl_cert_reqs) only when it first connects.
+                raise RedisUnavailableError(
+                    f"cannot use Redis URL {redact(url)!r}: {exc}. Use redis://HOST:PORT/DB, "
+                    "rediss:// for TLS, optionally with user:password@"
+                ) from exc
 
     # ---- the spec ----------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from protos.codec import Frame
 from protos.partition import dense_placement
 from protos.rpc import Resp, Rpc
 from protos.runtime import tune_malloc
+from protos.security import Security
 from protos.transport import TransportError, parse_choice
 from worker.bulk import BulkClient
 from worker.errors import PSClientError
@@ -81,6 +82,8 @@ class PSClient:
         observe: Callable[[str, float], None] | None = None,
         transport: str = "auto",
         lanes: bool = True,
+        security: Security | None = None,
+        job: str | None = None,
     ) -> None:
         if not addresses:
             raise PSClientError("PSClient needs at least one server address")
@@ -115,7 +118,7 @@ class PSClient:
             options=[("grpc.max_receive_message_length", max_message_bytes),
                      ("grpc.max_send_message_length", max_message_bytes)],
             bulk=BulkClient(choice, worker, self.incarnation, lanes), resolve=resolve,
-            specs=self._declared_specs,
+            specs=self._declared_specs, security=security or Security(), job=job,
         )
         # One link per shard, in shard order.
         self.links: list[Link] = []

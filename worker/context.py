@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from protos.runtime import tune_malloc
+from protos.security import Security, SecurityError
 from scheduler.heartbeat import Heartbeat
 from scheduler.spec import RESTART_EXIT_CODE, JobSpec
 from scheduler.store import JobStore, ride_out
@@ -134,7 +135,8 @@ def init(*, timeout_s: float = 120.0, env: Mapping[str, str] | None = None) -> W
     to list this worker live. Raises PSClientError when the job cannot be joined in time.
     """
     env = os.environ if env is None else env
-    transport = asdict(TransportSettings.from_env(env))
+    transport: dict[str, Any] = {**asdict(TransportSettings.from_env(env)),
+                                 "security": _security(env)}
     torch.set_num_threads(int(env.get("PSTRAIN_TORCH_THREADS", "1")))
     tune_malloc()
     incarnation = time.time_ns() // 1000
@@ -167,7 +169,7 @@ def init(*, timeout_s: float = 120.0, env: Mapping[str, str] | None = None) -> W
 
     client = PSClient(addresses, worker=rank, incarnation=incarnation, retry=RECOVERY_RETRY,
                       resolve=resolve, connect_timeout_s=max(1.0, deadline - time.monotonic()),
-                      **transport)
+                      job=job, **transport)
     ctx = WorkerContext(rank, spec.workers, job, client, spec, store)
     generation = ride_out("generation", store.generation, 0)
     client.generation = generation
@@ -202,6 +204,14 @@ def init(*, timeout_s: float = 120.0, env: Mapping[str, str] | None = None) -> W
     log.info("worker %d of job %r joined at clock %d (incarnation %d)", rank, job,
              client.clock, incarnation)
     return ctx
+
+
+def _security(env: Mapping[str, str]) -> Security:
+    """The worker's TLS files and job secret, from PSTRAIN_TLS_* and PSTRAIN_SECRET_FILE."""
+    try:
+        return Security.from_env(env)
+    except SecurityError as exc:
+        raise PSClientError(str(exc)) from exc
 
 
 def _wait(probe: Any, deadline: float, what: str) -> Any:

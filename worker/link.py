@@ -16,7 +16,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -29,6 +29,7 @@ from protos.marks import marks_of
 from protos.parts import cut
 from protos.parts import join as joined
 from protos.rpc import Resp, Rpc, Stubs
+from protos.security import Security
 from protos.transport import ChannelBrokenError
 from worker import bulk as bulk_io
 from worker.bulk import BulkClient, Peer
@@ -77,6 +78,16 @@ class Reach:
     specs: Callable[[], list[pb.TableSpec]] = list
     # Called when a server refuses this process because the job rolled back since it joined.
     on_rolled_back: Callable[[], None] | None = None
+    # TLS and the job token for every channel.
+    security: Security = field(default_factory=Security)
+    # The job every server must belong to (None: any; a worker inside a job checks it, since
+    # the addresses come from Redis).
+    job: str | None = None
+
+    def stubs(self, address: str) -> tuple[grpc.Channel, Stubs]:
+        """A new channel to `address` and its stubs, with this process's credentials."""
+        channel = self.security.channel(address, self.options)
+        return channel, Stubs(channel, self.security.call_metadata())
 
 
 class Link:
@@ -107,8 +118,7 @@ class Link:
     def _connect(self, address: str, timeout_s: float) -> None:
         reach = self.reach
         deadline = time.monotonic() + timeout_s
-        channel = grpc.insecure_channel(address, options=list(reach.options))
-        stubs = Stubs(channel)
+        channel, stubs = reach.stubs(address)
         while True:
             try:
                 info = self._server_info(stubs, address, deadline)
@@ -121,8 +131,13 @@ class Link:
             if moved and moved != address:
                 channel.close()
                 address = moved
-                channel = grpc.insecure_channel(address, options=list(reach.options))
-                stubs = Stubs(channel)
+                channel, stubs = reach.stubs(address)
+        if reach.job is not None and info.job != reach.job:
+            channel.close()
+            raise ClusterMismatchError(
+                f"server {address} serves job {info.job!r}, not {reach.job!r}: the address "
+                "this worker was given (by Redis, or --servers) belongs to another job"
+            )
         if info.shard != self.index or info.num_shards != reach.num_shards:
             channel.close()
             raise ClusterMismatchError(

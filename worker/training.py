@@ -17,6 +17,7 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from protos.security import Security, SecurityError
 from worker.bulk import TransportSettings
 from worker.client import PSClient
 from worker.context import WorkerContext, init
@@ -161,7 +162,11 @@ def connect(args: argparse.Namespace) -> tuple[PSClient, WorkerContext | None]:
             "give --servers HOST:PORT[,...] (or PSTRAIN_SERVERS), or run the script with "
             "pstrain up / pstrain worker"
         )
-    client = PSClient(servers, worker=args.rank, timeout_s=120.0,
+    try:
+        security = Security.from_env(os.environ)
+    except SecurityError as exc:
+        raise TrainingError(str(exc)) from exc
+    client = PSClient(servers, worker=args.rank, timeout_s=120.0, security=security,
                       **asdict(TransportSettings.from_env(os.environ)))
     client.join()  # a rerun or restart carries on at the servers' clock for this rank
     return client, None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 import pytest
 
@@ -9,9 +11,18 @@ from protos import pstrain_pb2 as pb
 from protos import rpc
 
 
-def test_every_method_of_the_service_has_exactly_one_entry() -> None:
-    service = pb.DESCRIPTOR.services_by_name["ParameterServer"]
-    assert sorted(m.name for m in rpc.METHODS) == sorted(m.name for m in service.methods)
+def _declared(method: rpc.Rpc[object, object]) -> object:
+    service = pb.DESCRIPTOR.services_by_name[method.service.rpartition(".")[2]]
+    return service.methods_by_name[method.name]
+
+
+def test_every_method_of_both_services_has_exactly_one_entry() -> None:
+    declared = sorted((service.full_name, m.name)
+                      for service in pb.DESCRIPTOR.services_by_name.values()
+                      for m in service.methods)
+    assert sorted((m.service, m.name) for m in rpc.METHODS) == declared
+    assert sorted(rpc.SERVICES) == sorted(s.full_name
+                                          for s in pb.DESCRIPTOR.services_by_name.values())
     constants = [v for k, v in vars(rpc).items() if k.isupper() and isinstance(v, rpc.Rpc)]
     assert sorted(c.name for c in constants) == sorted(m.name for m in rpc.METHODS)
 
@@ -19,8 +30,8 @@ def test_every_method_of_the_service_has_exactly_one_entry() -> None:
 @pytest.mark.parametrize("method", rpc.METHODS, ids=lambda m: m.name)
 def test_each_entry_has_the_descriptors_shape_and_messages(method: rpc.Rpc[object, object]
                                                            ) -> None:
-    declared = pb.DESCRIPTOR.services_by_name["ParameterServer"].methods_by_name[method.name]
-    assert method.path == f"/pstrain.v1.ParameterServer/{method.name}"
+    declared: Any = _declared(method)
+    assert method.path == f"/{method.service}/{method.name}"
     assert (method.streams_in, method.streams_out) == (declared.client_streaming,
                                                        declared.server_streaming)
     assert method.request.DESCRIPTOR.full_name == declared.input_type.full_name
@@ -31,6 +42,7 @@ def test_each_entry_has_the_descriptors_shape_and_messages(method: rpc.Rpc[objec
     ("name", "request_type", "response_type", "match"),
     [
         ("NoSuchMethod", pb.JoinRequest, pb.JoinResponse, "has no method 'NoSuchMethod'"),
+        ("Restore", pb.RestoreRequest, pb.RestoreResponse, "has no method 'Restore'"),
         ("Join", pb.StatsRequest, pb.JoinResponse, "takes and returns"),
         ("Join", pb.JoinRequest, pb.StatsResponse, "takes and returns"),
     ],
@@ -49,3 +61,9 @@ def test_a_call_of_the_wrong_shape_is_refused_before_it_is_sent() -> None:
             stubs.stream(rpc.EXCHANGE, iter([b""]), 0.1)
         with pytest.raises(TypeError, match="ExchangeStream is a stream_stream call"):
             stubs.unary(rpc.EXCHANGE_STREAM, b"", 0.1)
+
+
+def test_membership_and_restore_are_the_admin_service_and_nothing_else_is() -> None:
+    admin = sorted(m.name for m in rpc.METHODS if m.service == rpc.ADMIN_SERVICE)
+    assert admin == ["Restore", "SetMembership"]
+    assert rpc.SET_MEMBERSHIP.path == "/pstrain.v1.ParameterServerAdmin/SetMembership"

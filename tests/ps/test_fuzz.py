@@ -32,8 +32,9 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-_SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"]
-_PATH = f"/{_SERVICE.full_name}/"
+# Every method of every service (the data and the admin service), and each one's path.
+_METHODS = [m for service in pb.DESCRIPTOR.services_by_name.values() for m in service.methods]
+_PATHS = {m.name: f"/{m.containing_service.full_name}/{m.name}" for m in _METHODS}
 DOCUMENTED = {
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -182,7 +183,7 @@ def call(draw: st.DrawFn) -> tuple[str, list[bytes]]:
     """(method, its request's bytes: one message, or the parts of a stream)."""
     if draw(st.booleans()):
         return "Exchange", [draw(mutated(draw(plausible_exchange())))]
-    method = draw(st.sampled_from(list(_SERVICE.methods)))
+    method = draw(st.sampled_from(_METHODS))
     if method.client_streaming:
         parts = draw(st.lists(message(method.input_type), min_size=1, max_size=3))
         return method.name, [draw(mutated(p.SerializeToString())) for p in parts]
@@ -198,9 +199,9 @@ class Target:
     def send(self, method: str, data: list[bytes]) -> grpc.StatusCode:
         try:
             if method == "ExchangeStream":
-                list(self.channel.stream_stream(_PATH + method)(iter(data), timeout=10))
+                list(self.channel.stream_stream(_PATHS[method])(iter(data), timeout=10))
             else:
-                self.channel.unary_unary(_PATH + method)(data[0], timeout=10)
+                self.channel.unary_unary(_PATHS[method])(data[0], timeout=10)
         except grpc.RpcError as exc:
             return exc.code()  # type: ignore[no-any-return]
         return grpc.StatusCode.OK
@@ -208,7 +209,7 @@ class Target:
     def reset(self) -> None:
         """Back to the two tables every run starts with (an accepted Restore or declare may
         have wiped or added some): an empty restore, then the declares and the rows read."""
-        self.channel.unary_unary(_PATH + "Restore")(b"", timeout=10)
+        self.channel.unary_unary(_PATHS["Restore"])(b"", timeout=10)
         declare = pb.DeclareTablesRequest(tables=[
             pb.TableSpec(name="w", dense=pb.DenseSpec(
                 shape=[8, 4], dtype=pb.FLOAT32, init=pb.Initializer(kind="uniform", a=-1, b=1)),
@@ -216,7 +217,7 @@ class Target:
             pb.TableSpec(name="e", sparse=pb.SparseSpec(dim=4, dtype=pb.FLOAT32),
                          optimizer=pb.OptimizerSpec(name="adagrad", params={"lr": 0.1})),
         ])
-        self.channel.unary_unary(_PATH + "DeclareTables")(declare.SerializeToString(),
+        self.channel.unary_unary(_PATHS["DeclareTables"])(declare.SerializeToString(),
                                                           timeout=10)
         self.snapshot()  # its read of KEYS creates those rows of "e"
 
@@ -230,7 +231,7 @@ class Target:
         capacity), the clocks, and the values of "w" and of rows KEYS of "e" (where they
         exist)."""
         stats = pb.StatsResponse.FromString(
-            self.channel.unary_unary(_PATH + "GetStats")(b"", timeout=10))
+            self.channel.unary_unary(_PATHS["GetStats"])(b"", timeout=10))
         tables = []
         for t in stats.tables:
             t.ClearField("pushes_rejected")
@@ -250,7 +251,7 @@ class Target:
         request = pb.ExchangeRequest(worker=READER, incarnation=1, generation=READER_GENERATION,
                                      pulls=[pull])
         try:
-            return bytes(self.channel.unary_unary(_PATH + "Exchange")(
+            return bytes(self.channel.unary_unary(_PATHS["Exchange"])(
                 codec.encode(request, {"payload": [memoryview(payload)]}), timeout=10))
         except grpc.RpcError as exc:
             return exc.code().name  # the table is gone or changed kind: compared as such

@@ -21,7 +21,7 @@ from protos import pstrain_pb2 as pb
 from protos.parts import cut
 from worker.client import PSClient
 
-_SERVICE = "/pstrain.v1.ParameterServer/"
+_PATHS = {m.name: m.path for m in rpc.METHODS}
 
 
 @dataclass
@@ -31,15 +31,15 @@ class Raw:
     server: Proc
 
     def exchange(self, request: bytes) -> pb.ExchangeResponse:
-        call = self.channel.unary_unary(_SERVICE + "Exchange")
+        call = self.channel.unary_unary(_PATHS["Exchange"])
         return pb.ExchangeResponse.FromString(call(request, timeout=10))
 
     def stream(self, parts: list[bytes]) -> list[bytes]:
-        call = self.channel.stream_stream(_SERVICE + "ExchangeStream")
+        call = self.channel.stream_stream(_PATHS["ExchangeStream"])
         return list(call(iter(parts), timeout=10))
 
     def call(self, method: str, request: bytes) -> bytes:
-        result: bytes = self.channel.unary_unary(_SERVICE + method)(request, timeout=10)
+        result: bytes = self.channel.unary_unary(_PATHS[method])(request, timeout=10)
         return result
 
     def snapshot(self) -> tuple[torch.Tensor, torch.Tensor, int, list[tuple[int, int]]]:
@@ -500,7 +500,7 @@ def test_a_bad_mode_on_the_wire_is_refused_and_declares_nothing(
 ) -> None:
     spec = pb.TableSpec(name="m", sparse=pb.SparseSpec(dim=2, dtype=pb.FLOAT32),
                         consistency=consistency, staleness=staleness)  # type: ignore[arg-type]
-    declare = raw.channel.unary_unary(_SERVICE + "DeclareTables")
+    declare = raw.channel.unary_unary(_PATHS["DeclareTables"])
     with pytest.raises(grpc.RpcError) as err:
         declare(pb.DeclareTablesRequest(tables=[spec]).SerializeToString(), timeout=10)
     assert err.value.code().name == "INVALID_ARGUMENT"
@@ -561,7 +561,7 @@ def test_stalled_streams_are_cancelled_and_free_their_threads(procs: Procs) -> N
         release.wait(60)
 
     channel = grpc.insecure_channel(server.address)
-    call = channel.stream_stream(_SERVICE + "ExchangeStream")
+    call = channel.stream_stream(_PATHS["ExchangeStream"])
     errors: list[grpc.StatusCode] = []
 
     def send() -> None:

@@ -13,11 +13,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from beats import server_pid, worker_clock
 from procs import REPO, Procs, wait_until
 
+from protos import rpc
+from protos.rpc import Stubs
+from scheduler.errors import CoordinationError
 from scheduler.store import JobStore
 
 JOB_WORKER = str(REPO / "tests" / "job_worker.py")
@@ -60,6 +64,48 @@ def test_up_runs_a_sync_job_to_the_single_process_result(procs: Procs) -> None:
     for r in range(3):
         result = json.loads((out / f"worker{r}.json").read_text())
         torch.testing.assert_close(torch.tensor(result["w"]), expected, atol=1e-6, rtol=0)
+
+
+def test_up_turns_on_tls_and_the_job_token_and_guards_its_redis(procs: Procs) -> None:
+    out = procs.workdir / "out"
+    up = procs.pstrain(["up", "--servers", "2", "--workers", "2", "--mode", "sync",
+                        "--log-dir", str(procs.workdir / "logs"), "--no-view", JOB_WORKER,
+                        "--", "--steps", "400", "--sleep-ms", "20", "--out", str(out)], "up")
+    logs = procs.workdir / "logs"
+    wait_until(lambda: all("serving on" in _read(logs / f"server{k}.log") for k in range(2)),
+               120, "both servers to serve")
+    for k in range(2):
+        line = next(x for x in _read(logs / f"server{k}.log").splitlines() if "serving on" in x)
+        assert "TLS with client certificates, a job secret" in line
+        address = re.search(r"serving on (\S+) ", line).group(1)  # type: ignore[union-attr]
+        # A client without the run's certificate cannot even connect.
+        with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as refused:
+            Stubs(channel).unary(rpc.GET_SERVER_INFO, b"", 5.0)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    # The private Redis asks for a password, which no command line shows.
+    redis_cmd = next(c for pid in children_of(up.pid)
+                     if "redis-server" in (c := _cmdline(pid)))
+    # redis-server shows itself as "redis-server HOST:PORT".
+    port = int(re.search(r"127\.0\.0\.1:(\d+)", redis_cmd).group(1))  # type: ignore[union-attr]
+    with pytest.raises(CoordinationError, match=r"refused the credentials|NOAUTH|Authentication"):
+        JobStore.connect(f"redis://127.0.0.1:{port}/0", "local", timeout_s=3)
+    assert all("redis://:" not in _cmdline(pid) for pid in children_of(up.pid))
+    assert up.popen.wait(timeout=240) == 0, up.log()
+    expected = local_sync_run(2, 400)
+    for r in range(2):
+        result = json.loads((out / f"worker{r}.json").read_text())
+        torch.testing.assert_close(torch.tensor(result["w"]), expected, atol=1e-6, rtol=0)
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
 
 
 def test_interrupted_up_leaves_no_process_behind(procs: Procs) -> None:

@@ -24,6 +24,12 @@ that the machine's noise falls on all of them alike:
   the ucx transport is available) beside PyTorch RPC forced onto TensorPipe's TCP path, for
   dense pull and push of 16 MiB and sparse pull and push of 64k rows x dim 64. Where
   namespaces may not be made, `cross_host` holds only `skipped`, the reason.
+- mutual TLS and the job secret (`--only tls`): two pstrain servers, one with TLS and the
+  secret (certificates made for the run, as `pstrain up` does) and one without, each reached
+  over transport grpc (TLS carries every byte) and auto (on one host shm with its request
+  lane: TLS carries only the control calls), interleaved: dense pull and push of 16 MiB and
+  sparse pull and push of 64k rows x dim 64 on a table of the same size as above.
+  `tls_<figure>_ratio_<transport>` is the rate with TLS over the rate without.
 Prints a table and writes JSON to benchmarks/results/dataplane-<date>.json (and --json PATH);
 a run of some parts (`--only`) names them in the file name.
 """
@@ -60,15 +66,18 @@ sys.path.insert(0, str(REPO))
 import netns  # noqa: E402  (benchmarks/netns.py, beside this script)
 
 from protos.runtime import tune_malloc  # noqa: E402
+from protos.security import Security  # noqa: E402
 from protos.transport import available  # noqa: E402
 from ps.index import KeyIndex  # noqa: E402
+from scheduler.certs import make_job_certs  # noqa: E402
 from worker.client import PSClient, Pull, Push  # noqa: E402
 
 MiB = 1024 * 1024
-PARTS = ["dense", "sparse", "index", "transports", "cross-host"]
+PARTS = ["dense", "sparse", "index", "transports", "cross-host", "tls"]
 RAW_SERVICE = "/bench.Raw/"
 TRPC_LR = 1e-9
 STEP_ROWS = 128  # rows pushed and pulled by a small training step (small_step_us)
+TLS_TRANSPORTS = ("grpc", "auto")  # grpc: TLS carries every byte; auto: on one host, shm
 
 
 # ---- the PyTorch RPC baseline server (runs in a subprocess) ---------------------------------
@@ -258,6 +267,15 @@ def fill_sparse(client: PSClient, table: str, rows: int, batch: int) -> np.ndarr
     return keys
 
 
+def sparse_batches(keys: np.ndarray, batch: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Eight batches of (almost always) `batch` unique keys drawn from `keys`, each shuffled."""
+    batches = [np.unique(keys[rng.integers(0, len(keys), batch + batch // 8)])[:batch]
+               for _ in range(8)]
+    for b in batches:
+        rng.shuffle(b)
+    return batches
+
+
 def bench_sparse(client: PSClient, server_pid: int, rows: int, batch: int, dim: int,
                  reps: int) -> dict[str, float]:
     table = "emb"
@@ -275,10 +293,7 @@ def bench_sparse(client: PSClient, server_pid: int, rows: int, batch: int, dim: 
     local = torch.empty(rows, dim)
     local.normal_()
     grads = torch.randn(batch, dim)
-    batches = [np.unique(keys[rng.integers(0, rows, batch + batch // 8)])[:batch]
-               for _ in range(8)]
-    for b in batches:
-        rng.shuffle(b)
+    batches = sparse_batches(keys, batch, rng)
     local_rows = [torch.from_numpy(rng.integers(0, rows, len(b))) for b in batches]
     i = iter(range(10**9))
 
@@ -345,10 +360,7 @@ def bench_transports(
             rows = len(sparse_keys)
             rng = np.random.default_rng(3)
             rpc.rpc_sync("ps", _trpc_make, args=("emb", rows, dim))
-            batches = [np.unique(sparse_keys[rng.integers(0, rows, batch + batch // 8)])[:batch]
-                       for _ in range(8)]
-            for b in batches:
-                rng.shuffle(b)
+            batches = sparse_batches(sparse_keys, batch, rng)
             row_ids = [torch.from_numpy(rng.integers(0, rows, len(b))) for b in batches]
             grads = torch.randn(len(batches[0]), dim)
             count = iter(range(10**9))
@@ -401,6 +413,99 @@ def torchrpc_ratios(tr: dict[str, dict[str, float]], name: str = "auto") -> dict
     if sparse:
         out["sparse_pull"] = sparse[f"{name}_pull"] / sparse["torchrpc_pull"]
         out["sparse_push"] = sparse[f"{name}_push"] / sparse["torchrpc_push"]
+    return out
+
+
+# ---- mutual TLS and the job secret, on against off ------------------------------------------
+
+
+def bench_tls(rows: int, reps: int, sparse_reps: int, chunk_mib: float | None,
+              batch: int = 65536, dim: int = 64) -> dict[str, Any]:
+    """Dense 16 MiB pull and push, and sparse pull and push of `batch` rows x `dim` on a table
+    of `rows` rows, through a server with mutual TLS and the job secret and one without, each
+    over every transport of TLS_TRANSPORTS, interleaved. Blocks for minutes; ends its
+    servers by pid even on failure."""
+    tmp = Path(tempfile.mkdtemp(prefix="pstrain-tls-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    clients: dict[str, PSClient] = {}
+    try:
+        certs = make_job_certs(tmp / "certs", "bench")
+        server_flags = {"on": ["--tls-cert", str(certs.cert("server")), "--tls-key",
+                               str(certs.key("server")), "--tls-ca", str(certs.ca()),
+                               "--secret-file", str(certs.secret())],
+                        "off": []}
+        security = {"on": Security(str(certs.cert("worker")), str(certs.key("worker")),
+                                   str(certs.ca()), str(certs.secret())),
+                    "off": Security()}
+        addresses: dict[str, str] = {}
+        for side, flags in server_flags.items():
+            ready = tmp / f"ps-{side}.ready"
+            server, addresses[side] = spawn(
+                [sys.executable, "-m", "ps", "--bind", "127.0.0.1:0", "--ready-file", str(ready),
+                 "--log-level", "WARNING",
+                 *(["--chunk-mib", str(chunk_mib)] if chunk_mib else []), *flags], ready)
+            procs.append(server)
+        # In this order, so that each rep alternates TLS on and off for every transport.
+        for i, t in enumerate(TLS_TRANSPORTS):
+            for side in ("on", "off"):
+                clients[f"{t}_{side}"] = PSClient([addresses[side]], worker=i + 1, transport=t,
+                                                  security=security[side])
+        used: dict[str, str] = {}
+        for name, c in clients.items():
+            t = name.rsplit("_", 1)[0]
+            if t != "auto" and c.transports() != [t]:
+                raise RuntimeError(f"client for {t} uses {c.transports()}")
+            lane = " with its exchange lane" if c.exchange_lanes()[0] else ""
+            used[name] = c.transport_details()[0] + lane
+
+        n = 16 * MiB
+        shape = (n // 4 // 1024, 1024)
+        grad = torch.full(shape, 1e-3)
+        methods: dict[str, Callable[[], object]] = {}
+        for name, c in clients.items():
+            c.declare_dense("tls_dense16", shape, optimizer="sgd", lr=1e-9)
+            methods[f"{name}_pull"] = partial(c.pull_dense, "tls_dense16")
+            methods[f"{name}_push"] = partial(c.push_dense, "tls_dense16", grad)
+        t_s = interleaved(methods, reps)
+        dense = {k: n / v / 1e9 for k, v in t_s.items()}
+
+        for c in clients.values():
+            c.declare_sparse("tls_emb", dim, optimizer="sgd", lr=1e-6)
+        for side in ("on", "off"):
+            keys = fill_sparse(clients[f"auto_{side}"], "tls_emb", rows, batch)  # the same keys
+        batches = sparse_batches(keys, batch, np.random.default_rng(3))
+        grads = torch.randn(len(batches[0]), dim)
+        count = iter(range(10**9))
+
+        def pick() -> int:
+            return next(count) % len(batches)
+
+        methods = {}
+        for name, c in clients.items():
+            methods[f"{name}_pull"] = lambda c=c: c.pull_sparse("tls_emb", batches[pick()],
+                                                                assume_unique=True)
+            methods[f"{name}_push"] = lambda c=c: c.push_sparse("tls_emb", batches[pick()],
+                                                                grads, assume_unique=True)
+        t_s = interleaved(methods, sparse_reps)
+        sparse = {k: len(batches[0]) / v for k, v in t_s.items()}
+    finally:
+        for c in clients.values():
+            c.close()
+        _stop(procs)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"dense_16MiB_GBps": dense, "sparse_rows_per_s": sparse, "transport_used": used,
+            "sparse_rows": rows, "reps": {"dense_16MiB": reps, "sparse": sparse_reps}}
+
+
+def tls_ratios(tls: dict[str, Any]) -> dict[str, float]:
+    """Each figure's rate with TLS and the job secret over its rate without, per transport."""
+    dense, sparse = tls["dense_16MiB_GBps"], tls["sparse_rows_per_s"]
+    out: dict[str, float] = {}
+    for t in TLS_TRANSPORTS:
+        for op in ("pull", "push"):
+            out[f"tls_dense16_{op}_ratio_{t}"] = dense[f"{t}_on_{op}"] / dense[f"{t}_off_{op}"]
+        for op in ("pull", "push"):
+            out[f"tls_sparse_{op}_ratio_{t}"] = sparse[f"{t}_on_{op}"] / sparse[f"{t}_off_{op}"]
     return out
 
 
@@ -620,7 +725,7 @@ def main() -> None:
     sparse: dict[str, float] = {}
     index: dict[str, float] = {}
     transport_figures: dict[str, dict[str, float]] = {}
-    if parts - {"cross-host"}:
+    if parts - {"cross-host", "tls"}:
         tmp = Path(tempfile.mkdtemp(prefix="pstrain-bench-"))
         procs = []
         try:
@@ -674,6 +779,10 @@ def main() -> None:
                     p.send_signal(signal.SIGTERM)
             for p in procs:
                 p.wait(timeout=30)
+    tls: dict[str, Any] = {}
+    if "tls" in parts:
+        print("mutual TLS and the job secret, on against off ...", flush=True)
+        tls = bench_tls(rows, reps[16], 9 if args.quick else 15, args.chunk_mib)
     cross_host: dict[str, object] = {}
     if "cross-host" in parts:
         print("across hosts (network namespaces joined by a veth pair) ...", flush=True)
@@ -692,6 +801,7 @@ def main() -> None:
         **({"torchrpc_ratio": torchrpc_ratios(transport_figures),
             "transports": transport_figures} if transport_figures else {}),
         **({"cross_host": cross_host} if cross_host else {}),
+        **({**tls_ratios(tls), "tls": tls} if tls else {}),
         "dense_GBps": dense,
         "sparse_rows": rows,
     }
@@ -721,6 +831,8 @@ def print_table(r: dict[str, object]) -> None:
         print_transports(r["transports"], r["torchrpc_ratio"])  # type: ignore[arg-type]
     if "cross_host" in r:
         print_cross_host(r["cross_host"])  # type: ignore[arg-type]
+    if "tls" in r:
+        print_tls(r["tls"])  # type: ignore[arg-type]
     if "index_lookup_or_insert_per_s" in r:
         print(f"index: lookup-or-insert {r['index_lookup_or_insert_per_s'] / 1e6:.1f} M/s "
               f"(existing keys), {r['index_insert_new_per_s'] / 1e6:.1f} M/s (new keys), "
@@ -765,6 +877,23 @@ def print_cross_host(ch: dict[str, Any]) -> None:
     print_transports(figures, ch["torchrpc_ratio"],
                      f"PyTorch RPC over TCP beside; pstrain ({ch['auto_transport']})",
                      f"across hosts, pstrain ({ch['auto_transport']}) / PyTorch RPC (TCP): ")
+
+
+def print_tls(tls: dict[str, Any]) -> None:
+    ratios = tls_ratios(tls)
+    print(f"\nmutual TLS and the job secret, on against off, one host (dense GB/s, sparse M "
+          f"rows/s of 64k rows x dim 64, table of {tls['sparse_rows']:,} rows)")
+    print(f"{'':<18}" + "".join(f"{t + ' on':>10}{t + ' off':>10}{'on/off':>8}"
+                                for t in TLS_TRANSPORTS))
+    for what, figure, key, scale in (("dense 16MiB", "dense16", "dense_16MiB_GBps", 1.0),
+                                     ("sparse", "sparse", "sparse_rows_per_s", 1e6)):
+        g = tls[key]
+        for op in ("pull", "push"):
+            print(f"{what + ' ' + op:<18}" + "".join(
+                f"{g[f'{t}_on_{op}'] / scale:>10.2f}{g[f'{t}_off_{op}'] / scale:>10.2f}"
+                f"{ratios[f'tls_{figure}_{op}_ratio_{t}']:>7.2f}x" for t in TLS_TRANSPORTS))
+    print("transports: " + "; ".join(f"{k.replace('_', ' TLS ')}: {v}"
+                                     for k, v in tls["transport_used"].items()))
 
 
 def print_sparse(r: dict[str, object]) -> None:

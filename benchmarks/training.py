@@ -1,6 +1,6 @@
 """Training benchmark: does distributed training learn as well, and how fast, and at scale?
 
-    python benchmarks/training.py [--quick] [--only auc,speed,cpu,growth] [--json PATH]
+    python benchmarks/training.py [--quick] [--only auc,speed,cpu,growth,tls] [--json PATH]
 
 Runs the examples as a user does (`--local`, and under `pstrain up`), in one run (or the
 sections --only names):
@@ -23,6 +23,12 @@ sections --only names):
 - growth: examples/synthetic_ctr.py on 2 servers until the tables hold --growth-rows rows:
   samples/s at the end against the start (goal >= 0.8x), and server memory per row against
   the raw bytes of its value and Adagrad state.
+- tls: at batch 1024, samples/s of the 1 + 1 async job (`pstrain up`, --speed-epochs epochs)
+  with mutual TLS and the job secret (its default) against `--no-tls`, alternated over
+  --repeats runs: `tls_step_ratio_b1024` = median on / median off. On one host the worker's
+  transport is then auto, which picks shm with its request lane, so TLS carries only the
+  control calls; `tls_step_ratio_b1024_grpc` is the same with `--transport grpc`, where TLS
+  carries every byte. Each records the transport the worker's log says it uses.
 Prints a table; writes JSON and a PNG (test AUC after each epoch against wall time, per
 mode and run) under benchmarks/results/ (and --json PATH).
 """
@@ -80,11 +86,14 @@ def run_local(args: list[str]) -> dict[str, Any]:
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "cpu_s": cpu_s}
 
 
-def run_up(servers: int, workers: int, mode: list[str], args: list[str]) -> dict[str, Any]:
-    """`pstrain up ... movielens.py`; the result of worker 0, and the CPU seconds of the
-    whole job (every process `pstrain up` started, Redis included)."""
+def run_up(servers: int, workers: int, mode: list[str], args: list[str],
+           up_flags: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`pstrain up ... movielens.py` (with `up_flags` for `pstrain up` itself); the result of
+    worker 0, and the CPU seconds of the whole job (every process `pstrain up` started, Redis
+    included)."""
     done, cpu_s = run([PY, "-m", "scheduler.cli", "up", "--servers", str(servers),
-                       "--workers", str(workers), *mode, "--no-view", MOVIELENS, "--", *args])
+                       "--workers", str(workers), *mode, "--no-view", *up_flags, MOVIELENS,
+                       "--", *args])
     for line in done.stdout.splitlines():
         if line.startswith("worker 0: "):
             return {**json.loads(line.removeprefix("worker 0: ")), "cpu_s": cpu_s}
@@ -160,7 +169,44 @@ def bench_cpu(batch: int, repeats: int, short: int, long: int) -> dict[str, Any]
             "batch": batch, "epochs": [short, long]}
 
 
-SECTIONS = ("auc", "speed", "cpu", "growth")
+# What worker 0's log, else server 0's, says of the transport between them.
+_USES_TRANSPORT = (("worker0.log", re.compile(r"worker 0: shard 0 \(.*?\) uses transport (.+)$")),
+                   ("server0.log", re.compile(r"shard 0: worker 0 uses transport (.+)$")))
+
+
+def transport_used(log_dir: Path) -> str:
+    """The transport worker 0 uses to shard 0 (and its request lane, where it has one), as
+    the logs in `log_dir` of a `pstrain up` say; "" when they do not say."""
+    for name, pattern in _USES_TRANSPORT:
+        path = log_dir / name
+        for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+            match = pattern.search(line)
+            if match:
+                return match.group(1)
+    return ""
+
+
+def bench_tls(batch: int, repeats: int, epochs: int, transport: str) -> dict[str, Any]:
+    """1+1 async runs with mutual TLS and the job secret (pstrain up's default) and with
+    --no-tls, alternated `repeats` times, the worker's transport `transport`: the ratio of
+    their medians, and the transport each run's worker used."""
+    args = ["--batch-size", str(batch), "--epochs", str(epochs)]
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    used: dict[str, set[str]] = {"on": set(), "off": set()}
+    for _ in range(repeats):
+        for side, flags in (("on", ()), ("off", ("--no-tls",))):
+            with tempfile.TemporaryDirectory(prefix="pstrain-tls-") as logs:
+                run = run_up(1, 1, MODES["async"], args,
+                             ("--transport", transport, "--log-dir", logs, *flags))
+                used[side].add(transport_used(Path(logs)))
+            rates[side].append(run["samples_per_s"])
+    on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
+    return {"on": on, "off": off, "ratio": on / off, "on_runs": rates["on"],
+            "off_runs": rates["off"], "batch": batch, "epochs": epochs, "transport": transport,
+            "transport_used": {side: sorted(u) for side, u in used.items()}}
+
+
+SECTIONS = ("auc", "speed", "cpu", "growth", "tls")
 _PROGRESS = re.compile(r"step (\d+): loss [\d.]+, (\d+) samples/s, (\d+) rows")
 
 
@@ -221,7 +267,8 @@ def main() -> None:
                    help=f"comma-separated sections to run, of {','.join(SECTIONS)} (default all)")
     p.add_argument("--growth-rows", type=int, default=0, help="default 20 M (quick: 2 M)")
     p.add_argument("--json", help="also write the figures to this path")
-    p.add_argument("--repeats", type=int, default=3, help="speed and cpu runs per setting")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="speed, cpu and tls runs per setting")
     p.add_argument("--speed-epochs", type=int, default=0, help="default 4 (quick: 2)")
     p.add_argument("--cpu-epochs", type=int, nargs=2, default=[1, 9], metavar=("SHORT", "LONG"),
                    help="cpu: the two run lengths whose difference is measured (default 1 9)")
@@ -281,6 +328,19 @@ def main() -> None:
         growth = bench_growth(growth_rows, 4096, 16)
         results["growth_ratio"] = growth["growth_ratio"]
         results["growth"] = growth
+    if "tls" in only:
+        print("TLS and the job secret on against off, 1 server + 1 worker at batch 1024 ...",
+              flush=True)
+        tls: dict[str, dict[str, Any]] = {}
+        for name, transport in (("", "auto"), ("_grpc", "grpc")):
+            t = tls[f"b1024{name}"] = bench_tls(1024, a.repeats, speed_epochs, transport)
+            results[f"tls_step_ratio_b1024{name}"] = t["ratio"]
+            used = {side: ", ".join(u) for side, u in t["transport_used"].items()}
+            print(f"  transport {transport} (the worker uses {used['on']} with TLS, "
+                  f"{used['off']} without), {t['epochs']} epoch(s): TLS on {t['on']:.0f}, off "
+                  f"{t['off']:.0f} samples/s (medians of {a.repeats}): {t['ratio']:.2f}x",
+                  flush=True)
+        results["tls"] = tls
 
     print(f"\ntraining, {results['date']}, {results['machine']}")
     for m, v in results.get("auc", {}).items():
@@ -306,6 +366,11 @@ def main() -> None:
         g = results["growth"]
         print(f"  growth to {g['rows']:,} rows: end/start {g['growth_ratio']:.2f}x "
               f"(goal 0.8); {g['bytes_per_row']:.0f} B/row = {g['row_memory_ratio']:.2f}x raw")
+    if "tls" in results:
+        auto_used = ", ".join(results["tls"]["b1024"]["transport_used"]["on"])
+        print(f"  TLS + job secret on / off at batch 1024, {speed_epochs} epochs: transport "
+              f"auto ({auto_used}) {results['tls_step_ratio_b1024']:.2f}x; transport grpc (TLS "
+              f"carries every byte) {results['tls_step_ratio_b1024_grpc']:.2f}x")
     out = REPO / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     partial = "" if only == set(SECTIONS) else "-" + "-".join(s for s in SECTIONS if s in only)

@@ -97,7 +97,7 @@ def _role(role: str) -> str:
 
 def make_job_certs(
     directory: str | Path, job: str, hosts: Sequence[str] = DEFAULT_HOSTS,
-    days: int = 365, force: bool = False,
+    days: int = 365, force: bool = False, keep: bool = False,
 ) -> JobCerts:
     """Makes a new CA for `job` and a key and certificate for each role, and a new secret.
 
@@ -107,8 +107,10 @@ def make_job_certs(
     is created with mode 0700 if missing. Each file is written atomically (a temporary file
     in the directory, fsync, rename), keys and the secret created 0600, so a reader sees an
     old file or a whole new one; with `force` a crash part-way can leave a mix of old and
-    new files, which the next run with `force` replaces. Blocks on disk writes; thread-safe
-    as far as different directories go.
+    new files, which the next run with `force` replaces. With `keep`, a directory that
+    already holds every file is left as it is (a service that runs again keeps the job's
+    certificates); one that holds only some of them is refused. Blocks on disk writes;
+    thread-safe as far as different directories go.
     """
     _check_job(job)
     names = _check_hosts(hosts)
@@ -117,6 +119,16 @@ def make_job_certs(
     certs = JobCerts(Path(directory))
     if certs.directory.exists() and not certs.directory.is_dir():
         raise ConfigError(f"--out {str(certs.directory)!r} is not a directory; choose another")
+    if keep and not force:
+        present = [p for p in certs.files() if p.exists()]
+        if len(present) == len(certs.files()):
+            return certs
+        if present:
+            missing = [p.name for p in certs.files() if not p.exists()]
+            raise ConfigError(
+                f"{str(certs.directory)!r} holds some of a job's files but not "
+                f"{', '.join(missing)}; pass --force to make them all anew"
+            )
     if not force:
         for path in certs.files():
             if path.exists() or path.is_symlink():

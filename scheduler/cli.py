@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -185,6 +186,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="days the certificates stay valid (default 365)")
     ce.add_argument("--force", action="store_true",
                     help="replace the files of an earlier run (every role then needs new ones)")
+    ce.add_argument("--keep", action="store_true",
+                    help="leave a directory that already holds every file as it is (for a "
+                         "service that may run again)")
     return p
 
 
@@ -375,12 +379,14 @@ def _checkpoint(store: JobStore, wait_s: float) -> int:
 
 def _certs(a: argparse.Namespace) -> int:
     # Here, not at the top: only this command pays for importing `cryptography`.
-    from scheduler.certs import DEFAULT_HOSTS, ROLES, make_job_certs  # noqa: PLC0415
+    from scheduler.certs import DEFAULT_HOSTS, ROLES, JobCerts, make_job_certs  # noqa: PLC0415
 
+    kept = a.keep and all(p.exists() for p in JobCerts(Path(a.out)).files())
     certs = make_job_certs(a.out, a.job, hosts=a.host or DEFAULT_HOSTS, days=a.days,
-                           force=a.force)
+                           force=a.force, keep=a.keep)
     files = certs.files()
-    print(f"wrote {len(files)} files for job {a.job!r} to {certs.directory}:")
+    print(f"{'kept' if kept else 'wrote'} {len(files)} files for job {a.job!r} in "
+          f"{certs.directory}:")
     for path in files:
         print(f"  {path.name}")
     holders = {"server": "server", "worker": "worker", "admin": "admin/scheduler"}

@@ -22,12 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import redis
 import yaml
 from deployment import executable, last_json
 from procs import Proc, Procs, free_port, wait_until
 
+from protos import rpc
+from protos.rpc import Stubs
 from scheduler.store import JobStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,7 +107,8 @@ def test_every_flag_the_compose_file_uses_is_accepted(parse_command: Any) -> Non
     roles = {}
     for where, command in commands.items():
         roles[where] = parse_command(command).command if command[1] != "server" else "server"
-    assert sorted(set(roles.values())) == ["health", "scheduler", "server", "worker"], roles
+    assert sorted(set(roles.values())) == ["certs", "health", "scheduler", "server",
+                                           "worker"], roles
     # The servers' health checks probe the port they bind, and nobody is given a rank.
     compose = load_compose()
     for name in ("server0", "server1"):
@@ -155,10 +159,35 @@ def test_redis_requires_the_password_every_role_is_given() -> None:
         assert service["environment"]["REDISCLI_AUTH"] == required
         assert "-e" in service["healthcheck"]["test"]
         roles = [n for n, s in services.items() if command_of(s)[:1] == ["pstrain"]]
-        assert sorted(roles) == ["scheduler", "server0", "server1", "worker"], roles
+        assert sorted(roles) == ["certs", "scheduler", "server0", "server1", "worker"], roles
         for name in roles:
             url = services[name]["environment"]["PSTRAIN_REDIS"]
             assert url == f"redis://:{required}@redis:6379/0", (name, url)
+
+
+def test_every_role_is_given_its_own_certificate_made_for_the_hosts_it_is_dialled_at() -> None:
+    services = load_compose()["services"]
+    certs = command_of(services["certs"])
+    out = flag_value(certs, "--out")
+    assert "--keep" in certs and services["certs"]["restart"] == "no"
+    hosts = {certs[i + 1] for i, arg in enumerate(certs) if arg == "--host"}
+    role_of = {"scheduler": "admin", "server0": "server", "server1": "server", "worker": "worker"}
+    for name, role in role_of.items():
+        service = services[name]
+        env = service["environment"]
+        assert env["PSTRAIN_TLS_CERT"] == f"{out}/{role}.pem", name
+        assert env["PSTRAIN_TLS_KEY"] == f"{out}/{role}.key", name
+        assert env["PSTRAIN_TLS_CA"] == f"{out}/ca.pem", name
+        assert env["PSTRAIN_SECRET_FILE"] == f"{out}/secret", name
+        assert f"certs:{out}:ro" in service["volumes"], name
+        if role == "server":
+            advertised = flag_value(command_of(service), "--advertise") or ""
+            probe = service["healthcheck"]["test"][-1]
+            assert {advertised.rsplit(":", 1)[0], probe.rsplit(":", 1)[0]} <= hosts, name
+    # Every role waits for the certificates (workers through the servers' health).
+    for name in ("scheduler", "server0", "server1"):
+        assert services[name]["depends_on"]["certs"] == {
+            "condition": "service_completed_successfully"}, name
 
 
 def test_prometheus_scrapes_every_metrics_port() -> None:
@@ -269,6 +298,9 @@ class LocalCompose:
     def argv(self, replica: Replica, command: list[str]) -> list[str]:
         volumes = self._volume_paths()
         args = [self._localize(a, replica.address, volumes) for a in command]
+        # A service named alone: a host of the server certificate (pstrain certs --host).
+        args = [self.hosts.get(a, a) if i and args[i - 1] == "--host" else a
+                for i, a in enumerate(args)]
         if "--metrics-port" in args and args[args.index("--metrics-port") + 1] != "0":
             replica.metrics_port = replica.metrics_port or free_port()
             args[args.index("--metrics-port") + 1] = str(replica.metrics_port)
@@ -320,6 +352,12 @@ class LocalCompose:
                 if rule.get("condition") == "service_healthy":
                     wait_until(lambda dep=dep: self.supervise() or self.healthy(dep), timeout_s,
                                f"{dep} to be healthy (for {name})")
+                if rule.get("condition") == "service_completed_successfully":
+                    wait_until(lambda dep=dep: self.finished(dep), timeout_s,
+                               f"{dep} to complete (for {name})")
+                    codes = [r.exit_codes[-1] for r in self.replicas[dep]]
+                    assert codes == [0] * len(codes), (dep, codes,
+                                                       self.replicas[dep][0].proc.log())
             for replica in self.replicas[name]:
                 self.start(replica)
 
@@ -384,6 +422,12 @@ def test_compose_cluster_trains_to_completion_through_a_killed_server_and_worker
     anonymous.close()
     assert cluster.healthy("redis")
     assert not cluster.healthy("redis", {"REDISCLI_AUTH": "not-the-password"})
+    # The servers take only clients with a certificate of the job's CA, and the job's token.
+    server_address = f"{cluster.hosts['server0']}:7000"
+    with grpc.insecure_channel(server_address) as channel, pytest.raises(grpc.RpcError) as no:
+        Stubs(channel).unary(rpc.GET_SERVER_INFO, b"", 5.0)
+    assert no.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert not cluster.healthy("server0", {"PSTRAIN_SECRET_FILE": ""})
 
     def open_clock() -> int:
         cluster.supervise()

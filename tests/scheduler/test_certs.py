@@ -156,6 +156,18 @@ def test_force_replaces_every_file(tmp_path: Path) -> None:
     load(certs.cert("server")).verify_directly_issued_by(load(certs.ca()))
 
 
+def test_keep_leaves_a_whole_set_as_it_is_and_refuses_a_part(tmp_path: Path) -> None:
+    fresh = make_job_certs(tmp_path / "new", "job1", keep=True)  # nothing there: made
+    assert contents(fresh.directory).keys() == FILES.keys()
+    before = contents(fresh.directory)
+    make_job_certs(fresh.directory, "job1", keep=True)
+    assert contents(fresh.directory) == before
+    fresh.secret().unlink()
+    with pytest.raises(ConfigError, match="holds some of a job's files but not secret"):
+        make_job_certs(fresh.directory, "job1", keep=True)
+    assert "secret" not in contents(fresh.directory)
+
+
 @pytest.mark.parametrize(("job", "hosts", "days", "quoted"), [
     ("", DEFAULT_HOSTS, 365, "''"),
     ("no spaces", DEFAULT_HOSTS, 365, "'no spaces'"),

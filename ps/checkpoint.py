@@ -132,6 +132,11 @@ class CheckpointCorruptError(CheckpointError):
     """A checkpoint file on disk is truncated, malformed, or fails its checksum."""
 
 
+class CheckpointUnsignedError(CheckpointError):
+    """A checkpoint's entry in Redis is not signed with the job's secret: someone changed
+    Redis, or the job's secret changed."""
+
+
 @dataclass(frozen=True, eq=False)
 class TableState:
     """One table of a shard snapshot.

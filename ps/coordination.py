@@ -19,6 +19,7 @@ from typing import Any
 
 from ps.checkpoint import (
     CheckpointError,
+    CheckpointUnsignedError,
     ShardState,
     list_checkpoints,
     read_checkpoint,
@@ -28,6 +29,7 @@ from ps.checkpoint import (
 from ps.errors import PSError
 from ps.server import ParameterServer
 from scheduler.heartbeat import Heartbeat
+from scheduler.recovery import entry_signed, sign_entry
 from scheduler.spec import JobSpec
 from scheduler.store import JobStore, ride_out
 
@@ -57,7 +59,7 @@ class ServerCoordinator:
         restored: str = "", entries: Mapping[int, Mapping[str, Any]] | None = None,
     ) -> None:
         """`restored` names the checkpoint the shard was loaded from and `entries` its
-        listing (shard -> {path, sha256, nbytes, clock}), every shard's."""
+        listing (shard -> {path, sha256, nbytes, clock[, mac]}), every shard's."""
         self.store = store
         self.spec = spec
         self.server = server
@@ -147,8 +149,10 @@ class ServerCoordinator:
                 "checkpoint_failed", "server", state.shard, checkpoint=state.checkpoint_id,
                 clock=state.clock, error=error), None)
             return
-        entry = {"path": written.path, "sha256": written.sha256, "nbytes": written.nbytes,
-                 "clock": state.clock}
+        entry = sign_entry(
+            self.server.config.security.secret, state.job, state.checkpoint_id, state.shard,
+            state.num_shards, {"path": written.path, "sha256": written.sha256,
+                               "nbytes": written.nbytes, "clock": state.clock})
         with self._listed_lock:
             if self._listed is not None and self._listed[0] == state.checkpoint_id:
                 self._listed[1][state.shard] = entry
@@ -185,10 +189,10 @@ Found = tuple[ShardState, dict[int, dict[str, Any]]]
 
 def find_checkpoint(
     store: JobStore | None, spec: JobSpec | None, shard: int, num_shards: int, job: str,
-    directory: str, from_disk: bool,
+    directory: str, from_disk: bool, secret: bytes = b"",
 ) -> Found | None:
     """The newest complete checkpoint this shard can read: its state with the checkpoint's
-    entries (shard -> {path, sha256, nbytes, clock}, every shard's), or None when there is
+    entries (shard -> {path, sha256, nbytes, clock[, mac]}, every shard's), or None when there is
     none.
 
     Inside a running job Redis lists the checkpoints. If it lists none (it may have come
@@ -197,14 +201,18 @@ def find_checkpoint(
     checkpoint whose file of this shard cannot be read or fails its digest is skipped with a
     warning for the next older one (a sync job's rollback then goes to the one read); when
     every one fails, the newest one's CheckpointError is raised.
+
+    With the job's `secret`, an entry of this shard that is not signed with it
+    (`entry_signed`) is skipped the same way (CheckpointUnsignedError), and entries found on
+    disk are returned signed, for the coordinator to list in Redis. Blocks on Redis and
+    file I/O.
     """
     first_error: CheckpointError | None = None
     for checkpoint_id, entries in _candidates(store, spec, num_shards, job, directory,
-                                              from_disk):
-        # The store or manifest names the checkpoint and its digest; the file is found here.
+                                              from_disk, secret):
         try:
-            state = read_checkpoint(directory, job, checkpoint_id, shard, num_shards,
-                                    str(entries[shard].get("sha256", "")))
+            state = _read_candidate(directory, job, checkpoint_id, shard, num_shards,
+                                    entries.get(shard, {}), secret)
         except CheckpointError as exc:
             log.warning("shard %d: cannot restore checkpoint %r (%s); trying an older one",
                         shard, checkpoint_id, exc)
@@ -216,12 +224,30 @@ def find_checkpoint(
     return None
 
 
+def _read_candidate(directory: str, job: str, checkpoint_id: str, shard: int, num_shards: int,
+                    entry: dict[str, Any], secret: bytes) -> ShardState:
+    """This shard's state in a checkpoint, if its entry is signed with the job's `secret`
+    (when there is one). The entry names the checkpoint and its digest; the file is found
+    in `directory`. CheckpointError when it cannot be used."""
+    if not entry_signed(secret, job, checkpoint_id, shard, num_shards, entry):
+        raise CheckpointUnsignedError(
+            f"the entry of shard {shard} of checkpoint {checkpoint_id!r} in Redis is not "
+            "signed with the job's secret: someone changed Redis, or the job's secret changed"
+        )
+    return read_checkpoint(directory, job, checkpoint_id, shard, num_shards,
+                           str(entry.get("sha256", "")))
+
+
 def _candidates(
     store: JobStore | None, spec: JobSpec | None, num_shards: int, job: str, directory: str,
-    from_disk: bool,
+    from_disk: bool, secret: bytes,
 ) -> Iterator[tuple[str, dict[int, dict[str, Any]]]]:
     """Complete checkpoints, newest first, read as they are asked for: those Redis lists,
-    else those on disk written since the job was created (any, `from_disk`)."""
+    else those on disk written since the job was created (any, `from_disk`).
+
+    Entries from disk are signed with `secret` here: the checkpoint directory is the job's
+    own, and the coordinator lists them in Redis again (every shard's), where the other
+    servers and the scheduler check them."""
     listed = False
     for found in store.complete(num_shards) if store is not None else ():
         listed = True
@@ -232,5 +258,7 @@ def _candidates(
     for manifest in reversed(list_checkpoints(directory, job)):
         if manifest.complete and manifest.written_at_ns >= created_ns:
             yield manifest.checkpoint_id, {
-                k: {"path": f.path, "sha256": f.sha256, "nbytes": f.nbytes,
-                    "clock": manifest.clock} for k, f in manifest.shards.items()}
+                k: sign_entry(secret, job, manifest.checkpoint_id, k, num_shards,
+                              {"path": f.path, "sha256": f.sha256, "nbytes": f.nbytes,
+                               "clock": manifest.clock})
+                for k, f in manifest.shards.items()}

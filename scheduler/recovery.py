@@ -9,12 +9,27 @@
 - `next_generation` never repeats a rollback generation, even after Redis lost its count.
 - `rollback_target` picks the newest checkpoint every shard has, or says to wait for the
   one the restarted server restored to be listed again.
+- `sign_entry` and `entry_signed` sign a checkpoint's entry in Redis with the job's secret
+  and check it, so that a restarting server and a rollback use only entries a holder of the
+  secret wrote (here, not in `ps`, because the scheduler checks them too and may not import
+  `ps`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+import hmac
+import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
+
+# The entry field that holds the signature.
+MAC_FIELD = "mac"
+# Derives the signing key from the job secret: a key of its own, so that nothing else
+# derived from the secret (the call token is HMAC(secret, b"pstrain call token v1")) can
+# ever pass for an entry's signature, nor one for the other.
+_ENTRY_KEY_CONTEXT = b"pstrain checkpoint entry v1"
 
 
 @dataclass
@@ -90,3 +105,45 @@ def rollback_target(restored: str, complete: list[tuple[str, int]]) -> str | Non
         if clock > best_clock:
             best_id, best_clock = checkpoint_id, clock
     return best_id
+
+
+def entry_mac(secret: bytes, job: str, checkpoint_id: str, shard: int, num_shards: int,
+              entry: Mapping[str, Any]) -> str:
+    """The hex HMAC-SHA256 that signs shard `shard`'s entry ({path, sha256, nbytes, clock})
+    of checkpoint `checkpoint_id` of `job`, a job of `num_shards` shards. Pure.
+
+    It covers the job, the id, the shard, the shard count, and the entry's sha256, nbytes
+    and clock as JSON gives them (so "5" is not 5), never the path, which no reader uses.
+    """
+    key = hmac.new(secret, _ENTRY_KEY_CONTEXT, hashlib.sha256).digest()
+    # A JSON array: each part is delimited and typed, so no two tuples encode alike.
+    message = json.dumps(
+        [job, checkpoint_id, shard, num_shards, entry.get("sha256"), entry.get("nbytes"),
+         entry.get("clock")], separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def sign_entry(secret: bytes, job: str, checkpoint_id: str, shard: int, num_shards: int,
+               entry: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of `entry` with its `mac` (see `entry_mac`); without a secret, a plain copy
+    (the job does not sign). Pure."""
+    signed = {k: v for k, v in entry.items() if k != MAC_FIELD}
+    if secret:
+        signed[MAC_FIELD] = entry_mac(secret, job, checkpoint_id, shard, num_shards, signed)
+    return signed
+
+
+def entry_signed(secret: bytes, job: str, checkpoint_id: str, shard: int, num_shards: int,
+                 entry: object) -> bool:
+    """Whether `entry`, read from Redis as shard `shard`'s of checkpoint `checkpoint_id`,
+    carries the `mac` the job's secret gives it (compared in constant time). Always true
+    without a secret (the job does not sign); false for an entry that is not a JSON object
+    or has no mac. Pure."""
+    if not secret:
+        return True
+    if not isinstance(entry, Mapping) or not isinstance(entry.get(MAC_FIELD), str):
+        return False
+    expected = entry_mac(secret, job, checkpoint_id, shard, num_shards, entry)
+    # Bytes: compare_digest refuses a str with characters outside ASCII.
+    return hmac.compare_digest(str(entry[MAC_FIELD]).encode("utf-8", "replace"),
+                               expected.encode("ascii"))

@@ -26,7 +26,13 @@ from protos import marks
 from protos.security import Security
 from scheduler.admin import ServerAdmin
 from scheduler.membership import MembershipTracker, Transition
-from scheduler.recovery import RedisWatch, next_generation, restarted, rollback_target
+from scheduler.recovery import (
+    RedisWatch,
+    entry_signed,
+    next_generation,
+    restarted,
+    rollback_target,
+)
 from scheduler.spec import JobSpec
 from scheduler.store import REDIS_DOWN, JobStore, ride_out
 
@@ -238,8 +244,9 @@ class Scheduler:
         if rollback is None:
             return
         if rollback.target is None:
-            complete = [c for c in self.store.complete_checkpoints(self.spec.servers)
-                        if c[0] not in rollback.unreadable]
+            listed = self._signed_checkpoints(rollback.unreadable)
+            complete = [(c, min(int(e.get("clock", 0)) for e in entries.values()))
+                        for c, entries in listed.items()]
             restored = "" if rollback.restored in rollback.unreadable else rollback.restored
             target = rollback_target(restored, complete)
             if target is None:
@@ -249,9 +256,9 @@ class Scheduler:
                                 "listed in Redis; waiting for its server to list it again",
                                 rollback.restored, rollback.shard)
                 return
-            rollback.target = target
-        checkpoint_id, done = rollback.target, rollback.done
-        entries = self.store.checkpoint(checkpoint_id) if checkpoint_id else {}
+            # The entries checked above, not read again: what is restored is what was checked.
+            rollback.target, rollback.entries = target, listed.get(target, {})
+        checkpoint_id, done, entries = rollback.target, rollback.done, rollback.entries
         for shard, beat in sorted(beats.items()):
             if shard in done or beat is None:
                 continue
@@ -284,6 +291,28 @@ class Scheduler:
         self._rollback = None
         self._pushed.clear()
 
+    def _signed_checkpoints(self, skip: set[str]) -> dict[str, dict[int, dict[str, Any]]]:
+        """The checkpoints every shard has written, as Redis lists them (id -> entries,
+        newest listed first), less those in `skip`. With the job's secret, one with an entry
+        not signed with it is left out too, like an unreadable one: added to `skip` with a
+        warning."""
+        secret, job, servers = self.admin.security.secret, self.spec.job, self.spec.servers
+        found: dict[str, dict[int, dict[str, Any]]] = {}
+        for checkpoint_id, entries in self.store.complete(servers):
+            if checkpoint_id in skip:
+                continue
+            unsigned = [s for s in range(servers) if not entry_signed(
+                secret, job, checkpoint_id, s, servers, entries.get(s))]
+            if unsigned:
+                log.warning("scheduler: the entry of shard %d of checkpoint %r in Redis is not "
+                            "signed with the job's secret (someone changed Redis, or the "
+                            "job's secret changed); the rollback skips it for an older one",
+                            unsigned[0], checkpoint_id)
+                skip.add(checkpoint_id)
+                continue
+            found[checkpoint_id] = entries
+        return found
+
     def _checkpoints(self, beats: dict[int, dict[str, Any] | None]) -> None:
         # Sync jobs need no requests: every shard snapshots at multiples of the period.
         spec = self.spec
@@ -307,8 +336,11 @@ class _Rollback:
     target: str | None = None
     done: set[int] = field(default_factory=set)
     waiting: bool = False  # the wait for `restored` to be listed was logged
-    # Checkpoints some shard could not read or verify: the rollback goes to an older one.
+    # Checkpoints some shard could not read or verify, or with an entry not signed with the
+    # job's secret: the rollback goes to an older one.
     unreadable: set[str] = field(default_factory=set)
+    # The chosen checkpoint's entries (shard -> {path, sha256, nbytes, clock, mac}).
+    entries: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
 def _incarnations(beats: dict[int, dict[str, Any] | None], believe_lapses: bool

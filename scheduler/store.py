@@ -12,7 +12,7 @@ Every key of a job lives under the prefix ``pstrain:{job}:``:
 | ``events`` | stream | events: joined, dead, restored, rollback, checkpoint, claimed, finished |
 | ``checkpoint:request`` | string | JSON {id, clock} of the newest checkpoint asked for |
 | ``checkpoints`` | sorted set | checkpoint ids by time of completion of their first shard |
-| ``checkpoint:{id}`` | hash | shard -> JSON {path, sha256, nbytes, clock} |
+| ``checkpoint:{id}`` | hash | shard -> JSON {path, sha256, nbytes, clock[, mac]} (mac: signed) |
 | ``generation`` | integer | raised by each sync rollback, never to a used value; workers restart |
 | ``rank:{rank}`` | string | the `pstrain worker` holding the rank: {holder, pid, host}; expires |
 | ``finished`` | set | ranks whose worker ran its script to exit status 0; never claimed again |

@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
+from pathlib import Path
+from typing import Any
+
 import pytest
 
-from scheduler.recovery import RedisWatch, next_generation, restarted, rollback_target
+from protos.security import Security
+from scheduler.recovery import (
+    RedisWatch,
+    entry_mac,
+    entry_signed,
+    next_generation,
+    restarted,
+    rollback_target,
+    sign_entry,
+)
 
 
 def watch() -> RedisWatch:
@@ -76,3 +91,90 @@ def test_next_generation_never_repeats(known: list[int], expected: int) -> None:
 def test_rollback_target(restored: str, complete: list[tuple[str, int]],
                          expected: str | None) -> None:
     assert rollback_target(restored, complete) == expected
+
+
+# ---- checkpoint entries signed with the job's secret -----------------------------------------
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+SHA = "ab" * 32
+ENTRY = {"path": "/ckpt/j/c2/shard-1-of-2.safetensors", "sha256": SHA, "nbytes": 1234,
+         "clock": 40}
+# (job, checkpoint id, shard, num_shards) the entry is signed for.
+WHERE = ("j", "c2", 1, 2)
+
+
+def signed(**changes: Any) -> dict[str, Any]:
+    return {**sign_entry(SECRET, *WHERE, ENTRY), **changes}
+
+
+def test_a_signed_entry_verifies_and_survives_json() -> None:
+    entry = signed()
+    assert set(entry) == {*ENTRY, "mac"}
+    assert entry_signed(SECRET, *WHERE, entry)
+    assert entry_signed(SECRET, *WHERE, json.loads(json.dumps(entry)))
+    # Signing again (as a relisting server might) changes nothing.
+    assert sign_entry(SECRET, *WHERE, entry) == entry
+
+
+@pytest.mark.parametrize("changed", [
+    {"sha256": "cd" * 32},  # another checkpoint's file
+    {"sha256": SHA.upper()},
+    {"nbytes": 1235},
+    {"nbytes": "1234"},  # the same number as text
+    {"clock": 400},  # a higher clock, to be chosen for a rollback
+    {"clock": 40.0},
+    {"clock": True},
+    {"mac": ""},
+    {"mac": "00" * 32},
+    {"mac": "é" * 64},  # not ASCII: compared as bytes, not refused with TypeError
+    {"mac": 7},
+    {"mac": None},
+])
+def test_a_changed_field_fails(changed: dict[str, Any]) -> None:
+    assert not entry_signed(SECRET, *WHERE, signed(**changed))
+
+
+@pytest.mark.parametrize("where", [
+    ("k", "c2", 1, 2),  # another job
+    ("j", "c1", 1, 2),  # another checkpoint: an old entry listed under a newer id
+    ("j", "c2", 0, 2),  # another shard's entry
+    ("j", "c2", 1, 3),  # another shard count
+])
+def test_an_entry_signed_for_another_place_fails(where: tuple[str, str, int, int]) -> None:
+    assert not entry_signed(SECRET, *where, signed())
+
+
+@pytest.mark.parametrize("entry", [
+    dict(ENTRY),  # written without a secret
+    sign_entry(b"another secret of 32 bytes......", *WHERE, ENTRY),
+    "not an object",
+    None,
+    [SHA, 1234, 40],
+])
+def test_an_unsigned_or_foreign_entry_fails(entry: object) -> None:
+    assert not entry_signed(SECRET, *WHERE, entry)
+
+
+def test_without_a_secret_nothing_is_signed_or_checked() -> None:
+    assert sign_entry(b"", *WHERE, ENTRY) == ENTRY
+    assert entry_signed(b"", *WHERE, ENTRY)
+    assert entry_signed(b"", *WHERE, {**ENTRY, "clock": 400, "mac": "junk"})
+
+
+def test_the_path_is_not_signed() -> None:
+    # No reader uses it (the file is found by id), so a moved directory still verifies.
+    assert entry_signed(SECRET, *WHERE, signed(path="/elsewhere/shard-1-of-2.safetensors"))
+
+
+def test_the_mac_is_keyed_by_a_key_of_its_own_over_a_json_array() -> None:
+    # Pinned: a change here makes every entry already in Redis fail to verify.
+    key = hmac.new(SECRET, b"pstrain checkpoint entry v1", hashlib.sha256).digest()
+    message = b'["j","c2",1,2,"' + SHA.encode() + b'",1234,40]'
+    assert entry_mac(SECRET, *WHERE, ENTRY) == hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def test_the_call_token_is_no_signature(tmp_path: Path) -> None:
+    (tmp_path / "secret").write_bytes(SECRET)
+    token = Security(secret_path=str(tmp_path / "secret")).token()
+    assert entry_mac(SECRET, *WHERE, ENTRY) != token
+    assert not entry_signed(SECRET, *WHERE, signed(mac=token))

@@ -415,6 +415,48 @@ def test_a_corrupt_newest_checkpoint_rolls_back_to_the_one_before(
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("change", ["older clock raised", "newest unsigned"])
+def test_a_rollback_skips_checkpoint_entries_not_signed_with_the_job_secret(
+    procs: Procs, change: str
+) -> None:
+    # `pstrain up` gives every process a secret made for the run: servers sign their
+    # checkpoint entries in Redis, and the scheduler checks them before it restores one.
+    steps = 800
+    redis = procs.redis().address
+    store = JobStore.connect(redis, "forged")
+    up = up_sync_job(procs, redis, "forged", steps=steps, restart=True)
+    wait_until(lambda: len(store.complete_checkpoints(2)) >= 2 and worker_clock(store, 0) >= 45,
+               90, "two checkpoints")
+    victim = server_pid(store, 0)
+    assert victim is not None
+    os.kill(victim, signal.SIGSTOP)  # sync: no clock closes, so no newer checkpoint completes
+    (newest, _), (older, _) = sorted(store.complete_checkpoints(2), key=lambda c: -c[1])[:2]
+    if change == "older clock raised":
+        # Whoever can write Redis makes an old checkpoint look the newest, for the rollback
+        # (which takes the highest clock) to go back to it; it cannot sign the change.
+        changed, expected = older, newest
+        for shard, entry in store.checkpoint(older).items():
+            store.record_checkpoint(older, shard, {**entry, "clock": 10**6})
+    else:
+        # Shard 1's entry: the restarted shard 0 restores the newest (its own entry is
+        # signed), and only the scheduler's check keeps the job from rolling back to it.
+        changed, expected = newest, older
+        entry = store.checkpoint(newest)[1]
+        store.record_checkpoint(newest, 1, {k: v for k, v in entry.items() if k != "mac"})
+    os.kill(victim, signal.SIGKILL)  # restarted by pstrain up
+    rollback = wait_until(
+        lambda: next((e for e in store.events() if e.type == "rollback"), None), 90,
+        "the rollback")
+    assert rollback.detail["checkpoint"] == expected, rollback  # type: ignore[attr-defined]
+    assert worker_clock(store, 0) < steps, "the job ended too soon: raise steps"
+    assert_uninterrupted_result(procs, up, steps)
+    scheduler_log = (procs.workdir / "logs" / "scheduler.log").read_text(errors="replace")
+    warned = [line for line in scheduler_log.splitlines()
+              if "not signed with the job's secret" in line and repr(changed) in line]
+    assert len(warned) == 1, scheduler_log[-5000:]
+
+
+@pytest.mark.timeout(240)
 def test_a_finished_job_s_name_reused_without_resume_starts_fresh(procs: Procs) -> None:
     redis = procs.redis().address
     first = procs.pstrain([

@@ -2,6 +2,7 @@
 
     python examples/movielens.py --local                       # plain PyTorch, the baseline
     python examples/movielens.py --servers HOST:PORT[,...] --rank R --world-size W
+    python examples/movielens.py --local --device cuda          # either mode, on a GPU
 
 The label is "rated 4 or 5". Features: user, movie, age bucket, gender, occupation, zip
 prefix and release year (one embedding each), the movie's genres (an embedding bag) and an
@@ -14,7 +15,13 @@ Both modes build the same model with the same initial MLP and the same optimizer
 for the embeddings, Adam for the MLP): locally through torch.optim, distributed on the
 servers. The distributed mode reads PSTRAIN_SERVERS, PSTRAIN_RANK and PSTRAIN_WORLD_SIZE
 as defaults for its flags. The run ends with one JSON line: test AUC and log loss,
-training samples per second, wall time, mode.
+training samples per second, wall time, mode, device.
+
+`--device cuda` puts the MLP (and, locally, the whole model) on the GPU. Distributed, the
+sparse modules are made with that device: ids stay on the CPU, whence they go to the
+servers, and the pulled rows reach the GPU through pinned memory. Each batch's labels (and,
+locally, its ids) are copied to the device once, from pinned memory, when the batch is
+made: a step ahead of its use, since the loop looks a batch ahead to prefetch its rows.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ GENRES = (
     "Romance", "Sci-Fi", "Thriller", "War", "Western",
 )
 AGE_BUCKETS = (18, 25, 35, 45, 50, 56)  # MovieLens-1M's age groups
+CPU = torch.device("cpu")
 
 
 class ExampleError(Exception):
@@ -145,15 +153,39 @@ def split(n: int, seed: int, max_samples: int | None) -> Split:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where a batch's tensors go: the labels to the model's `device`; the ids (codes and
+    genre bags) there too when `ids_on_device` (a local model's tables read them there),
+    else on the CPU, where the PS modules take them to send them to the servers."""
+
+    device: torch.device = CPU
+    ids_on_device: bool = False
+
+    def ids(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.move(tensor) if self.ids_on_device else tensor
+
+    def move(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (a CPU tensor of a batch being made) on the device."""
+        if self.device.type == "cpu":
+            return tensor
+        if self.device.type != "cuda":
+            return tensor.to(self.device)
+        # From pinned memory the copy is asynchronous; the caching host allocator keeps the
+        # pinned buffer until it has run.
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+
+@dataclass(frozen=True)
 class Batch:
     codes: torch.Tensor  # [B, len(FEATURES)]
     genres: torch.Tensor  # the genre bags, concatenated
     genre_offsets: torch.Tensor  # [B], where each bag starts
-    labels: torch.Tensor  # [B]
+    labels: torch.Tensor  # [B], on the model's device
 
     @functools.cached_property
     def keyed(self) -> KeyedJagged:
-        """Every feature's ids as PSEmbeddingCollection takes them (made once per batch)."""
+        """Every feature's ids as PSEmbeddingCollection takes them (made once per batch;
+        the ids must be on the CPU)."""
         size = self.codes.shape[0]
         lengths = torch.diff(self.genre_offsets, append=torch.tensor([self.genres.numel()]))
         return KeyedJagged(
@@ -163,7 +195,9 @@ class Batch:
         )
 
 
-def make_batch(data: MovieLens, rows: npt.NDArray[np.int64]) -> Batch:
+def make_batch(
+    data: MovieLens, rows: npt.NDArray[np.int64], placement: Placement = Placement()
+) -> Batch:
     codes = data.codes[rows]
     movies = codes[:, MOVIE]
     starts = data.genre_ptr[movies]
@@ -171,20 +205,22 @@ def make_batch(data: MovieLens, rows: npt.NDArray[np.int64]) -> Batch:
     offsets = np.r_[0, np.cumsum(lengths)[:-1]].astype(np.int64)
     positions = np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()))
     return Batch(
-        torch.from_numpy(codes), torch.from_numpy(data.genre_ids[positions]),
-        torch.from_numpy(offsets), torch.from_numpy(data.labels[rows]),
+        placement.ids(torch.from_numpy(codes)),
+        placement.ids(torch.from_numpy(data.genre_ids[positions])),
+        placement.ids(torch.from_numpy(offsets)),
+        placement.move(torch.from_numpy(data.labels[rows])),
     )
 
 
 def batches(
     data: MovieLens, rows: npt.NDArray[np.int64], batch_size: int,
-    rng: np.random.Generator | None = None,
+    rng: np.random.Generator | None = None, placement: Placement = Placement(),
 ) -> Iterator[Batch]:
-    """Batches of `rows` in order, or shuffled by `rng`."""
+    """Batches of `rows` in order, or shuffled by `rng`, placed by `placement`."""
     if rng is not None:
         rows = rows[rng.permutation(len(rows))]
     for start in range(0, len(rows), batch_size):
-        yield make_batch(data, rows[start : start + batch_size])
+        yield make_batch(data, rows[start : start + batch_size], placement)
 
 
 # ---- model -----------------------------------------------------------------------------------
@@ -310,7 +346,7 @@ class Optimizer(Protocol):
 
 
 def local_model(
-    data: MovieLens, hyper: Hyper, seed: int
+    data: MovieLens, hyper: Hyper, seed: int, device: torch.device = CPU
 ) -> tuple[ClickModel, list[Optimizer]]:
     mlp = make_mlp(hyper, seed)
     fields = nn.Embedding(sum(data.vocab), hyper.dim)
@@ -321,7 +357,8 @@ def local_model(
         for table, seed_offset in ((fields, 0), (genres, 1)):
             keys = np.arange(table.weight.shape[0], dtype=np.int64)
             table.weight.copy_(init_rows(keys, hyper.dim, spec, seed + seed_offset))
-    model = ClickModel(FieldsAndGenres(fields, genres, field_offsets(data)), mlp)
+    # Initialised on the CPU, then moved: the same initial values on every device.
+    model = ClickModel(FieldsAndGenres(fields, genres, field_offsets(data)), mlp).to(device)
     optimizers: list[Optimizer] = [
         torch.optim.Adagrad([fields.weight, genres.weight], lr=hyper.emb_lr),
         torch.optim.Adam(mlp.parameters(), lr=hyper.dense_lr),
@@ -330,28 +367,35 @@ def local_model(
 
 
 def ps_model(
-    client: PSClient, data: MovieLens, hyper: Hyper, seed: int, tables: str = "fused"
+    client: PSClient, data: MovieLens, hyper: Hyper, seed: int, tables: str = "fused",
+    device: torch.device = CPU,
 ) -> ClickModel:
+    """The distributed model: its MLP on `device`, its sparse modules giving their rows
+    there. Not moved as a whole: FieldsAndGenres' field offsets stay with the ids, on the
+    CPU."""
     init = ("normal", 0.0, hyper.init_std)
-    mlp = PSDense(client, make_mlp(hyper, seed), "movielens.mlp", optimizer="adam",
+    mlp = PSDense(client, make_mlp(hyper, seed).to(device), "movielens.mlp", optimizer="adam",
                   lr=hyper.dense_lr)
     if tables == "collection":
         features = [FeatureConfig(f, hyper.dim, optimizer="adagrad", lr=hyper.emb_lr,
                                   init=init, seed=seed) for f in FEATURES]
         features.append(FeatureConfig("genres", hyper.dim, pooling="mean", optimizer="adagrad",
                                       lr=hyper.emb_lr, init=init, seed=seed))
-        collection = PSEmbeddingCollection(client, "movielens.features", features)
+        collection = PSEmbeddingCollection(client, "movielens.features", features,
+                                           device=device)
         return ClickModel(CollectionFeatures(collection), mlp)
     fields: nn.Module
     if tables == "fused":
         fields = PSEmbedding(client, "movielens.fields", hyper.dim, optimizer="adagrad",
-                             lr=hyper.emb_lr, init=init, seed=seed)
+                             lr=hyper.emb_lr, init=init, seed=seed, device=device)
     else:
         fields = SeparateFields([
             PSEmbedding(client, f"movielens.{f}", hyper.dim, optimizer="adagrad",
-                        lr=hyper.emb_lr, init=init, seed=seed) for f in FEATURES])
+                        lr=hyper.emb_lr, init=init, seed=seed, device=device)
+            for f in FEATURES])
     genres = PSEmbeddingBag(client, "movielens.genres", hyper.dim, mode="mean",
-                            optimizer="adagrad", lr=hyper.emb_lr, init=init, seed=seed + 1)
+                            optimizer="adagrad", lr=hyper.emb_lr, init=init, seed=seed + 1,
+                            device=device)
     return ClickModel(FieldsAndGenres(fields, genres, field_offsets(data)), mlp)
 
 
@@ -359,14 +403,15 @@ def ps_model(
 
 
 @torch.no_grad()
-def evaluate(model: ClickModel, data: MovieLens, rows: npt.NDArray[np.int64]) -> tuple[
-    float, float
-]:
-    """(AUC, log loss) of `model` on `rows`."""
+def evaluate(
+    model: ClickModel, data: MovieLens, rows: npt.NDArray[np.int64],
+    placement: Placement = Placement(),
+) -> tuple[float, float]:
+    """(AUC, log loss) of `model` on `rows`; blocks until the device has computed them."""
     model.eval()
-    scores = [torch.sigmoid(model(b)) for b in batches(data, rows, 8192)]
+    scores = [torch.sigmoid(model(b)) for b in batches(data, rows, 8192, placement=placement)]
     model.train()
-    probs = torch.cat(scores).numpy()
+    probs = torch.cat(scores).cpu().numpy()  # one copy off the device for the metrics
     labels = data.labels[rows]
     return roc_auc(labels, probs), log_loss(labels, probs)
 
@@ -380,12 +425,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     client: PSClient | None = None
     ps: PSOptimizer | None = None
     ctx: worker.WorkerContext | None = None
+    device: torch.device = args.device
+    placement = Placement(device, ids_on_device=args.local)
     if args.local:
-        model, optimizers = local_model(data, hyper, args.seed)
+        model, optimizers = local_model(data, hyper, args.seed, device)
         train_rows = parts.train
     else:
         client, ctx = connect(args)
-        model = ps_model(client, data, hyper, args.seed, args.tables)
+        model = ps_model(client, data, hyper, args.seed, args.tables, device)
         ps = PSOptimizer(model, overlap=None if args.overlap == "auto" else args.overlap == "on",
                          prefetch_depth=_prefetch_depth(args.prefetch_depth, args.batch_size))
         optimizers = [ps]
@@ -393,8 +440,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         # Every rank takes as many batches per epoch: sync clocks need all of them each step.
         train_rows = parts.train[mine[: len(parts.train) // args.world_size]]
     mode = "local" if args.local else "distributed"
-    log.info("%s: %d training ratings (of %d), %d validation, %d test; overlap %s", mode,
-             len(train_rows), len(parts.train), len(parts.val), len(parts.test),
+    log.info("%s on %s: %d training ratings (of %d), %d validation, %d test; overlap %s",
+             mode, device, len(train_rows), len(parts.train), len(parts.val), len(parts.test),
              ps.overlap if ps else "n/a")
     rng = np.random.default_rng(args.seed + 1000 * args.rank)
     # A worker restarted inside a job (after a sync rollback, or a crash under --restart)
@@ -418,7 +465,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         losses: list[float] = []
         ahead = ps.prefetch_depth if ps is not None else 1
         todo = order[first * args.batch_size :]
-        for batch, upcoming in lookahead(batches(data, todo, args.batch_size), ahead):
+        for batch, upcoming in lookahead(
+            batches(data, todo, args.batch_size, placement=placement), ahead
+        ):
             if upcoming is not None:
                 model.prefetch(upcoming)
             loss = F.binary_cross_entropy_with_logits(model(batch), batch.labels)
@@ -434,14 +483,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if ps is not None:
             ps.flush()
         train_s += time.monotonic() - epoch_start
-        val_auc, val_loss = evaluate(model, data, parts.val)
+        val_auc, val_loss = evaluate(model, data, parts.val, placement)
         # Test AUC after each epoch against the wall time so far: the learning curve.
         curve.append((round(time.monotonic() - started, 2),
-                      round(evaluate(model, data, parts.test)[0], 5)))
+                      round(evaluate(model, data, parts.test, placement)[0], 5)))
         log.info("epoch %d: train loss %.4f, val AUC %.4f, val log loss %.4f, %.0f samples/s",
                  epoch + 1, float(np.mean(losses)), val_auc, val_loss,
                  trained / max(train_s, 1e-9))
-    test_auc, test_loss = evaluate(model, data, parts.test)
+    test_auc, test_loss = evaluate(model, data, parts.test, placement)
     result: dict[str, Any] = {
         "test_auc": round(test_auc, 5), "test_logloss": round(test_loss, 5),
         "val_auc": round(val_auc, 5), "samples_per_s": round(trained / max(train_s, 1e-9), 1),
@@ -450,7 +499,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "epochs": args.epochs, "batch_size": args.batch_size, "train_samples": len(train_rows),
         "overlap": ps.overlap if ps else None,
         "prefetch_depth": ps.prefetch_depth if ps else None, "curve": curve,
-        "tables": "fused" if args.local else args.tables,
+        "tables": "fused" if args.local else args.tables, "device": str(device),
     }
     if ps is not None and client is not None:
         ps.close()
@@ -479,6 +528,29 @@ def _depth(text: str) -> int | str:
     return int(text)
 
 
+def _device(text: str) -> torch.device:
+    """--device as a torch.device; a CUDA device only where torch can use it."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device ({exc})") from exc
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = (f"torch {torch.__version__} is built without CUDA"
+                   if torch.version.cuda is None else
+                   f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU")
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: CUDA is not available here ({why}); train with --device cpu "
+                f"or on a GPU machine"
+            )
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+            )
+    return device
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--local", action="store_true", help="train in plain single-process PyTorch")
@@ -501,6 +573,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         "exchanges in flight (reads up to this many steps stale); auto: 2 "
                         "for batches under 512 where the tables' modes allow it, else 1")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--device", type=_device, default="cpu",
+                   help="where the MLP (and, with --local, the whole model) computes: cpu, "
+                        "cuda, cuda:N, ... (distributed, ids stay on the CPU)")
     p.add_argument("--tables", choices=("fused", "separate", "collection"), default="fused",
                    help="distributed: the seven single-valued features in one table, in one "
                         "table each (the same rows and results), or every feature declared "

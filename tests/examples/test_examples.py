@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 import pytest
+import torch
 from beats import server_pid, worker_clock
 from procs import REPO, Procs, wait_until
 
@@ -80,6 +81,34 @@ def test_movielens_two_async_workers_share_two_servers(procs: Procs) -> None:
     # Each worker trained on its half of the 16000 training ratings, with overlap.
     assert [r["train_samples"] for r in results] == [8000, 8000]
     assert all(r["overlap"] is True and r["test_auc"] > 0.6 for r in results), results
+
+
+def _trained(result: dict[str, Any]) -> tuple[object, ...]:
+    """What a run learned (its timings left out)."""
+    return (result["test_auc"], result["test_logloss"], result["val_auc"],
+            [auc for _, auc in result["curve"]], result["train_samples"])
+
+
+@needs_movielens
+def test_movielens_device_cpu_trains_exactly_as_the_default(procs: Procs) -> None:
+    for local in (True, False):
+        results = []
+        for device in ([], ["--device", "cpu"]):
+            # A fresh server per run: a second run on the same one would carry on at its clock.
+            where = (["--local"] if local
+                     else ["--servers", procs.server(0, 1, ["--mode", "sync"]).address])
+            results.append(run(procs, [MOVIELENS, *where, *REDUCED, *device], "movielens"))
+        default, cpu = results
+        assert default["device"] == cpu["device"] == "cpu"
+        assert _trained(cpu) == _trained(default), (default, cpu)
+
+
+@needs_movielens
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_movielens_refuses_cuda_without_cuda(procs: Procs) -> None:
+    proc = procs.spawn([sys.executable, MOVIELENS, "--local", "--device", "cuda:0"], "cuda")
+    assert proc.popen.wait(timeout=60) == 2, proc.log()
+    assert "--device: 'cuda:0': CUDA is not available" in proc.log(), proc.log()
 
 
 def _sync_up(procs: Procs, job: str, kill_server_at: int | None) -> list[dict[str, Any]]:

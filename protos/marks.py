@@ -13,6 +13,8 @@ CLOCK_WAIT = "pstrain-clock-wait"
 BULK_FAILED = "pstrain-bulk-failed"
 # The worker joined before the job's last rollback: it must restart; no retry.
 ROLLED_BACK = "pstrain-rolled-back"
+# The server's data-call threads were all busy: nothing was done; try again after a backoff.
+BUSY = "pstrain-busy"
 # A Restore named a checkpoint this server cannot read or verify: roll back to another one.
 CHECKPOINT_UNREADABLE = "pstrain-checkpoint-unreadable"
 

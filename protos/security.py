@@ -181,6 +181,19 @@ def peer_role(auth_context: Mapping[str, Sequence[bytes]]) -> Role | None:
         return None
 
 
+def peer_rank(auth_context: Mapping[str, Sequence[bytes]]) -> int | None:
+    """The rank a TLS peer's certificate binds it to (a subject alternative name
+    pstrain://JOB/worker/RANK, as `pstrain certs --workers` makes); None when it names none,
+    as the generic worker certificate and the admin's do. Pure."""
+    for name in auth_context.get("x509_subject_alternative_name") or ():
+        scheme, _, rest = name.decode("utf-8", "replace").partition("://")
+        parts = rest.split("/")
+        if scheme == "pstrain" and len(parts) == 3 and parts[1] == "worker":
+            ok = parts[2].isascii() and parts[2].isdigit()
+            return int(parts[2]) if ok else -1  # -1: a rank no worker holds
+    return None
+
+
 def token_matches(presented: str, expected: str) -> bool:
     """Whether a call's token is the job's, compared in constant time. Pure."""
     return hmac.compare_digest(presented.encode("utf-8", "replace"),

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
+import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +83,35 @@ def decide(method: str, caller: Caller, tls: bool) -> Refusal | None:
     return None
 
 
+# A refused caller may call again at once: its refusals are logged at most this often.
+LOG_EVERY_S = 10.0
+
+
+class _Throttled:
+    """A warning logged at most once per `every_s`, saying how many were left out. Thread-safe."""
+
+    def __init__(self, every_s: float, clock: Callable[[], float]) -> None:
+        self._every_s = every_s
+        self._clock = clock
+        # Guards _next_s and _left_out.
+        self._lock = threading.Lock()
+        self._next_s = -math.inf
+        self._left_out = 0
+
+    def warning(self, message: str, *args: Any) -> None:
+        with self._lock:
+            now = self._clock()
+            if now < self._next_s:
+                self._left_out += 1
+                return
+            left_out, self._left_out = self._left_out, 0
+            self._next_s = now + self._every_s
+        if left_out:
+            message += " (and %d more refusals in the last %.0f s)"
+            args = (*args, left_out, self._every_s)
+        log.warning(message, *args)
+
+
 _CODES = {Verdict.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
           Verdict.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED}
 _KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
@@ -88,9 +120,11 @@ _KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
 class Gatekeeper(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc ships no stubs
     """Applies `decide` to every call before its handler runs. Thread-safe."""
 
-    def __init__(self, security: Security) -> None:
+    def __init__(self, security: Security, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
         self._tls = security.tls
         self._token = security.token()
+        self._log = _Throttled(LOG_EVERY_S, clock)
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
         handler = continuation(details)
@@ -112,7 +146,8 @@ class Gatekeeper(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc ships no
             role = peer_role(context.auth_context()) if tls else None
             refusal = decide(method, Caller(role, token_ok), tls)
             if refusal is not None:
-                log.warning("refused %s from %s: %s", method, context.peer(), refusal.message)
+                self._log.warning("refused %s from %s: %s", method, context.peer(),
+                                  refusal.message)
                 context.abort(_CODES[refusal.verdict], refusal.message)
             return behaviour(request, context)
 

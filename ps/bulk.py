@@ -65,6 +65,8 @@ class BulkEndpoint:
         # Guards _sessions.
         self._lock = threading.Lock()
         self._sessions: dict[int, str] = {}
+        # Guarded by _lock too: the worker whose handshake opened each session.
+        self._owners: dict[int, int] = {}
         log.info("shard %d: bulk transports offered: %s", shard,
                  ", ".join(self._channels) or "none")
 
@@ -86,6 +88,11 @@ class BulkEndpoint:
             except OSError as exc:
                 log.warning("shard %d: no request lane beside %s (%s); its clients exchange "
                             "over gRPC", self.shard, name, exc)
+
+    def owner(self, session: int) -> int | None:
+        """The worker whose handshake opened `session`; None for no open session."""
+        with self._lock:
+            return self._owners.get(session)
 
     def handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeResponse:
         """Picks a transport for a client and opens its session. Blocks briefly."""
@@ -123,6 +130,7 @@ class BulkEndpoint:
         if name != "grpc":
             with self._lock:
                 self._sessions[session] = name
+                self._owners[session] = request.worker
         log.info("shard %d: worker %d uses transport %s%s", self.shard, request.worker, name,
                  f" ({'; '.join(notes)})" if notes else "")
         lane = self._lanes[name].address if name in self._lanes else ""
@@ -173,6 +181,7 @@ class BulkEndpoint:
     def end(self, session: int) -> None:
         with self._lock:
             name = self._sessions.pop(session, None)
+            self._owners.pop(session, None)
         if name is not None:
             self._channels[name].end(session)
 

@@ -28,8 +28,17 @@ class RolledBackError(FailedPreconditionError):
     void, so it must restart and rejoin (the servicer marks the answer for the client)."""
 
 
+class PermissionDeniedError(PSError):
+    """The caller is known but may not make this request (a worker acting as another rank)."""
+
+
 class ResourceExhaustedError(PSError):
-    """The request is over a size limit."""
+    """The request is over a size limit, or its client over its limit of calls."""
+
+
+class ServerBusyError(ResourceExhaustedError):
+    """Every handler thread that data calls may take is busy. Nothing was done; the client
+    tries again after a backoff (the servicer marks the answer for it)."""
 
 
 class DeadlineExceededError(PSError):

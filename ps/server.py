@@ -25,6 +25,7 @@ from ps.auth import Gatekeeper
 from ps.bulk import BulkEndpoint
 from ps.checkpoint import read_checkpoint
 from ps.clocks import Quorum
+from ps.concurrency import CallGate, CallLimits
 from ps.errors import InvalidArgumentError
 from ps.metrics import ServerMetrics
 from ps.servicer import ParameterServerServicer, WireLimits
@@ -51,7 +52,8 @@ class ServerConfig:
     backups: int = 0
     max_wait_s: float = 300.0
     torch_threads: int = 1
-    grpc_threads: int = 16
+    grpc_threads: int = 16  # RESERVED_THREADS of them for health and admin calls only
+    max_client_calls: int = 8  # data calls one client may have in flight
     chunk_bytes: int = 2 * MiB
     max_message_bytes: int = 64 * MiB
     max_request_bytes: int = 4096 * MiB
@@ -76,6 +78,7 @@ class ServerConfig:
         for name in ("torch_threads", "grpc_threads", "chunk_bytes", "max_message_bytes"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self.call_limits()  # checks --grpc-threads and --max-client-calls
         try:
             parse_choice(self.transport)
         except TransportError as exc:
@@ -85,6 +88,9 @@ class ServerConfig:
                 f"chunk_bytes ({self.chunk_bytes}) must leave 1 MiB of headroom under "
                 f"max_message_bytes ({self.max_message_bytes})"
             )
+
+    def call_limits(self) -> CallLimits:
+        return CallLimits.for_threads(self.grpc_threads, self.max_client_calls)
 
     def shard_config(self) -> ShardConfig:
         return ShardConfig(
@@ -125,7 +131,7 @@ class ParameterServer:
             lambda checkpoint_id, sha256: read_checkpoint(
                 config.checkpoint_dir, config.job, checkpoint_id, config.shard,
                 config.num_shards, sha256),
-            self.bulk,
+            self.bulk, CallGate(config.call_limits()),
         )
         # Runs gRPC's calls and the request lanes' alike: one thread limit for both.
         self._calls = futures.ThreadPoolExecutor(

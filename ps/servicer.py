@@ -23,11 +23,13 @@ from protos import pstrain_pb2 as pb
 from protos.codec import Frame, WireError
 from protos.parts import cut
 from protos.parts import join as joined
+from protos.security import peer_rank
 from protos.transport import TransportError
 from protos.transport.lane import LaneContext
 from ps import wire
 from ps.bulk import BulkEndpoint
 from ps.checkpoint import CheckpointError, ShardState
+from ps.concurrency import CallGate
 from ps.errors import (
     CallEndedError,
     ClockWaitTimeoutError,
@@ -35,9 +37,11 @@ from ps.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
     PSError,
     ResourceExhaustedError,
     RolledBackError,
+    ServerBusyError,
     StreamEndedError,
 )
 from ps.shard import Shard
@@ -50,6 +54,7 @@ _STATUS: dict[type[PSError], grpc.StatusCode] = {
     CheckpointError: grpc.StatusCode.FAILED_PRECONDITION,
     InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
     NotFoundError: grpc.StatusCode.NOT_FOUND,
+    PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
     FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
     ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -122,6 +127,8 @@ def _abort(context: grpc.ServicerContext | LaneContext, exc: Exception) -> NoRet
         context.set_trailing_metadata(((marks.ROLLED_BACK, "1"),))
     if isinstance(exc, CheckpointError):
         context.set_trailing_metadata(((marks.CHECKPOINT_UNREADABLE, "1"),))
+    if isinstance(exc, ServerBusyError):
+        context.set_trailing_metadata(((marks.BUSY, "1"),))
     if isinstance(exc, TransportError):
         context.set_trailing_metadata(((marks.BULK_FAILED, "1"),))
         code = grpc.StatusCode.FAILED_PRECONDITION
@@ -133,6 +140,17 @@ def _abort(context: grpc.ServicerContext | LaneContext, exc: Exception) -> NoRet
         )
     context.abort(code, str(exc))
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+
+def _acting_as(context: Any, worker: int) -> None:
+    """Refuses a caller whose certificate binds it to another rank than `worker` (the
+    certificates `pstrain certs --workers` makes; others may act as any rank)."""
+    auth = getattr(context, "auth_context", None)
+    rank = peer_rank(auth()) if auth is not None else None
+    if rank is not None and rank != worker:
+        raise PermissionDeniedError(
+            f"this client's certificate is worker rank {rank}'s; it may not act as worker "
+            f"{worker}")
 
 
 def _guard(call: Callable[[], R], context: grpc.ServicerContext) -> R:
@@ -160,8 +178,10 @@ class ParameterServerServicer:
 
     def __init__(self, shard: Shard, limits: WireLimits, version: str,
                  load: Callable[[str, str], ShardState],
-                 bulk: BulkEndpoint | None = None) -> None:
+                 bulk: BulkEndpoint | None = None, gate: CallGate | None = None) -> None:
         self.shard = shard
+        # Data calls in flight, per client and in all (None: unlimited).
+        self.gate = gate
         # This shard's state in checkpoint (id, sha256), from the server's own directory.
         self.load = load
         # Bulk transports other than inline gRPC; None serves everything inline.
@@ -227,9 +247,12 @@ class ParameterServerServicer:
 
     def Join(self, request: Frame[pb.JoinRequest], context: Any) -> bytes:
         msg = request.msg
-        clock, open_clock, live = _guard(
-            lambda: self.shard.join(msg.worker, msg.incarnation, msg.generation), context
-        )
+
+        def join() -> tuple[int, int, bool]:
+            _acting_as(context, msg.worker)
+            return self.shard.join(msg.worker, msg.incarnation, msg.generation)
+
+        clock, open_clock, live = _guard(join, context)
         return pb.JoinResponse(clock=clock, open_clock=open_clock, live=live).SerializeToString()
 
     def Restore(self, request: Frame[pb.RestoreRequest], context: Any) -> bytes:
@@ -251,6 +274,7 @@ class ParameterServerServicer:
 
     def Handshake(self, request: Frame[pb.HandshakeRequest], context: Any) -> bytes:
         bulk = self.bulk
+        _guard(lambda: _acting_as(context, request.msg.worker), context)
         if bulk is None:
             return pb.HandshakeResponse(transport="grpc").SerializeToString()
         return _guard(lambda: bulk.handshake(request.msg), context).SerializeToString()
@@ -266,6 +290,7 @@ class ParameterServerServicer:
         payload = request.payload("payload")
 
         def run() -> bytes:
+            _acting_as(context, request.msg.worker)
             if request.msg.HasField("bulk"):
                 return self._exchange_bulk(request.msg, context.is_active)
             self._check_request_size(payload.nbytes)
@@ -291,7 +316,10 @@ class ParameterServerServicer:
 
         def run() -> tuple[pb.ExchangeResponse, codec.Payload]:
             try:
-                msg, payload = joined(watched(), self._check_stream_head, "ExchangeStream")
+                msg, payload = joined(
+                    watched(), lambda head, nbytes: self._check_stream_head(head, nbytes,
+                                                                            context),
+                    "ExchangeStream")
             except grpc.RpcError as exc:  # the call ended mid-stream (the client, or the watch)
                 raise StreamEndedError("the stream ended before its last part (cancelled by "
                                        "its client, or idle too long); nothing of it was "
@@ -341,7 +369,7 @@ class ParameterServerServicer:
     def lane_handler(self) -> Callable[[bytes, LaneContext], bytes]:
         """The Exchange RPC for the request lanes: the same handler, timed the same way,
         with its refusals carried as the RPC's status would be."""
-        exchange = self._timed("Exchange", self.Exchange)
+        exchange = self._gated(self._timed("Exchange", self.Exchange))
 
         def handle(data: bytes, context: LaneContext) -> bytes:
             try:
@@ -349,10 +377,50 @@ class ParameterServerServicer:
             except WireError as exc:
                 _abort(context, WireError(f"Exchange: the request is not a valid "
                                           f"ExchangeRequest ({exc})"))
+            owner = self.bulk.owner(context.session) if self.bulk is not None else None
+            if owner is not None and request.msg.worker != owner:
+                # The session's handshake was checked against the caller's certificate.
+                _abort(context, PermissionDeniedError(
+                    f"this lane's session belongs to worker {owner}; it may not carry worker "
+                    f"{request.msg.worker}'s exchanges"))
             answer: bytes = exchange(request, context)
             return answer
 
         return handle
+
+    def _gated(self, handler: Callable[..., Any]) -> Callable[..., Any]:
+        """`handler` as a data call counted by the gate (a whole stream, for streamed
+        answers); refused with its status when its client or the server is at its limit."""
+        gate = self.gate
+        if gate is None:
+            return handler
+
+        def enter(context: Any) -> str:
+            client = str(context.peer())
+            try:
+                gate.enter(client)
+            except ResourceExhaustedError as exc:
+                _abort(context, exc)
+            return client
+
+        if inspect.isgeneratorfunction(handler):
+            def streamed(request: Any, context: Any) -> Iterator[bytes]:
+                client = enter(context)
+                try:
+                    yield from handler(request, context)
+                finally:
+                    gate.leave(client)
+
+            return streamed
+
+        def unary(request: Any, context: Any) -> Any:
+            client = enter(context)
+            try:
+                return handler(request, context)
+            finally:
+                gate.leave(client)
+
+        return unary
 
     def _timed(self, method: str, handler: Callable[..., Any]) -> Callable[..., Any]:
         """`handler`, observing its duration (a whole stream's, for streamed answers)."""
@@ -391,11 +459,12 @@ class ParameterServerServicer:
                 self.bulk.discard(*refs)
             raise
 
-    def _check_stream_head(self, head: object, nbytes: int) -> None:
-        """A streamed exchange's first part: its size and the tables it names are checked
-        before any more of it is received or held."""
+    def _check_stream_head(self, head: object, nbytes: int, context: Any) -> None:
+        """A streamed exchange's first part: its caller, its size and the tables it names
+        are checked before any more of it is received or held."""
         self._check_request_size(nbytes)
         if isinstance(head, pb.ExchangeRequest):
+            _acting_as(context, head.worker)
             self.shard.check_tables(wire.tables_named(head))
 
     def _check_request_size(self, nbytes: int) -> None:
@@ -407,13 +476,18 @@ class ParameterServerServicer:
 
     # ---- registration ----------------------------------------------------------------------
 
+    def _served(self, method: rpc.Rpc[Any, Any]) -> Callable[..., Any]:
+        """The behaviour of `method`: timed, and counted by the gate if it is a data call
+        (admin calls are not: they must answer under any load of data calls)."""
+        handler = self._timed(method.name, getattr(self, method.name))
+        return self._gated(handler) if method.service == rpc.SERVICE else handler
+
     def handlers(self) -> tuple[grpc.GenericRpcHandler, ...]:
         """One generic handler per service of the contract (protos/rpc.py: the data service
         and the admin service), serving every method with the zero-copy codec."""
         return tuple(
             grpc.method_handlers_generic_handler(service, {
-                method.name: method.handler(
-                    self._timed(method.name, getattr(self, method.name)), _abort)
+                method.name: method.handler(self._served(method), _abort)
                 for method in rpc.METHODS if method.service == service
             })
             for service in rpc.SERVICES

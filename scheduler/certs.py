@@ -50,6 +50,8 @@ _CA_CN = "pstrain CA for job {job}"
 _MAX_DAYS = 36500
 _DNS_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 
+# Rank certificates one call may make (a job's workers, and far more than any has).
+_MAX_RANKS = 100_000
 _CERT_MODE = 0o644
 _KEY_MODE = 0o600
 
@@ -83,10 +85,19 @@ class JobCerts:
         """The files a process of `role` needs: the CA, its certificate and key, the secret."""
         return (self.ca(), self.cert(role), self.key(role), self.secret())
 
-    def files(self) -> tuple[Path, ...]:
-        """Every file `make_job_certs` writes, in the order it writes them."""
+    def rank_cert(self, rank: int) -> Path:
+        """The certificate of the worker of one rank: it may act as that rank only."""
+        return self.directory / f"worker-{rank}.pem"
+
+    def rank_key(self, rank: int) -> Path:
+        return self.directory / f"worker-{rank}.key"
+
+    def files(self, workers: int = 0) -> tuple[Path, ...]:
+        """Every file `make_job_certs` writes (with `workers` rank certificates), in the order
+        it writes them."""
         leaves = [p for role in ROLES for p in (self.cert(role), self.key(role))]
-        return (self.ca(), self.ca_key(), *leaves, self.secret())
+        ranks = [p for r in range(workers) for p in (self.rank_cert(r), self.rank_key(r))]
+        return (self.ca(), self.ca_key(), *leaves, *ranks, self.secret())
 
 
 def _role(role: str) -> str:
@@ -97,9 +108,11 @@ def _role(role: str) -> str:
 
 def make_job_certs(
     directory: str | Path, job: str, hosts: Sequence[str] = DEFAULT_HOSTS,
-    days: int = 365, force: bool = False, keep: bool = False,
+    days: int = 365, force: bool = False, keep: bool = False, workers: int = 0,
 ) -> JobCerts:
-    """Makes a new CA for `job` and a key and certificate for each role, and a new secret.
+    """Makes a new CA for `job` and a key and certificate for each role, and a new secret;
+    with `workers`, also a certificate for each rank 0..workers-1 (`worker-R.pem`, a worker
+    that may act as rank R only, where the generic `worker.pem` may act as any rank).
 
     Every value is checked, and no file is written, before anything is made: ConfigError
     quoting the bad value (an empty or invalid job, a host that is neither an IP address nor
@@ -116,21 +129,24 @@ def make_job_certs(
     names = _check_hosts(hosts)
     if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= _MAX_DAYS:
         raise ConfigError(f"--days {days!r}: give a whole number of days from 1 to {_MAX_DAYS}")
+    if not 0 <= workers <= _MAX_RANKS:
+        raise ConfigError(f"--workers {workers}: give 0 to {_MAX_RANKS} rank certificates")
     certs = JobCerts(Path(directory))
     if certs.directory.exists() and not certs.directory.is_dir():
         raise ConfigError(f"--out {str(certs.directory)!r} is not a directory; choose another")
+    files = certs.files(workers)
     if keep and not force:
-        present = [p for p in certs.files() if p.exists()]
-        if len(present) == len(certs.files()):
+        present = [p for p in files if p.exists()]
+        if len(present) == len(files):
             return certs
         if present:
-            missing = [p.name for p in certs.files() if not p.exists()]
+            missing = [p.name for p in files if not p.exists()]
             raise ConfigError(
                 f"{str(certs.directory)!r} holds some of a job's files but not "
                 f"{', '.join(missing)}; pass --force to make them all anew"
             )
     if not force:
-        for path in certs.files():
+        for path in files:
             if path.exists() or path.is_symlink():
                 raise ConfigError(
                     f"{str(path)!r} exists; pass --force to replace every file, or choose "
@@ -160,15 +176,9 @@ def make_job_certs(
         certs.ca(): (_pem(ca_cert), _CERT_MODE),
         certs.ca_key(): (_key_pem(ca_key), _KEY_MODE),
     }
-    for role in ROLES:
+    def leaf(role: str, usages: list[x509.ObjectIdentifier],
+             san: x509.SubjectAlternativeName) -> tuple[bytes, bytes]:
         key = ec.generate_private_key(ec.SECP256R1())
-        if role == "server":
-            usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-            san = x509.SubjectAlternativeName(names)
-        else:
-            usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
-            san = x509.SubjectAlternativeName(
-                [x509.UniformResourceIdentifier(f"pstrain://{job}/{role}")])
         cert = (
             x509.CertificateBuilder()
             .subject_name(x509.Name([
@@ -191,13 +201,30 @@ def make_job_certs(
                 critical=False)
             .sign(ca_key, hashes.SHA256())
         )
-        made[certs.cert(role)] = (_pem(cert), _CERT_MODE)
-        made[certs.key(role)] = (_key_pem(key), _KEY_MODE)
+        return _pem(cert), _key_pem(key)
+
+    def uri(path: str) -> x509.SubjectAlternativeName:
+        return x509.SubjectAlternativeName(
+            [x509.UniformResourceIdentifier(f"pstrain://{job}/{path}")])
+
+    client = [ExtendedKeyUsageOID.CLIENT_AUTH]
+    for role in ROLES:
+        if role == "server":
+            cert_pem, key_pem = leaf(role, [ExtendedKeyUsageOID.SERVER_AUTH, *client],
+                                     x509.SubjectAlternativeName(names))
+        else:
+            cert_pem, key_pem = leaf(role, client, uri(role))
+        made[certs.cert(role)] = (cert_pem, _CERT_MODE)
+        made[certs.key(role)] = (key_pem, _KEY_MODE)
+    for rank in range(workers):
+        cert_pem, key_pem = leaf("worker", client, uri(f"worker/{rank}"))
+        made[certs.rank_cert(rank)] = (cert_pem, _CERT_MODE)
+        made[certs.rank_key(rank)] = (key_pem, _KEY_MODE)
     made[certs.secret()] = ((secrets.token_hex(32) + "\n").encode(), _KEY_MODE)
 
     # Only after everything is made, so a failure above leaves the directory as it was.
     certs.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for path in certs.files():
+    for path in files:
         data, mode = made[path]
         _write_atomically(path, data, mode)
     _fsync_directory(certs.directory)

@@ -186,6 +186,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="days the certificates stay valid (default 365)")
     ce.add_argument("--force", action="store_true",
                     help="replace the files of an earlier run (every role then needs new ones)")
+    ce.add_argument("--workers", type=int, default=0,
+                    help="also make worker-R.pem/.key for ranks 0..N-1: a worker holding one "
+                         "may act as rank R only (worker.pem may act as any rank)")
     ce.add_argument("--keep", action="store_true",
                     help="leave a directory that already holds every file as it is (for a "
                          "service that may run again)")
@@ -381,10 +384,10 @@ def _certs(a: argparse.Namespace) -> int:
     # Here, not at the top: only this command pays for importing `cryptography`.
     from scheduler.certs import DEFAULT_HOSTS, ROLES, JobCerts, make_job_certs  # noqa: PLC0415
 
-    kept = a.keep and all(p.exists() for p in JobCerts(Path(a.out)).files())
+    kept = a.keep and all(p.exists() for p in JobCerts(Path(a.out)).files(a.workers))
     certs = make_job_certs(a.out, a.job, hosts=a.host or DEFAULT_HOSTS, days=a.days,
-                           force=a.force, keep=a.keep)
-    files = certs.files()
+                           force=a.force, keep=a.keep, workers=a.workers)
+    files = certs.files(a.workers)
     print(f"{'kept' if kept else 'wrote'} {len(files)} files for job {a.job!r} in "
           f"{certs.directory}:")
     for path in files:
@@ -392,6 +395,9 @@ def _certs(a: argparse.Namespace) -> int:
     holders = {"server": "server", "worker": "worker", "admin": "admin/scheduler"}
     for role in ROLES:
         print(f"{holders[role]} needs: {' '.join(p.name for p in certs.needed_by(role))}")
+    if a.workers:
+        print(f"the worker of rank R may instead get worker-R.pem and worker-R.key "
+              f"(R in 0..{a.workers - 1}): it can then act as rank R only")
     print(f"{certs.ca_key().name} stays with whoever makes certificates; give it to no role")
     return 0
 

@@ -79,20 +79,25 @@ class Child:
     exit_code: int | None = None
 
 
-def _credentials(directory: Path, job: str) -> dict[str, dict[str, str]]:
-    """Makes the run's CA, role certificates and secret in `directory`; per role (server,
-    worker, admin), the environment entries that hand them to its processes."""
+def _credentials(directory: Path, job: str, workers: int) -> dict[str, dict[str, str]]:
+    """Makes the run's CA, role certificates (one per worker rank) and secret in `directory`;
+    per role (server, admin, worker-R), the environment entries that hand them to its
+    processes."""
     # Imported here: only a run with TLS pays for the cryptography package.
     from scheduler.certs import make_job_certs  # noqa: PLC0415
 
     try:
-        certs = make_job_certs(directory, job)
+        certs = make_job_certs(directory, job, workers=workers)
     except ConfigError as exc:
         raise CoordinationError(f"cannot make the run's certificates: {exc}; or pass "
                                 "--no-tls") from exc
-    return {role: Security(str(certs.cert(role)), str(certs.key(role)), str(certs.ca()),
-                           str(certs.secret())).env()
-            for role in ("server", "worker", "admin")}
+    ca, secret = str(certs.ca()), str(certs.secret())
+    made = {role: Security(str(certs.cert(role)), str(certs.key(role)), ca, secret).env()
+            for role in ("server", "admin")}
+    for rank in range(workers):
+        made[f"worker-{rank}"] = Security(str(certs.rank_cert(rank)), str(certs.rank_key(rank)),
+                                          ca, secret).env()
+    return made
 
 
 def shell_status(returncode: int) -> int:
@@ -159,13 +164,14 @@ class Cluster:
     def start(self) -> None:
         """Starts Redis (if private), the scheduler, the servers and the workers. Blocks
         until each stage is up; CoordinationError naming the stage and its log otherwise."""
-        if self.config.tls:
-            self.credentials = _credentials(self.tmp / "certs", self.spec.job)
         if not self.redis_url:
             self._start_redis()
         self.store = JobStore.connect(self.redis_url, self.spec.job)
         # A new job refuses a live one of the same name; --resume adopts it.
         self.spec = self.store.create_job(self.spec, adopt=self.config.resume)
+        if self.config.tls:
+            self.credentials = _credentials(self.tmp / "certs", self.spec.job,
+                                            self.spec.workers)
         py = sys.executable
         spec = self.spec
         # The Redis URL travels in the environment: it may hold a password, and a command
@@ -196,7 +202,7 @@ class Cluster:
             self._child(f"worker{r}", "worker", r,
                         [py, self.config.script, *self.config.script_args],
                         {**env, "PSTRAIN_RANK": str(r), **metrics,
-                         **self.credentials.get("worker", {})})
+                         **self.credentials.get(f"worker-{r}", {})})
 
     def _spec_flags(self) -> list[str]:
         s = self.spec

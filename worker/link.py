@@ -147,6 +147,9 @@ class Link:
             )
         try:
             peer = reach.bulk.meet(self.index, address, stubs, timeout_s)
+        except grpc.RpcError as exc:  # refused (the certificate binds another rank, say)
+            channel.close()
+            raise RemoteError(exc.code(), exc.details() or "", self.index, address) from exc
         except BaseException:
             channel.close()
             raise
@@ -210,7 +213,10 @@ class Link:
                 # A server that waited out its clock limit marks the answer; asking again
                 # would only wait again.
                 waited = marks.CLOCK_WAIT in marked
-                if code in _RETRYABLE and not waited and tries + 1 < reach.retry.attempts:
+                # A busy server did nothing with the call; it is asked again after a backoff.
+                busy = marks.BUSY in marked
+                if ((code in _RETRYABLE and not waited) or busy) and (
+                        tries + 1 < reach.retry.attempts):
                     delay = reach.retry.delay_s(tries)
                     log.warning(
                         "worker %d: %s on shard %d (%s) failed with %s; retry %d in %.2f s",

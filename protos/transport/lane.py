@@ -127,8 +127,14 @@ class LaneContext:
     """What a handler sees of a lane call: the part of grpc.ServicerContext that the Exchange
     handler uses (trailing metadata, abort)."""
 
-    def __init__(self) -> None:
+    def __init__(self, peer: str = "lane", session: int = 0) -> None:
         self._marks: tuple[str, ...] = ()
+        self._peer = peer
+        self.session = session  # the session whose hello opened the connection
+
+    def peer(self) -> str:
+        """Who called, as gRPC's context names a peer: the client process ("lane:pid N")."""
+        return self._peer
 
     def set_trailing_metadata(self, metadata: Iterable[tuple[str, Any]]) -> None:
         self._marks = tuple(key for key, _ in metadata)
@@ -177,6 +183,8 @@ class LaneServer:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._conns: set[socket.socket] = set()  # every open connection
+        # Each welcomed connection's client ("lane:pid N") and session.
+        self._peers: dict[socket.socket, tuple[str, int]] = {}
         self._running: set[socket.socket] = set()  # those with a task in `run`
         self._parked: list[socket.socket] = []  # to be watched again by the watcher
         self._closed = False
@@ -264,6 +272,7 @@ class LaneServer:
                 self._parked.append(conn)
             else:
                 self._conns.discard(conn)
+                self._peers.pop(conn, None)
             self._idle.notify_all()
         if keep:
             with contextlib.suppress(OSError):
@@ -282,7 +291,9 @@ class LaneServer:
             write_frame(conn, REFUSAL, _status(
                 grpc.StatusCode.INVALID_ARGUMENT, f"expected a request frame, got {kind}"))
             return False
-        write_frame(conn, *self._answer(body))
+        with self._lock:
+            peer, session = self._peers[conn]
+        write_frame(conn, *self._answer(body, peer, session))
         return True
 
     def _welcome(self, conn: socket.socket) -> bool:
@@ -312,11 +323,13 @@ class LaneServer:
             log.warning("%s: refused a connection from pid %d: %s", self._name, pid, reason)
             write_frame(conn, REFUSAL, _status(grpc.StatusCode.PERMISSION_DENIED, reason))
             return False
+        with self._lock:
+            self._peers[conn] = (f"lane:pid {pid}", hello.session)
         write_frame(conn, ANSWER, b"")
         return True
 
-    def _answer(self, body: bytes) -> tuple[int, bytes]:
-        context = LaneContext()
+    def _answer(self, body: bytes, peer: str, session: int) -> tuple[int, bytes]:
+        context = LaneContext(peer, session)
         try:
             return ANSWER, self._handle(body, context)
         except LaneAbort as exc:

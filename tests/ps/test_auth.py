@@ -16,7 +16,7 @@ from protos import pstrain_pb2 as pb
 from protos import rpc
 from protos.rpc import Stubs
 from protos.security import Role, Security, SecurityError
-from ps.auth import Caller, Verdict, decide
+from ps.auth import Caller, Verdict, _Throttled, decide
 from scheduler.certs import JobCerts, make_job_certs
 from tests.procs import Procs
 from worker.client import PSClient
@@ -71,7 +71,7 @@ def test_a_permission_refusal_names_the_role_and_who_may() -> None:
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> JobCerts:
-    return make_job_certs(tmp_path_factory.mktemp("certs") / "job", "authjob")
+    return make_job_certs(tmp_path_factory.mktemp("certs") / "job", "authjob", workers=2)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,13 @@ def _flags(certs: JobCerts, role: str = "server", secret: bool = True) -> list[s
 
 
 def _as(certs: JobCerts, role: str, secret: Path | None = None) -> Security:
-    return Security(str(certs.cert(role)), str(certs.key(role)), str(certs.ca()),
+    """Credentials of `role`, or of one worker rank ("worker-R")."""
+    if role.startswith("worker-"):
+        rank = int(role.split("-")[1])
+        cert, key = certs.rank_cert(rank), certs.rank_key(rank)
+    else:
+        cert, key = certs.cert(role), certs.key(role)
+    return Security(str(cert), str(key), str(certs.ca()),
                     str(certs.secret() if secret is None else secret))
 
 
@@ -267,3 +273,67 @@ def test_server_flags_name_a_bad_file(procs: Procs, tmp_path: Path) -> None:
                         "--tls-cert", str(tmp_path / "missing.pem")], "badtls")
     assert proc.popen.wait(timeout=60) == 2
     assert "--tls-key, --tls-ca" in proc.log()
+
+
+def test_refusals_are_logged_at_most_once_per_interval(caplog: pytest.LogCaptureFixture
+                                                      ) -> None:
+    now = [0.0]
+    throttled = _Throttled(10.0, lambda: now[0])
+    with caplog.at_level("WARNING", logger="ps.auth"):
+        for t in (0.0, 1.0, 2.0, 9.9, 10.0, 10.5, 25.0):
+            now[0] = t
+            throttled.warning("refused %s", "call")
+    assert [r.getMessage() for r in caplog.records] == [
+        "refused call",
+        "refused call (and 3 more refusals in the last 10 s)",
+        "refused call (and 1 more refusals in the last 10 s)",
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_certificate_may_act_as_its_rank_only(tls_server: str, certs: JobCerts) -> None:
+    rank1 = _as(certs, "worker-1")
+    join = {w: pb.JoinRequest(worker=w, incarnation=7).SerializeToString() for w in (0, 1)}
+    exchange = {w: pb.ExchangeRequest(worker=w, incarnation=7).SerializeToString()
+                for w in (0, 1)}
+    handshake = pb.HandshakeRequest(worker=0, incarnation=7).SerializeToString()
+    with rank1.channel(tls_server) as channel:
+        stubs = Stubs(channel, rank1.call_metadata())
+        for method, request in ((rpc.JOIN, join[0]), (rpc.EXCHANGE, exchange[0]),
+                                (rpc.HANDSHAKE, handshake)):
+            with pytest.raises(grpc.RpcError) as refused:
+                stubs.unary(method, request, 5.0)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, method.name
+            assert "certificate is worker rank 1's; it may not act as worker 0" in (
+                refused.value.details())
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stubs.stream(rpc.EXCHANGE_STREAM, iter([pb.ExchangePart(
+                request=pb.ExchangeRequest(worker=0, incarnation=7),
+                payload_bytes=0).SerializeToString()]), 5.0))
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert stubs.unary(rpc.JOIN, join[1], 5.0).msg.clock == 0
+        stubs.unary(rpc.EXCHANGE, exchange[1], 5.0)
+    # The generic worker certificate may act as any rank.
+    assert _call(_as(certs, "worker"), tls_server, rpc.JOIN, join[0]) == grpc.StatusCode.OK
+
+
+@pytest.mark.timeout(120)
+def test_a_lane_carries_only_its_sessions_worker(procs: Procs, certs: JobCerts) -> None:
+    server = procs.server(extra=_flags(certs))
+    with PSClient([server.address], worker=1, security=_as(certs, "worker-1"),
+                  transport="shm") as client:
+        client.join()
+        client.declare_dense("w", (4,), optimizer="sgd", lr=1.0)
+        client.push_dense("w", torch.ones(4))
+        assert torch.equal(client.pull_dense("w"), -torch.ones(4))
+        lane = client.links[0].peer.lane
+        assert lane is not None
+        forged = pb.ExchangeRequest(worker=0, incarnation=7)
+        forged.pulls.add(table="w", dense=True)
+        with pytest.raises(grpc.RpcError) as refused:
+            lane.call(forged.SerializeToString(), 5.0)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "this lane's session belongs to worker 1" in refused.value.details()
+    with pytest.raises(PSClientError, match="may not act as worker 0"):
+        PSClient([server.address], worker=0, security=_as(certs, "worker-1"),
+                 connect_timeout_s=5.0)

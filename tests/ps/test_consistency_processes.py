@@ -220,8 +220,9 @@ def test_modes_travel_as_enum_and_bound_and_the_bound_holds(procs: Procs) -> Non
 def test_an_abandoned_wait_frees_its_thread(procs: Procs) -> None:
     """Pulls for a clock that will not come, whose callers give up after 0.3 s: each frees
     its server thread at once (the wait looks whether its caller is still there) instead of
-    holding it for --max-wait-s, so a server with 2 threads still answers afterwards."""
-    server = procs.server(extra=["--mode", "sync", "--workers", "2", "--grpc-threads", "2",
+    holding it for --max-wait-s, so a server with 2 threads for data calls still answers
+    afterwards."""
+    server = procs.server(extra=["--mode", "sync", "--workers", "2", "--grpc-threads", "4",
                                  "--max-wait-s", "300"])
     with PSClient([server.address], worker=0) as client:
         client.declare_dense("w", (4,), optimizer="sgd", lr=1.0)

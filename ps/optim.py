@@ -20,6 +20,16 @@ The arithmetic follows ``torch.optim.SGD`` (no momentum), ``torch.optim.Adagrad`
 The tests hold both entry points to those classes within 1e-6 in float32. On CPU every
 update is in fact bit-identical to ``torch.optim`` except SGD's row updates, which differ by
 at most one rounding of ``lr * grad`` (see ``SGD._update_rows`` for why).
+
+Rows stored in float16 or bfloat16 (compact rows) are updated in float32: the touched rows
+are widened, the rule runs on them with float32 state, and the result is rounded back to the
+storage dtype once per update (``compute_dtype``).
+
+Two rules for click models have no ``torch.optim`` counterpart: row-wise Adagrad (one
+accumulator per row, the mean of the row's squared gradient, as FBGEMM's
+``EXACT_ROWWISE_ADAGRAD``: a ``[capacity, 1]`` slot instead of ``[capacity, dim]``) and
+FTRL-Proximal (per coordinate, McMahan et al. 2013, "Ad click prediction: a view from the
+trenches", Algorithm 1). The tests hold them to plain implementations of those formulas.
 """
 
 from __future__ import annotations
@@ -38,14 +48,17 @@ from ps.rows import add_ as rows_add
 from ps.rows import gather, scatter_
 
 __all__ = [
+    "FTRL",
     "OPTIMIZERS",
     "SGD",
     "Adagrad",
     "AdagradConfig",
     "Adam",
     "AdamConfig",
+    "FTRLConfig",
     "Optimizer",
     "OptimizerConfig",
+    "RowwiseAdagrad",
     "SGDConfig",
     "make_optimizer",
 ]
@@ -55,6 +68,15 @@ __all__ = [
 # passes an update makes over it, and the allocator recycles it from block to block instead
 # of mapping (and page-faulting) a fresh multi-megabyte buffer for every push.
 _ROWS_BLOCK_ELEMENTS = 1 << 16
+
+
+# Storage dtypes whose updates run in float32, with float32 optimizer state.
+_COMPACT = frozenset({torch.float16, torch.bfloat16})
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype updates of `dtype` storage run in, and its optimizer state is kept in. Pure."""
+    return torch.float32 if dtype in _COMPACT else dtype
 
 
 def _check_real(owner: str, field: str, value: object) -> float:
@@ -137,8 +159,33 @@ class AdamConfig:
         _check_non_negative("AdamConfig", "weight_decay", self.weight_decay)
 
 
-OptimizerConfig = SGDConfig | AdagradConfig | AdamConfig
-ConfigT = TypeVar("ConfigT", SGDConfig, AdagradConfig, AdamConfig)
+@dataclass(frozen=True)
+class FTRLConfig:
+    """Hyperparameters of FTRL-Proximal: the per-coordinate learning rate is
+    ``lr / (beta + sqrt(n))``, with L1 and L2 strengths as in the paper's Algorithm 1 (the
+    L2 term is ``l2``, not TensorFlow's ``2 * l2_regularization_strength``). Validated on
+    construction."""
+
+    lr: float = 0.1  # the paper's alpha
+    beta: float = 1.0
+    l1: float = 0.0
+    l2: float = 0.0
+    initial_accumulator_value: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_positive("FTRLConfig", "lr", self.lr)
+        for name in ("beta", "l1", "l2", "initial_accumulator_value"):
+            _check_non_negative("FTRLConfig", name, getattr(self, name))
+        if self.beta == 0.0 and self.l2 == 0.0 and self.initial_accumulator_value == 0.0:
+            raise InvalidArgumentError(
+                "FTRLConfig needs beta > 0, l2 > 0 or initial_accumulator_value > 0: with all "
+                "three 0 a coordinate whose gradients were all 0 divides by 0 (the paper "
+                "uses beta = 1)"
+            )
+
+
+OptimizerConfig = SGDConfig | AdagradConfig | AdamConfig | FTRLConfig
+ConfigT = TypeVar("ConfigT", SGDConfig, AdagradConfig, AdamConfig, FTRLConfig)
 
 
 class Optimizer(ABC, Generic[ConfigT]):
@@ -158,6 +205,9 @@ class Optimizer(ABC, Generic[ConfigT]):
     slots: ClassVar[tuple[str, ...]]
     uses_step: ClassVar[bool]
     config_type: ClassVar[type[OptimizerConfig]]
+    # Whether the rule acts element by element (a block may then be updated slice by slice);
+    # a row-wise rule needs whole rows.
+    elementwise: ClassVar[bool] = True
 
     __slots__ = ("_config",)
 
@@ -187,9 +237,18 @@ class Optimizer(ABC, Generic[ConfigT]):
                 f"optimizer {self.name!r} has no state slot {name!r}; its slots are "
                 f"{list(self.slots)}"
             )
-        return torch.full_like(
-            like, self._slot_initial_value(name), memory_format=torch.contiguous_format
-        )
+        return torch.full(self.slot_shape(name, tuple(like.shape)),
+                          self._slot_initial_value(name), dtype=compute_dtype(like.dtype),
+                          device=like.device)
+
+    def slot_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of slot ``name`` for a parameter of ``shape``: the same, unless the rule
+        keeps less (row-wise state). Pure."""
+        return shape
+
+    def slot_width(self, dim: int) -> int:
+        """Elements per row that all slots together keep for a row of ``dim`` elements. Pure."""
+        return sum(math.prod(self.slot_shape(s, (1, dim))) for s in self.slots)
 
     def apply_dense(
         self,
@@ -219,7 +278,12 @@ class Optimizer(ABC, Generic[ConfigT]):
             )
         with torch.no_grad():
             step.add_(1)
-            self._update_dense(param, grad, state, int(step.item()))
+            if param.dtype in _COMPACT:
+                work = param.float()
+                self._update_dense(work, grad.float(), state, int(step.item()))
+                param.copy_(work)
+            else:
+                self._update_dense(param, grad, state, int(step.item()))
 
     def apply_rows(
         self,
@@ -258,7 +322,7 @@ class Optimizer(ABC, Generic[ConfigT]):
         if trusted:
             if rows.shape[0]:
                 with torch.no_grad():
-                    self._update_rows(param, rows, grad, state, step)
+                    self._update_rows_of(param, rows, grad, state, step)
             return
         self._check_floating("param", param)
         if param.dim() != 2:
@@ -305,7 +369,30 @@ class Optimizer(ABC, Generic[ConfigT]):
                 f"rows must lie in [0, {capacity}), got values from {lowest} to {highest}"
             )
         with torch.no_grad():
+            self._update_rows_of(param, rows, grad, state, step)
+
+    def _update_rows_of(
+        self,
+        param: torch.Tensor,
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        step: torch.Tensor | None,
+    ) -> None:
+        """`_update_rows`, in float32 on a widened copy of the rows for compact storage."""
+        if param.dtype not in _COMPACT:
             self._update_rows(param, rows, grad, state, step)
+            return
+        local = torch.arange(rows.shape[0])
+        work = gather(param, rows).float()
+        work_state = {k: gather(v, rows) for k, v in state.items()}
+        work_step = None if step is None else step.index_select(0, rows)
+        self._update_rows(work, local, grad.float(), work_state, work_step)
+        scatter_(param, rows, work.to(param.dtype))
+        for k, v in state.items():
+            scatter_(v, rows, work_state[k])
+        if step is not None and work_step is not None:
+            step.index_copy_(0, rows, work_step)
 
     def _slot_initial_value(self, name: str) -> float:
         """The value a fresh element of slot ``name`` starts at; zero unless overridden."""
@@ -366,7 +453,22 @@ class Optimizer(ABC, Generic[ConfigT]):
                     f"optimizer {self.name!r} needs state slot {slot!r}, got slots "
                     f"{sorted(state)}; allocate it with init_slot()"
                 )
-            self._check_like(f"state[{slot!r}]", tensor, param)
+            if tensor.dtype != compute_dtype(param.dtype):
+                raise InvalidArgumentError(
+                    f"state[{slot!r}] has dtype {tensor.dtype}, but a {param.dtype} parameter "
+                    f"keeps its state in {compute_dtype(param.dtype)}; allocate it with "
+                    "init_slot()"
+                )
+            if tensor.device != param.device:
+                raise InvalidArgumentError(
+                    f"state[{slot!r}] is on {tensor.device} but param is on {param.device}")
+            expected = self.slot_shape(slot, tuple(param.shape))
+            if tuple(tensor.shape) != expected:
+                raise InvalidArgumentError(
+                    f"state[{slot!r}] has shape {list(tensor.shape)}, but optimizer "
+                    f"{self.name!r} keeps {list(expected)} for a parameter of shape "
+                    f"{list(param.shape)}; allocate it with init_slot()"
+                )
 
 
 def _blocks(n: int, dim: int) -> Iterator[slice]:
@@ -598,8 +700,148 @@ class Adam(Optimizer[AdamConfig]):
             rows_add(param, block_rows, update)
 
 
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A dense block as [rows, width] (a scalar is one row of one element): a view."""
+    if t.dim() == 0:
+        return t.view(1, 1)
+    rows = t.shape[0]
+    return t.view(rows, t.numel() // rows if rows else 1)
+
+
+class RowwiseAdagrad(Optimizer[AdagradConfig]):
+    """Adagrad with one accumulator per row: the mean of the row's squared gradient, as
+    FBGEMM's exact row-wise Adagrad (TorchRec's default for embeddings).
+
+    ``sum[r] += mean(g[r]**2)``; ``param[r] -= lr * g[r] / (sqrt(sum[r]) + eps)``, with
+    ``g = grad + weight_decay * param``. Slot ``"sum"`` is ``[rows, 1]``: a row's state costs
+    one element instead of ``dim``. A dense block's rows are its first dimension (a scalar is
+    one row). Immutable; the ``apply_*`` calls do not block and take no locks.
+    """
+
+    name = "rowwise_adagrad"
+    slots = ("sum",)
+    uses_step = False
+    config_type = AdagradConfig
+    elementwise = False
+
+    __slots__ = ()
+
+    def __init__(self, config: AdagradConfig | None = None) -> None:
+        super().__init__(AdagradConfig() if config is None else config)
+
+    def _slot_initial_value(self, name: str) -> float:
+        return self._config.initial_accumulator_value
+
+    def slot_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (shape[0], 1) if shape else ()
+
+    def _update_dense(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        step: int,
+    ) -> None:
+        value, g = _as_rows(param), _as_rows(grad)
+        acc = state["sum"].view(-1, 1)
+        cfg = self._config
+        if cfg.weight_decay != 0.0:
+            g = g.add(value, alpha=cfg.weight_decay)
+        acc.add_(g.square().mean(dim=1, keepdim=True))
+        value.addcdiv_(g, acc.sqrt().add_(cfg.eps), value=-cfg.lr)
+
+    def _update_rows(
+        self,
+        param: torch.Tensor,
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        step: torch.Tensor | None,
+    ) -> None:
+        cfg = self._config
+        state_sum = state["sum"]
+        rows, order = _in_address_order(rows)
+        for block in _blocks(rows.shape[0], param.shape[1]):
+            block_rows = rows[block]
+            block_grad = grad.index_select(0, order[block])
+            if cfg.weight_decay != 0.0:
+                block_grad.add_(param.index_select(0, block_rows), alpha=cfg.weight_decay)
+            acc = gather(state_sum, block_rows)
+            acc.add_(block_grad.square().mean(dim=1, keepdim=True))
+            scatter_(state_sum, block_rows, acc)
+            std = acc.sqrt_().add_(cfg.eps)
+            rows_add(param, block_rows, block_grad.mul_(-cfg.lr).div_(std))
+        _count_rows(step, rows)
+
+
+class FTRL(Optimizer[FTRLConfig]):
+    """FTRL-Proximal, per coordinate (McMahan et al. 2013, Algorithm 1).
+
+    With ``n`` the sum of squared gradients and ``z`` the adjusted gradient sum, a gradient
+    ``g`` of a weight ``w`` does ``sigma = (sqrt(n + g**2) - sqrt(n)) / lr``,
+    ``z += g - sigma * w``, ``n += g**2``, and then sets ``w = 0`` where ``|z| <= l1`` and
+    ``w = -(z - sign(z) * l1) / ((beta + sqrt(n)) / lr + l2)`` elsewhere. The weights start
+    from the table's initial values (the ``sigma * w`` term keeps them), as TensorFlow's
+    ``Ftrl`` does. Slots ``"z"`` and ``"n"`` are shaped like the parameter. Immutable; the
+    ``apply_*`` calls do not block and take no locks.
+    """
+
+    name = "ftrl"
+    slots = ("z", "n")
+    uses_step = False
+    config_type = FTRLConfig
+
+    __slots__ = ()
+
+    def __init__(self, config: FTRLConfig | None = None) -> None:
+        super().__init__(FTRLConfig() if config is None else config)
+
+    def _slot_initial_value(self, name: str) -> float:
+        return self._config.initial_accumulator_value if name == "n" else 0.0
+
+    def _step(self, w: torch.Tensor, g: torch.Tensor, z: torch.Tensor,
+              n: torch.Tensor) -> torch.Tensor:
+        """Updates ``z`` and ``n`` in place; returns the new weights (a new tensor)."""
+        cfg = self._config
+        n_new = n.addcmul(g, g, value=1)
+        sigma = n_new.sqrt().sub_(n.sqrt()).div_(cfg.lr)
+        z.add_(g).sub_(sigma.mul_(w))
+        n.copy_(n_new)
+        shrunk = z.abs().sub_(cfg.l1).clamp_(min=0).mul_(z.sign()).neg_()
+        return shrunk.div_(n_new.sqrt_().add_(cfg.beta).div_(cfg.lr).add_(cfg.l2))
+
+    def _update_dense(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        step: int,
+    ) -> None:
+        param.copy_(self._step(param, grad, state["z"], state["n"]))
+
+    def _update_rows(
+        self,
+        param: torch.Tensor,
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        step: torch.Tensor | None,
+    ) -> None:
+        z_all, n_all = state["z"], state["n"]
+        rows, order = _in_address_order(rows)
+        for block in _blocks(rows.shape[0], param.shape[1]):
+            block_rows = rows[block]
+            block_grad = grad.index_select(0, order[block])
+            z, n = gather(z_all, block_rows), gather(n_all, block_rows)
+            w = self._step(gather(param, block_rows), block_grad, z, n)
+            scatter_(z_all, block_rows, z)
+            scatter_(n_all, block_rows, n)
+            scatter_(param, block_rows, w)
+        _count_rows(step, rows)
+
+
 OPTIMIZERS: Mapping[str, type[Optimizer[Any]]] = MappingProxyType(
-    {cls.name: cls for cls in (SGD, Adagrad, Adam)}
+    {cls.name: cls for cls in (SGD, Adagrad, Adam, RowwiseAdagrad, FTRL)}
 )
 """Optimizer classes by ``name``; read-only."""
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from optim_references import NEW_CASES, reference
 
 import ps.optim
 import ps.rows
@@ -245,7 +246,7 @@ def test_make_optimizer_passes_hyperparameters() -> None:
 @pytest.mark.parametrize(
     ("name", "params", "fragments"),
     [
-        ("adamw", {}, ["'adamw'", "['adagrad', 'adam', 'sgd']"]),
+        ("adamw", {}, ["'adamw'", "['adagrad', 'adam', 'ftrl', 'rowwise_adagrad', 'sgd']"]),
         ("sgd", {"momentum": 0.9}, ["'momentum'", "['lr', 'weight_decay']"]),
         ("adam", {"betas": 0.9, "lr": 0.1}, ["'betas'", "beta1"]),
         ("adagrad", {"lr": -1.0}, ["AdagradConfig.lr", "-1.0"]),
@@ -375,3 +376,116 @@ def test_apply_dense_rejects_bad_input(
 def test_init_slot_rejects_unknown_slot() -> None:
     with pytest.raises(InvalidArgumentError, match=r"no state slot 'sum'; its slots are \[\]"):
         SGD().init_slot("sum", torch.zeros(2))
+
+
+# ---- row-wise Adagrad and FTRL against plain implementations of their formulas ------------
+
+
+@pytest.mark.parametrize(("name", "hp"), NEW_CASES, ids=str)
+def test_new_rules_on_a_dense_block_match_their_references(name: str, hp: dict[str, float]
+                                                          ) -> None:
+    opt = make_optimizer(name, hp)
+    gen = torch.Generator().manual_seed(3)
+    param = torch.randn(6, 5, generator=gen)
+    start = param.clone()
+    state = {s: opt.init_slot(s, param) for s in opt.slots}
+    step = torch.zeros(1, dtype=torch.int64)
+    grads = [torch.randn(6, 5, generator=gen) for _ in range(10)]
+    for g in grads:
+        opt.apply_dense(param, g, state, step)
+    torch.testing.assert_close(param.double(), reference(name, start, grads, hp), atol=1e-6,
+                               rtol=0)
+    if name == "ftrl" and hp.get("l1", 0.0) >= 1.0:
+        assert (param == 0).any()  # a strong L1 makes weights exactly zero
+
+
+@pytest.mark.parametrize(("name", "hp"), NEW_CASES, ids=str)
+def test_new_rules_on_sparse_rows_match_their_references(name: str, hp: dict[str, float]
+                                                        ) -> None:
+    """Rows touched in different steps: each row follows its own gradient history."""
+    opt = make_optimizer(name, hp)
+    gen = torch.Generator().manual_seed(4)
+    capacity, dim = 12, 4
+    param = torch.randn(capacity, dim, generator=gen)
+    start = param.clone()
+    state = {s: opt.init_slot(s, param) for s in opt.slots}
+    history: dict[int, list[torch.Tensor]] = {r: [] for r in range(capacity)}
+    for _ in range(8):
+        rows = torch.randperm(capacity, generator=gen)[:5]
+        grad = torch.randn(5, dim, generator=gen)
+        opt.apply_rows(param, rows, grad, state, None)
+        for r, g in zip(rows.tolist(), grad, strict=True):
+            history[r].append(g.view(1, dim))
+    for r in range(capacity):
+        expected = reference(name, start[r : r + 1], history[r], hp)
+        torch.testing.assert_close(param[r : r + 1].double(), expected, atol=1e-6, rtol=0)
+
+
+def test_rowwise_adagrad_keeps_one_accumulator_per_row() -> None:
+    opt = make_optimizer("rowwise_adagrad", {"initial_accumulator_value": 0.5})
+    assert opt.init_slot("sum", torch.zeros(7, 16)).shape == (7, 1)
+    assert opt.slot_width(16) == 1 and make_optimizer("adagrad", {}).slot_width(16) == 16
+    assert opt.init_slot("sum", torch.zeros(())).shape == ()
+    with pytest.raises(InvalidArgumentError, match=r"keeps \[7, 1\] for a parameter of shape"):
+        opt.apply_rows(torch.zeros(7, 16), torch.tensor([1]), torch.ones(1, 16),
+                       {"sum": torch.zeros(7, 16)}, None)
+
+
+def test_ftrl_refuses_a_configuration_that_divides_by_zero() -> None:
+    with pytest.raises(InvalidArgumentError, match="needs beta > 0, l2 > 0 or"):
+        make_optimizer("ftrl", {"beta": 0.0})
+    make_optimizer("ftrl", {"beta": 0.0, "l2": 0.1})
+
+
+# ---- compact rows: float16 and bfloat16 storage, float32 arithmetic ---------------------------
+
+ALL_RULES = [("sgd", {"lr": 0.1}), ("adagrad", {"lr": 0.1}), ("adam", {"lr": 0.01}),
+             ("rowwise_adagrad", {"lr": 0.1}), ("ftrl", {"lr": 0.1, "l1": 0.01})]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("name", "hp"), ALL_RULES, ids=str)
+def test_compact_rows_update_in_float32_and_round_once(name: str, hp: dict[str, float],
+                                                       dtype: torch.dtype) -> None:
+    """Each update widens the stored rows, runs the float32 rule with float32 state and rounds
+    the result back once: bit for bit what the float32 rule gives on the rounded rows."""
+    opt = make_optimizer(name, hp)
+    gen = torch.Generator().manual_seed(6)
+    capacity, dim = 10, 6
+    param = torch.randn(capacity, dim, generator=gen).to(dtype)
+    state = {s: opt.init_slot(s, param) for s in opt.slots}
+    assert all(v.dtype == torch.float32 for v in state.values())
+    step = torch.zeros(capacity, dtype=torch.int64)
+    ref_param = param.float()
+    ref_state = {s: opt.init_slot(s, ref_param) for s in opt.slots}
+    ref_step = step.clone()
+    for _ in range(6):
+        rows = torch.randperm(capacity, generator=gen)[:4]
+        grad = torch.randn(4, dim, generator=gen).to(dtype)
+        opt.apply_rows(param, rows, grad, state, step)
+        opt.apply_rows(ref_param, rows, grad.float(), ref_state, ref_step)
+        ref_param.copy_(ref_param.to(dtype).float())  # the storage rounds once per update
+    assert param.dtype == dtype
+    assert torch.equal(param.float(), ref_param)
+    for k in opt.slots:
+        assert torch.equal(state[k], ref_state[k])
+
+    block = torch.randn(5, dim, generator=gen).to(dtype)
+    ref_block = block.float()
+    dense_state = {s: opt.init_slot(s, block) for s in opt.slots}
+    ref_dense_state = {s: opt.init_slot(s, ref_block) for s in opt.slots}
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
+    for _ in range(4):
+        grad = torch.randn(5, dim, generator=gen).to(dtype)
+        opt.apply_dense(block, grad, dense_state, counts[0])
+        opt.apply_dense(ref_block, grad.float(), ref_dense_state, counts[1])
+        ref_block.copy_(ref_block.to(dtype).float())
+    assert torch.equal(block.float(), ref_block)
+
+
+def test_compact_state_of_the_rows_dtype_is_refused() -> None:
+    opt = make_optimizer("adagrad", {})
+    param = torch.zeros(4, 3, dtype=torch.float16)
+    with pytest.raises(InvalidArgumentError, match=r"keeps its state in torch\.float32"):
+        opt.apply_rows(param, torch.tensor([0]), torch.ones(1, 3, dtype=torch.float16),
+                       {"sum": torch.zeros(4, 3, dtype=torch.float16)}, None)

@@ -7,8 +7,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+from optim_references import NEW_CASES, reference
 from procs import Procs
 
+from ps.optim import make_optimizer
 from worker.client import PSClient
 
 STEPS = 10
@@ -70,3 +72,60 @@ def test_sparse_rows_match_torch_optim(client: PSClient, name: str, hyper: dict[
             opts[i].step()
     expected = torch.stack([p.detach() for p in params])
     torch.testing.assert_close(client.pull_sparse(table, keys), expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(("name", "hyper"), NEW_CASES, ids=str)
+def test_new_rules_as_served_match_their_references(client: PSClient, name: str,
+                                                    hyper: dict[str, float]) -> None:
+    """Row-wise Adagrad and FTRL on a dense table split across both shards (rows are the
+    first dimension) and on sparse rows, against the papers' formulas written out plainly."""
+    tag = "-".join(f"{k}{v}" for k, v in sorted(hyper.items()))
+    dense = f"dense-{name}-{tag}"
+    client.declare_dense(dense, (40, 6), optimizer=name, init=("uniform", -1, 1), **hyper)
+    start = client.pull_dense(dense).clone()
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(40, 6, generator=gen) for _ in range(STEPS)]
+    for g in grads:
+        client.push_dense(dense, g)
+    torch.testing.assert_close(client.pull_dense(dense).double(),
+                               reference(name, start, grads, hyper), atol=1e-6, rtol=0)
+
+    sparse = f"sparse-{name}-{tag}"
+    client.declare_sparse(sparse, 8, optimizer=name, seed=5, **hyper)
+    keys = np.arange(30, dtype=np.int64) * 1_000_003
+    rows = client.pull_sparse(sparse, keys).clone()
+    history: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(keys))}
+    rng = np.random.default_rng(0)
+    for _ in range(STEPS):
+        touched = np.sort(rng.choice(len(keys), size=12, replace=False))
+        g = torch.randn(len(touched), 8, generator=gen)
+        client.push_sparse(sparse, keys[touched], g)
+        for j, i in enumerate(touched):
+            history[int(i)].append(g[j].view(1, 8))
+    got = client.pull_sparse(sparse, keys).double()
+    for i in range(len(keys)):
+        torch.testing.assert_close(got[i : i + 1], reference(name, rows[i : i + 1],
+                                                              history[i], hyper),
+                                   atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_compact_rows_as_served_follow_the_float32_rule_rounded(client: PSClient,
+                                                                dtype: torch.dtype) -> None:
+    table = f"compact-{dtype}".replace("torch.", "")
+    client.declare_sparse(table, 8, dtype=dtype, optimizer="rowwise_adagrad", lr=0.1, seed=2)
+    keys = np.arange(20, dtype=np.int64) * 7_919
+    rows = client.pull_sparse(table, keys)
+    assert rows.dtype == dtype
+    opt = make_optimizer("rowwise_adagrad", {"lr": 0.1})
+    local = rows.clone()
+    state = {"sum": opt.init_slot("sum", local)}
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(STEPS):
+        g = torch.randn(len(keys), 8, generator=gen).to(dtype)
+        client.push_sparse(table, keys, g)
+        opt.apply_rows(local, torch.arange(len(keys)), g, state, None)
+    assert torch.equal(client.pull_sparse(table, keys), local)
+    stats = next(t for s in client.stats() for t in s.tables if t.name == table)
+    assert stats.state_bytes == stats.rows * 4  # one float32 accumulator per row
+    assert stats.value_bytes == stats.rows * 8 * 2

@@ -15,7 +15,9 @@ Both modes build the same model with the same initial MLP and the same optimizer
 for the embeddings, Adam for the MLP): locally through torch.optim, distributed on the
 servers. The distributed mode reads PSTRAIN_SERVERS, PSTRAIN_RANK and PSTRAIN_WORLD_SIZE
 as defaults for its flags. The run ends with one JSON line: test AUC and log loss,
-training samples per second, wall time, mode, device.
+training samples per second, wall time, mode, device. Inside a job (pstrain up, pstrain
+worker) a worker that has trained leaves the job (`ctx.finish()`) and waits at a barrier
+for the others before its final evaluation, so every worker scores the same final model.
 
 `--device cuda` puts the MLP (and, locally, the whole model) on the GPU. Distributed, the
 sparse modules are made with that device: ids stay on the CPU, whence they go to the
@@ -490,6 +492,17 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         log.info("epoch %d: train loss %.4f, val AUC %.4f, val log loss %.4f, %.0f samples/s",
                  epoch + 1, float(np.mean(losses)), val_auc, val_loss,
                  trained / max(train_s, 1e-9))
+    if ps is not None:
+        # Detached from the optimizer, the modules pull at every forward: the final scores
+        # use the servers' final values, not the ones cached for this worker's last step.
+        ps.close()
+    if ctx is not None:
+        # Done training: no worker waits for this one any more (sync clocks close without
+        # it); the final evaluation waits until every worker has trained, so each scores
+        # the same model (in async and ssp too).
+        ctx.finish()
+        ctx.barrier("trained")
+        val_auc, _ = evaluate(model, data, parts.val, placement)
     test_auc, test_loss = evaluate(model, data, parts.test, placement)
     result: dict[str, Any] = {
         "test_auc": round(test_auc, 5), "test_logloss": round(test_loss, 5),
@@ -501,8 +514,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "prefetch_depth": ps.prefetch_depth if ps else None, "curve": curve,
         "tables": "fused" if args.local else args.tables, "device": str(device),
     }
-    if ps is not None and client is not None:
-        ps.close()
+    if ctx is not None:
+        ctx.close()
+    elif client is not None:
         client.close()
     return result
 

@@ -38,6 +38,7 @@ from torch import nn
 
 from ps.initializers import InitSpec, init_rows
 from worker.client import PSClient
+from worker.context import WorkerContext
 from worker.modules import PSDense, PSEmbedding
 from worker.optimizer import PSOptimizer
 from worker.training import add_cluster_args, connect, log_loss, lookahead, roc_auc
@@ -189,6 +190,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     mlp = make_mlp(args.dim, args.hidden, args.seed)
     init = InitSpec("normal", 0.0, 0.01)
     client: PSClient | None = None
+    ctx: WorkerContext | None = None
     ps: PSOptimizer | None = None
     optimizers: list[Optimizer] = []
     if args.local:
@@ -204,7 +206,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             torch.optim.Adam(mlp.parameters(), lr=args.dense_lr),
         ]
     else:
-        client, _ = connect(args)
+        client, ctx = connect(args)
         model = CTRModel(
             PSEmbedding(client, TABLE, args.dim, optimizer="adagrad", lr=args.emb_lr,
                         init=(init.kind, init.a, init.b), seed=args.seed),
@@ -248,8 +250,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                      (step - done_steps) * args.batch / elapsed,
                      size, TABLE if client is not None else "the local table")
     if ps is not None:
-        ps.flush()
+        # Detached from the optimizer, the modules pull at every forward: the evaluation
+        # uses the servers' final values, not the ones cached for this worker's last step.
+        ps.close()
     train_s = time.monotonic() - train_start
+    if ctx is not None:
+        # No worker waits for this one any more; the evaluation waits for every worker to
+        # have trained, so each scores the same model.
+        ctx.finish()
+        ctx.barrier("trained")
     test_auc, test_loss = evaluate(model, eval_keys, eval_dense, eval_labels, 8192)
     result: dict[str, Any] = {
         "test_auc": round(test_auc, 5), "test_logloss": round(test_loss, 5),
@@ -261,8 +270,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "rows": table_rows(client) if client is not None else args.local_buckets,
         "overlap": ps.overlap if ps else None,
     }
-    if ps is not None and client is not None:
-        ps.close()
+    if ctx is not None:
+        ctx.close()
+    elif client is not None:
         client.close()
     return result
 

@@ -181,10 +181,19 @@ class RestoreResponse(_message.Message):
     def __init__(self, clock: _Optional[int] = ...) -> None: ...
 
 class MembershipRequest(_message.Message):
-    __slots__ = ("live_workers",)
+    __slots__ = ("live_workers", "fenced")
+    class FencedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    FENCED_FIELD_NUMBER: _ClassVar[int]
     live_workers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, live_workers: _Optional[_Iterable[int]] = ...) -> None: ...
+    fenced: _containers.ScalarMap[int, int]
+    def __init__(self, live_workers: _Optional[_Iterable[int]] = ..., fenced: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class MembershipResponse(_message.Message):
     __slots__ = ("open_clock", "clocks")
@@ -257,7 +266,7 @@ class PullRecord(_message.Message):
     def __init__(self, table: _Optional[str] = ..., worker: _Optional[int] = ..., clock: _Optional[int] = ..., min_live_clock: _Optional[int] = ...) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("name", "kind", "optimizer", "rows", "value_bytes", "state_bytes", "index_bytes", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "rows_pulled", "rows_pushed", "row_start", "row_end", "pushes_dropped", "gradients_aggregated", "consistency", "staleness", "pushes_kept")
+    __slots__ = ("name", "kind", "optimizer", "rows", "value_bytes", "state_bytes", "index_bytes", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "rows_pulled", "rows_pushed", "row_start", "row_end", "pushes_dropped", "gradients_aggregated", "consistency", "staleness", "pushes_kept", "memory_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +287,7 @@ class TableStats(_message.Message):
     CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     PUSHES_KEPT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     optimizer: str
@@ -298,7 +308,8 @@ class TableStats(_message.Message):
     consistency: Mode
     staleness: int
     pushes_kept: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., optimizer: _Optional[str] = ..., rows: _Optional[int] = ..., value_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., index_bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., gradients_aggregated: _Optional[int] = ..., consistency: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., pushes_kept: _Optional[int] = ...) -> None: ...
+    memory_bytes: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., optimizer: _Optional[str] = ..., rows: _Optional[int] = ..., value_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., index_bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., gradients_aggregated: _Optional[int] = ..., consistency: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., pushes_kept: _Optional[int] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("info", "tables", "bytes_received", "bytes_sent", "open_clock", "clocks_closed", "clocks", "pull_log", "history")

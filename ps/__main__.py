@@ -17,10 +17,11 @@ from typing import Any
 
 from protos import modes, security
 from protos.transport import PREFERENCE
+from ps.concurrency import RESERVED_THREADS
 from ps.coordination import ServerCoordinator, advertised, find_checkpoint, new_incarnation
 from ps.errors import InvalidArgumentError, PSError
 from ps.server import MiB, ParameterServer, ServerConfig, run
-from ps.shard import Limits
+from ps.shard import Limits, parse_size
 from scheduler.errors import CoordinationError
 from scheduler.spec import JobSpec
 from scheduler.store import JobStore, ride_out
@@ -80,7 +81,11 @@ def parser() -> argparse.ArgumentParser:
                    default=int(env.get("PSTRAIN_TORCH_THREADS", "1")),
                    help="torch intra-op threads (env PSTRAIN_TORCH_THREADS, default 1)")
     p.add_argument("--grpc-threads", type=int, default=16,
-                   help="gRPC handler threads (concurrent requests served)")
+                   help="handler threads (concurrent requests served); data calls take all "
+                        f"but {RESERVED_THREADS}, kept for health and admin calls (default 16)")
+    p.add_argument("--max-client-calls", type=int, default=8,
+                   help="data calls one client may have in flight; more are refused with "
+                        "RESOURCE_EXHAUSTED (default 8)")
     p.add_argument("--chunk-mib", type=float, default=2.0,
                    help="size of streamed chunks in MiB (default 2)")
     p.add_argument("--max-message-mib", type=float, default=64.0,
@@ -103,6 +108,13 @@ def parser() -> argparse.ArgumentParser:
                    help=f"tables one server holds at most (default {limits.max_tables})")
     p.add_argument("--max-declare-tables", type=int, default=limits.max_declare,
                    help=f"tables one declare may name (default {limits.max_declare})")
+    p.add_argument("--max-new-rows", type=int, default=limits.max_new_rows,
+                   help="sparse rows one request may create, over all its tables "
+                        f"(default {limits.max_new_rows})")
+    p.add_argument("--memory-budget", default="0",
+                   help="what this server's tables may hold, as bytes or with a unit (512MiB, "
+                        "8GiB, 1.5GB); past it new rows and tables are refused with "
+                        "RESOURCE_EXHAUSTED (default 0: no budget)")
     p.add_argument("--metrics-port", type=int,
                    default=int(env.get("PSTRAIN_METRICS_PORT", "0")),
                    help="serve Prometheus metrics on this port (env PSTRAIN_METRICS_PORT; "
@@ -163,10 +175,11 @@ def build(argv: list[str]) -> Built:
         store, spec = None, None
         num_shards, workers, backups = a.num_shards or 1, a.workers or 1, a.backups or 0
         directory = a.checkpoint_dir
+    credentials = security.from_flags(a)
     found = None
     if a.restore != "none":
         found = find_checkpoint(store, spec, a.shard, num_shards, a.job, directory,
-                                from_disk=a.restore == "latest")
+                                from_disk=a.restore == "latest", secret=credentials.secret)
     restored = found[0] if found is not None else None
     if store is not None and spec is not None:
         attach = _attacher(store, spec, a.bind, a.advertise,
@@ -177,14 +190,17 @@ def build(argv: list[str]) -> Built:
         incarnation=new_incarnation(), mode=mode or modes.ASYNC, staleness=staleness or 0,
         workers=workers, backups=backups, max_wait_s=a.max_wait_s,
         torch_threads=a.torch_threads, grpc_threads=a.grpc_threads,
+        max_client_calls=a.max_client_calls,
         chunk_bytes=int(a.chunk_mib * MiB), max_message_bytes=int(a.max_message_mib * MiB),
         max_request_bytes=int(a.max_request_mib * MiB), stream_idle_s=a.stream_idle_s,
         ready_file=a.ready_file,
         metrics_port=a.metrics_port, transport=a.transport,
         limits=Limits(max_table_bytes=int(a.max_table_mib * MiB), max_dim=a.max_dim,
                       max_tables=a.max_tables, max_declare=a.max_declare_tables,
-                      max_answer_bytes=int(a.max_answer_mib * MiB)),
-        checkpoint_dir=directory, security=security.from_flags(a),
+                      max_answer_bytes=int(a.max_answer_mib * MiB),
+                      max_new_rows=a.max_new_rows,
+                      memory_budget_bytes=parse_size(a.memory_budget, "--memory-budget")),
+        checkpoint_dir=directory, security=credentials,
     )
     prepare = None
     if restored is not None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ps.consistency import ClockView, Waiters
-from ps.errors import InvalidArgumentError
+from ps.errors import FencedError, InvalidArgumentError
 
 # Closed sync clocks remembered for inspection.
 HISTORY = 10_000
@@ -48,6 +48,8 @@ class ClockBoard:
         self._early: dict[int, list[int]] = {}  # clock -> workers that ticked it before it opened
         # Recent sync clocks: clock -> [workers counted, gradients dropped].
         self.history: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
+        # Worker -> the newest incarnation declared dead; it and older ones are refused.
+        self.fenced: dict[int, int] = {}
 
     @property
     def quorum(self) -> int:
@@ -134,6 +136,22 @@ class ClockBoard:
             if worker in self.contributors:
                 self.finished.add(worker)
         self.live = new
+
+    def fence(self, fenced: Mapping[int, int]) -> None:
+        """Records incarnations declared dead (worker -> incarnation); never lowers one."""
+        for worker, incarnation in fenced.items():
+            if incarnation > self.fenced.get(worker, -1):
+                self.fenced[worker] = incarnation
+
+    def check_not_fenced(self, worker: int, incarnation: int) -> None:
+        """FencedError when `incarnation` of `worker` was declared dead."""
+        dead = self.fenced.get(worker)
+        if dead is not None and incarnation <= dead:
+            raise FencedError(
+                f"worker {worker} incarnation {incarnation} was declared dead (its heartbeat "
+                f"stopped for longer than the job allows) and the job went on without it; "
+                "this process must restart: a new incarnation joins at the open clock"
+            )
 
     def to_meta(self) -> dict[str, object]:
         """The board's checkpoint form: the open clock, clocks closed, each worker's clock,

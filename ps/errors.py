@@ -28,6 +28,12 @@ class RolledBackError(FailedPreconditionError):
     void, so it must restart and rejoin (the servicer marks the answer for the client)."""
 
 
+class FencedError(RolledBackError):
+    """The worker's incarnation was declared dead: it may never take part again as itself (a
+    sync job has gone on without it). Marked like a rollback, so the process exits to be
+    restarted, and its new incarnation joins at the open clock."""
+
+
 class PermissionDeniedError(PSError):
     """The caller is known but may not make this request (a worker acting as another rank)."""
 

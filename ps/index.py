@@ -16,7 +16,31 @@ import numpy.typing as npt
 from ps._index import Int64Index, first_repeat
 from ps.errors import InvalidArgumentError
 
-__all__ = ["KeyIndex"]
+__all__ = ["SLOT_BYTES", "KeyIndex", "capacity_for", "count_distinct"]
+
+# Bytes of one hash slot (an int64 key and an int64 row id), as ps/_index.c lays them out.
+SLOT_BYTES = 16
+# ps/_index.c's smallest table and its load limit (keys <= capacity * 7 / 10).
+_MIN_CAPACITY = 8
+
+
+def capacity_for(n: int) -> int:
+    """The slots an index holding ``n`` keys has at least: the capacity ps/_index.c grows
+    to for them (the smallest power of two, from 8, whose load limit holds ``n``). Pure;
+    what memory accounting projects before any key is inserted."""
+    cap = _MIN_CAPACITY
+    while cap * 7 // 10 < n:
+        cap <<= 1
+    return cap
+
+
+def count_distinct(keys: npt.NDArray[np.int64]) -> int:
+    """How many distinct keys ``keys`` holds: one pass through a scratch index, no sort.
+    Blocking (GIL released while hashing); thread-safe, as it touches no shared index."""
+    if len(keys) < 2:
+        return len(keys)
+    _, distinct = KeyIndex(len(keys)).lookup_or_insert(keys)
+    return distinct
 
 
 def _as_keys(keys: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:

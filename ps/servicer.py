@@ -267,7 +267,8 @@ class ParameterServerServicer:
         return pb.RestoreResponse(clock=_guard(restore, context)).SerializeToString()
 
     def SetMembership(self, request: Frame[pb.MembershipRequest], context: Any) -> bytes:
-        state = _guard(lambda: self.shard.set_live(request.msg.live_workers), context)
+        state = _guard(lambda: self.shard.set_live(request.msg.live_workers,
+                                                   dict(request.msg.fenced)), context)
         return pb.MembershipResponse(
             open_clock=state.open_clock, clocks=wire.clocks_to_proto(state)
         ).SerializeToString()

@@ -11,9 +11,10 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import partial
@@ -39,6 +40,7 @@ from ps.errors import (
     ResourceExhaustedError,
     RolledBackError,
 )
+from ps.index import count_distinct
 from ps.ledger import Admission, PushLedger
 from ps.tables import (
     DenseTable,
@@ -76,12 +78,73 @@ class Limits:
     max_tables: int = 10_000  # tables on one shard
     max_declare: int = 1_000  # tables in one declare
     max_answer_bytes: int = 4 * GiB  # the pulled bytes of one exchange's answer
+    max_new_rows: int = 1 << 24  # sparse rows one exchange may create, over all its tables
+    # What all tables together may hold (Shard.memory_bytes); 0: no budget.
+    memory_budget_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_table_bytes", "max_dim", "max_tables", "max_declare",
-                     "max_answer_bytes"):
+                     "max_answer_bytes", "max_new_rows"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.memory_budget_bytes < 0:
+            raise InvalidArgumentError(
+                f"memory_budget_bytes must be >= 0 (0: no budget), got {self.memory_budget_bytes}"
+            )
+
+
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*")
+# Decimal units are powers of 1000, binary ones (and a bare K, M, G, T) powers of 1024.
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+    "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+
+
+def parse_size(text: str, what: str = "a size") -> int:
+    """Bytes from "1073741824", "512MiB", "8GiB", "1.5GB" or "64k" (units in any case).
+
+    Pure. InvalidArgumentError quoting `text` and naming `what` (a flag) for anything else.
+    """
+    match = _SIZE.fullmatch(text)
+    unit = _UNITS.get(match.group(2).lower()) if match else None
+    if match is None or unit is None:
+        raise InvalidArgumentError(
+            f"{what}: {text!r} is not a size; give bytes, or a number with a unit such as "
+            "512MiB, 8GiB or 1.5GB (KB, MB, GB, TB are powers of 1000; KiB, MiB, GiB, TiB "
+            "and K, M, G, T powers of 1024)"
+        )
+    number = match.group(1)
+    # Whole numbers stay exact however large; only fractions go through a float.
+    return int(number) * unit if number.isdigit() else round(float(number) * unit)
+
+
+def format_size(nbytes: int) -> str:
+    """"8.3 GiB", "512 MiB", "900 B": a size for a person, two decimals at most. Pure."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    value, step = float(nbytes), 0
+    while abs(value) >= 1024 and step < len(units) - 1:
+        value, step = value / 1024, step + 1
+    return f"{value:.2f}".rstrip("0").rstrip(".") + f" {units[step]}"
+
+
+def grown_capacity(rows: int, capacity: int, spare_rows: int | None = None) -> int:
+    """The capacity, in rows, a sparse table's storage takes on to hold `rows` rows.
+
+    Its own when they fit. Else double (at least `rows`): few moves of the whole table as it
+    grows. Under a memory budget that leaves `spare_rows` rows of room beyond `rows`, at most
+    `rows` plus half of them, so one table near the budget does not take the room every other
+    table may need. Pure.
+    """
+    if rows <= capacity:
+        return capacity
+    doubled = max(rows, 2 * capacity)
+    if spare_rows is None:
+        return doubled
+    return max(rows, min(doubled, rows + spare_rows // 2))
 
 
 # Whether the caller still waits for the answer (gRPC's context.is_active); None: always.
@@ -211,6 +274,9 @@ class _Prepared:
     meta: PushMeta
     apply: Callable[[], bool]  # False: an assign if absent kept the table's values
     aggregate: Callable[[], None]
+    # A sparse push: its keys (unique), with their row ids as checked, -1 where new.
+    keys: np.ndarray | None = None
+    known: np.ndarray | None = None
 
 
 class PushOutcome(Enum):
@@ -255,6 +321,13 @@ class Shard:
         self._lock = threading.Lock()
         self._tables: dict[str, Table] = {}
         self._policies: dict[str, Policy] = {}
+        # Guards _pending, and makes each memory-budget check and the room it reserves one
+        # step, so requests checked at once cannot each take the same room. Taken before
+        # self._lock where both are held.
+        self._memory_lock = threading.Lock()
+        # New rows of requests admitted under the budget and still in flight, per table: the
+        # room they reserved is theirs until they end, though their rows may not exist yet.
+        self._pending: dict[SparseTable, int] = {}
         # Guards the clock board, the sync sums' contents and the pull log; waiters wait on it.
         self._clocks = threading.Condition(threading.Lock())
         self.board = ClockBoard(config.quorum)
@@ -276,7 +349,7 @@ class Shard:
         """Creates the tables that do not exist yet; checks the others match. All or nothing.
 
         InvalidArgumentError for a name given twice or a table over the size limits;
-        ResourceExhaustedError past the shard's table count."""
+        ResourceExhaustedError past the shard's table count or its memory budget."""
         limits = self.config.limits
         if len(specs) > limits.max_declare:
             raise ResourceExhaustedError(
@@ -289,7 +362,7 @@ class Shard:
                                        "name each table once")
         for spec in specs:
             self._check_size(spec)
-        with self._lock:
+        with self._memory_lock, self._lock:
             for spec in specs:
                 held = self._tables.get(spec.name)
                 if held is not None:
@@ -301,6 +374,7 @@ class Shard:
                     f"shard {self.config.shard} holds {len(self._tables)} tables and takes at "
                     f"most {limits.max_tables} (--max-tables); {new} more do not fit"
                 )
+            self._check_declare_budget([s for s in specs if s.name not in self._tables])
             placements = []
             for spec in specs:
                 table = self._tables.get(spec.name)
@@ -321,6 +395,29 @@ class Shard:
                     else RowRange(self.config.shard, 0, 0)
                 )
             return placements
+
+    def _check_declare_budget(self, specs: Sequence[TableSpec]) -> None:
+        """ResourceExhaustedError if creating the tables of `specs` would take the shard past
+        its memory budget. Caller holds self._memory_lock and self._lock."""
+        budget = self.config.limits.memory_budget_bytes
+        if not budget or not specs:
+            return
+        held = sum(t.memory_bytes() for t in self._tables.values())
+        projected = held
+        for spec in specs:
+            if spec.kind == "dense":
+                placement = dense_placement(spec.name, spec.shape, spec.itemsize,
+                                            self.config.num_shards)[self.config.shard]
+                projected += DenseTable.bytes_for(spec, placement)
+            else:
+                projected += SparseTable.bytes_for(spec)
+            if projected > budget:
+                raise ResourceExhaustedError(
+                    f"table {spec.name!r}: declaring it would take this server to "
+                    f"{format_size(projected)}, over its --memory-budget of "
+                    f"{format_size(budget)} (it holds {format_size(held)} now); raise the "
+                    "budget, add servers, or declare a smaller table"
+                )
 
     def _check_size(self, spec: TableSpec) -> None:
         limits = self.config.limits
@@ -390,6 +487,11 @@ class Shard:
                 "restart and rejoin"
             )
 
+    def check_fenced(self, worker: int, incarnation: int) -> None:
+        """FencedError for an incarnation the scheduler declared dead: it restarts."""
+        with self._clocks:
+            self.board.check_not_fenced(worker, incarnation)
+
     def _await_pull(
         self, name: str, policy: Policy, worker: int, clock: int, wait_s: float,
         alive: Alive,
@@ -447,6 +549,7 @@ class Shard:
         """
         worker, generation = request.worker, request.generation
         self.check_generation(worker, generation)
+        self.check_fenced(worker, request.incarnation)
         prepared = [
             self._prepare_sparse(p.table, p.meta, p.dtype, p.dim, p.keys, p.values)
             if isinstance(p, SparsePush)
@@ -458,6 +561,11 @@ class Shard:
         reads: list[tuple[Policy, Callable[[], torch.Tensor | SparseRows]]] = []
         answer_bytes = 0
         dense_pulls: set[str] = set()
+        # What may create rows: (table, keys, row ids as checked or None, keys unique).
+        touches: list[tuple[SparseTable, np.ndarray, np.ndarray | None, bool]] = [
+            (p.table, p.keys, p.known, True) for p in prepared
+            if isinstance(p.table, SparseTable) and p.keys is not None and p.known is not None
+        ]
         for pull in request.pulls:
             if pull.keys is None:
                 if pull.table in dense_pulls:
@@ -473,22 +581,123 @@ class Shard:
                 sparse.check_keys(pull.keys)
                 answer_bytes += len(pull.keys) * sparse.spec.dim * sparse.spec.itemsize
                 reads.append((policy, partial(sparse.pull, pull.keys)))
+                touches.append((sparse, pull.keys, None, False))
         if answer_bytes > self.config.limits.max_answer_bytes:
             raise ResourceExhaustedError(
                 f"the exchange's answer would hold {answer_bytes} bytes, over this server's "
                 f"limit of {self.config.limits.max_answer_bytes} (--max-answer-mib); pull "
                 "fewer rows per request"
             )
-        outcomes = [self._commit(p, alive) for p in prepared]
-        open_clock = None
-        if request.end_iteration:
-            open_clock = self.tick(worker, request.incarnation, request.push_clock, generation)
-        pulled: list[torch.Tensor | SparseRows] = []
-        for pull, (policy, read) in zip(request.pulls, reads, strict=True):
-            self._await_pull(pull.table, policy, worker, request.pull_clock, request.wait_s,
-                             alive)
-            pulled.append(read())
+        # Last of the checks, as it reserves room (never rows) for what passed all others.
+        grant = self._admit_rows(touches)
+        try:
+            outcomes = [self._commit(p, alive) for p in prepared]
+            open_clock = None
+            if request.end_iteration:
+                open_clock = self.tick(worker, request.incarnation, request.push_clock,
+                                       generation)
+            pulled: list[torch.Tensor | SparseRows] = []
+            for pull, (policy, read) in zip(request.pulls, reads, strict=True):
+                self._await_pull(pull.table, policy, worker, request.pull_clock,
+                                 request.wait_s, alive)
+                pulled.append(read())
+        finally:
+            self._release(grant)
         return ExchangeResult(outcomes, open_clock, pulled)
+
+    def _admit_rows(
+        self, touches: Sequence[tuple[SparseTable, np.ndarray, np.ndarray | None, bool]],
+    ) -> dict[SparseTable, int]:
+        """Checks the rows an exchange would create against --max-new-rows and the memory
+        budget; under a budget, reserves their room and returns them (release them with
+        `_release` when the exchange ends).
+
+        ResourceExhaustedError, with nothing changed, past either limit. Costs nothing
+        without a budget unless the request carries more keys than --max-new-rows; with one,
+        a lookup of the pulled keys, and more only for keys that are new. Blocking (growing
+        storage copies its rows); thread-safe.
+        """
+        limits = self.config.limits
+        budget = limits.memory_budget_bytes
+        if not budget and sum(len(keys) for _, keys, _, _ in touches) <= limits.max_new_rows:
+            return {}
+        fresh: dict[SparseTable, list[tuple[np.ndarray, bool]]] = {}
+        for table, keys, known, unique in touches:
+            absent = table.absent(keys) if known is None else keys[known < 0]
+            if len(absent):
+                fresh.setdefault(table, []).append((absent, unique))
+        new = {
+            table: len(parts[0][0]) if len(parts) == 1 and parts[0][1]
+            else count_distinct(np.concatenate([a for a, _ in parts]))
+            for table, parts in fresh.items()
+        }
+        total = sum(new.values())
+        if total > limits.max_new_rows:
+            per_table = ", ".join(f"table {t.spec.name!r}: {n}" for t, n in
+                                  sorted(new.items(), key=lambda tn: -tn[1])[:5])
+            raise ResourceExhaustedError(
+                f"this exchange would create {total} new rows ({per_table}), over this "
+                f"server's limit of {limits.max_new_rows} per request (--max-new-rows); send "
+                "fewer new keys per request"
+            )
+        if not budget or not new:
+            return {}
+        with self._memory_lock:
+            with self._lock:
+                tables = list(self._tables.values())
+            held = sum(t.memory_bytes() for t in tables)
+            projected = held
+            plan: list[tuple[SparseTable, int, int]] = []
+            for table in sorted(new, key=lambda t: t.spec.name):
+                rows = table.rows + self._pending.get(table, 0) + new[table]
+                now = table.memory_bytes()
+                least = projected + table.bytes_at(rows, rows) - now
+                if least > budget:
+                    raise ResourceExhaustedError(
+                        f"table {table.spec.name!r}: creating {new[table]} new rows would take "
+                        f"this server to {format_size(least)}, over its --memory-budget of "
+                        f"{format_size(budget)} (it holds {format_size(held)} now); raise the "
+                        "budget, add servers, or send fewer new keys (rows are not evicted)"
+                    )
+                spare = (budget - least) // table.bytes_per_row
+                capacity = grown_capacity(rows, table.capacity, spare)
+                projected += table.bytes_at(rows, capacity) - now
+                plan.append((table, rows, capacity))
+            taken: dict[SparseTable, int] = {}
+            try:
+                for table, rows, capacity in plan:
+                    table.reserve(rows, capacity)
+                    taken[table] = self._pending[table] = self._pending.get(table, 0) + new[table]
+            except (MemoryError, OSError) as exc:
+                self._give_back({t: new[t] for t in taken})
+                raise ResourceExhaustedError(
+                    f"this server could not allocate room for {total} new rows within its "
+                    f"--memory-budget of {format_size(budget)} ({exc}); the host has less "
+                    "memory free than the budget assumes: lower the budget or add memory"
+                ) from exc
+        return new
+
+    def _release(self, grant: dict[SparseTable, int]) -> None:
+        """Gives back what `_admit_rows` reserved for an exchange that has ended: its rows
+        exist now (or never will), and the tables' own sizes count them.
+
+        But a sync push's gradient makes its new rows when its clock closes, which may be
+        after its exchange ends (not when the exchange also pulls at the next clock, as a
+        training step does: that pull waits for the close). Such rows go uncounted until
+        they exist: one clock's worth at most, each request within --max-new-rows.
+        """
+        if grant:
+            with self._memory_lock:
+                self._give_back(grant)
+
+    def _give_back(self, grant: dict[SparseTable, int]) -> None:
+        """Caller holds self._memory_lock."""
+        for table, rows in grant.items():
+            left = self._pending.get(table, 0) - rows
+            if left > 0:
+                self._pending[table] = left
+            else:
+                self._pending.pop(table, None)
 
     def _prepare_dense(
         self, name: str, meta: PushMeta, dtype: torch.dtype, shape: tuple[int, ...],
@@ -536,7 +745,7 @@ class Shard:
 
         return _Prepared(
             name, table, policy, meta, apply=apply,
-            aggregate=lambda: self._sum(name, SparseSum).add(keys, rows),
+            aggregate=lambda: self._sum(name, SparseSum).add(keys, rows), keys=keys, known=known,
         )
 
     def _commit(self, p: _Prepared, alive: Alive = None) -> PushOutcome:
@@ -621,6 +830,7 @@ class Shard:
         check_range("the worker id", worker, MAX_WORKER)
         check_range("the generation", generation, MAX_CLOCK)
         self.check_generation(worker, generation)
+        self.check_fenced(worker, incarnation)
         new = self.ledger.check_incarnation(worker, incarnation)
         with self._clocks:
             clock = self.board.restart(worker) if new else self.board.clocks.get(worker, 0)
@@ -630,12 +840,18 @@ class Shard:
                      self.config.shard, worker, incarnation, clock)
             return clock, self.board.open_clock, worker in self.board.live
 
-    def set_live(self, workers: Iterable[int]) -> ClockState:
-        """Replaces the live set: the quorum and the ssp minimum follow at once."""
+    def set_live(
+        self, workers: Iterable[int], fenced: Mapping[int, int] | None = None
+    ) -> ClockState:
+        """Replaces the live set: the quorum and the ssp minimum follow at once. `fenced`
+        (worker -> incarnation declared dead) adds to the incarnations refused from now on."""
         workers = list(workers)
         for worker in workers:
             check_range("a live worker id", worker, MAX_WORKER)
+        for worker in fenced or {}:
+            check_range("a fenced worker id", worker, MAX_WORKER)
         with self._clocks:
+            self.board.fence(fenced or {})
             self.board.set_live(workers)
             log.info("shard %d: live workers %s (quorum %d)", self.config.shard,
                      sorted(self.board.live), self.board.quorum)
@@ -778,6 +994,14 @@ class Shard:
                  state.checkpoint_id, state.clock, len(state.tables))
 
     # ---- introspection ---------------------------------------------------------------------
+
+    def memory_bytes(self) -> int:
+        """What this shard's tables hold, as --memory-budget counts it: dense blocks with
+        their optimizer state, sparse storage at its reserved capacity, key indexes.
+        Thread-safe; a moment's value."""
+        with self._lock:
+            tables = list(self._tables.values())
+        return sum(t.memory_bytes() for t in tables)
 
     def stats(self) -> list[tuple[TableStats, Mode]]:
         """Each table's stats with its mode (bound filled in), counting every acknowledged

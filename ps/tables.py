@@ -8,7 +8,11 @@ about gRPC, clocks or retries: the shard decides when to call it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import functools
 import math
+import mmap
 import threading
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
@@ -22,10 +26,10 @@ from protos import modes
 from protos.codec import FLOAT_DTYPES
 from protos.partition import RowRange, shard_of_keys
 from ps.errors import FailedPreconditionError, InvalidArgumentError
-from ps.index import KeyIndex
+from ps.index import SLOT_BYTES, KeyIndex, capacity_for
 from ps.initializers import InitSpec, init_rows
 from ps.locks import RWLock
-from ps.optim import Optimizer, make_optimizer
+from ps.optim import Optimizer, compute_dtype, make_optimizer
 from ps.rows import first_nonfinite as rows_first_nonfinite
 from ps.rows import gather as rows_gather
 from ps.rows import scatter_ as rows_scatter_
@@ -36,6 +40,10 @@ TableKind = Literal["dense", "sparse"]
 
 # First allocation of a sparse table's storage, in rows; it doubles from there.
 _INITIAL_SPARSE_ROWS = 1024
+# A dense table's step counter: one int64.
+_STEP_BYTES = 8
+# Sparse storage blocks from this size on are mapped on their own (see _storage).
+_MAPPED_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -165,6 +173,59 @@ class TableStats:
     counters: TableCounters
     row_start: int = 0
     row_end: int = 0
+    # What the table holds, as the server's --memory-budget counts it: values and optimizer
+    # state at their reserved capacity, and the key index's slots.
+    memory_bytes: int = 0
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's malloc_trim, or None where libc is not glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
+
+
+def _return_freed_pages() -> None:
+    """Hands the heap's free pages back to the OS, after a key index moved to a larger array.
+
+    A server keeps freed heap memory for reuse (protos.runtime.tune_malloc), which would keep
+    the index's old array resident, unused, and outside what the memory budget counts. An
+    index moves a logarithmic number of times, so the trim (about a millisecond, blocking) is
+    rare. It cannot reach the free top of a thread's heap, which is why storage is mapped on
+    its own instead (_storage). Thread-safe.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _storage(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Uninitialised storage of a sparse table: large blocks in a mapping of their own.
+
+    Pages never written are not resident, so spare capacity costs address space, not memory:
+    resident size follows the rows created. And a freed mapping goes back to the OS at once,
+    while a freed heap block is kept for reuse (protos.runtime.tune_malloc) where no trim
+    reaches it (the top of a handler thread's heap): the old copy of a grown table would stay
+    resident, outside what the memory budget counts. Small blocks stay on the heap, which
+    keeps the count of mappings low however many small tables there are.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < _MAPPED_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    # The tensor holds the mapping, which is unmapped when the last view of it goes.
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+
+
+def _state_itemsize(spec: TableSpec) -> int:
+    """Bytes of one element of the table's optimizer state (float32 for compact rows)."""
+    return compute_dtype(spec.dtype).itemsize
+
+
+def _sparse_bytes(row_bytes: int, capacity: int, index_slots: int) -> int:
+    return capacity * row_bytes + SLOT_BYTES * max(index_slots, capacity_for(0))
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -241,6 +302,23 @@ class DenseTable(_Counted):
         # saved values); until then it holds the spec's initial values.
         self.written = False
 
+    @staticmethod
+    def bytes_for(spec: TableSpec, placement: RowRange) -> int:
+        """What a table of `spec` holding rows `placement` takes: its block, one block per
+        optimizer slot and the step counter. Pure: a declare is checked against the memory
+        budget before anything is allocated."""
+        width = math.prod(spec.shape[1:]) if spec.shape else 1
+        elements = placement.rows * width
+        optimizer = spec.optimizer.build()
+        shape = (placement.rows, width) if spec.shape else ()
+        slots = sum(math.prod(optimizer.slot_shape(s, shape)) for s in optimizer.slots)
+        return elements * spec.itemsize + slots * _state_itemsize(spec) + _STEP_BYTES
+
+    def memory_bytes(self) -> int:
+        """The bytes this table holds (bytes_for its spec and placement). Thread-safe."""
+        return (self.value.nbytes + sum(t.nbytes for t in self.state.values())
+                + self.step.nbytes)
+
     def check_push(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         """InvalidArgumentError unless a push of this dtype and shape fits this block."""
         if dtype != self.spec.dtype:
@@ -291,6 +369,13 @@ class DenseTable(_Counted):
                         self.written = True
                 before = self.step.clone()
                 step = before
+                if not self.optimizer.elementwise:
+                    # A row-wise rule needs whole rows: the parts, joined, cover the block.
+                    grad = (parts[0][1] if len(parts) == 1
+                            else torch.cat([part for _, part in parts]))
+                    self.optimizer.apply_dense(self.value, grad.view(self.block_shape),
+                                               self.state, step)
+                    parts = ()
                 for offset, part in parts:
                     end = offset + part.numel()
                     state = {k: v.view(-1)[offset:end] for k, v in self.state.items()}
@@ -329,7 +414,7 @@ class DenseTable(_Counted):
         return TableStats(
             self.spec.name, "dense", self.spec.optimizer.describe(), self.placement.rows,
             value_bytes, state_bytes, 0, self.counters(), self.placement.start,
-            self.placement.end,
+            self.placement.end, self.memory_bytes(),
         )
 
 
@@ -346,6 +431,7 @@ class SparseTable(_Counted):
         self.optimizer = spec.optimizer.build()
         self.index = KeyIndex()
         self._capacity = 0
+        self._row_bytes = self.row_bytes(spec)
         self.value = torch.empty((0, spec.dim), dtype=spec.dtype)
         self.state: dict[str, torch.Tensor] = {}
         self.step: torch.Tensor | None = None
@@ -355,6 +441,76 @@ class SparseTable(_Counted):
         self._storage = RWLock()
         self._update_lock = _update_guard(hogwild)
         self._grow(_INITIAL_SPARSE_ROWS)
+
+    # ---- memory --------------------------------------------------------------------------
+
+    @staticmethod
+    def row_bytes(spec: TableSpec) -> int:
+        """What one row of storage takes: its values, one row per optimizer slot, and its
+        step counter where the optimizer keeps one. Pure."""
+        optimizer = spec.optimizer.build()
+        return (spec.dim * spec.itemsize
+                + optimizer.slot_width(spec.dim) * _state_itemsize(spec)
+                + (_STEP_BYTES if optimizer.uses_step else 0))
+
+    @classmethod
+    def bytes_for(cls, spec: TableSpec, capacity: int = _INITIAL_SPARSE_ROWS,
+                  index_slots: int = 0) -> int:
+        """What a table of `spec` takes with storage for `capacity` rows and an index of
+        `index_slots` slots (at least an empty index's). Pure: with the defaults, a newly
+        declared table, checked against the memory budget before it is created."""
+        return _sparse_bytes(cls.row_bytes(spec), capacity, index_slots)
+
+    @property
+    def rows(self) -> int:
+        """Rows created so far (a moment's value: other requests may be creating more)."""
+        return len(self.index)
+
+    @property
+    def capacity(self) -> int:
+        """Rows the storage holds room for (a moment's value)."""
+        return self._capacity
+
+    @property
+    def bytes_per_row(self) -> int:
+        """What one row of storage takes (row_bytes of this table's spec)."""
+        return self._row_bytes
+
+    def memory_bytes(self) -> int:
+        """What the table holds now: storage at its reserved capacity and the index's slots.
+
+        Reserved capacity, not rows created, because that is what the table may fill without
+        asking for more; it bounds resident memory from above (fresh pages are not resident
+        until rows are written). Thread-safe; a moment's value while rows are being created.
+        """
+        return self.bytes_at(0, self._capacity)
+
+    def bytes_at(self, rows: int, capacity: int) -> int:
+        """What the table would take with `rows` rows in storage for `capacity` (capacity
+        never shrinks, and the index grows as ps/_index.c does). Pure arithmetic on a moment's
+        sizes; thread-safe."""
+        return _sparse_bytes(self._row_bytes, max(capacity, self._capacity),
+                             max(self.index.capacity, capacity_for(rows)))
+
+    def reserve(self, rows: int, capacity: int) -> None:
+        """Grows the index to room for `rows` keys and the storage to `capacity` rows,
+        creating no row: the room the shard's memory budget has admitted, taken before the
+        rows are created so that creating them allocates nothing more. Never shrinks.
+        Blocking (copies the rows held when storage moves); thread-safe."""
+        with self._index_lock:
+            slots = self.index.capacity
+            self.index.reserve(rows)
+            if self.index.capacity != slots:
+                _return_freed_pages()
+            if capacity > self._capacity:
+                self._grow(capacity)
+
+    def absent(self, keys: np.ndarray) -> np.ndarray:
+        """The keys of `keys` that have no row here yet (repeats kept). Changes nothing;
+        thread-safe."""
+        with self._index_lock:
+            rows = self.index.lookup(keys)
+        return keys[rows < 0]
 
     # ---- validation (changes nothing) -----------------------------------------------------
 
@@ -446,7 +602,7 @@ class SparseTable(_Counted):
         if known is not None and bool((known >= 0).all()):
             rows = torch.from_numpy(known)
         else:
-            rows = self._rows(keys)
+            rows = self._rows(keys, unique=True)
         with self._storage.shared(), self._update_lock:
             if assign:
                 rows_scatter_(self.value, rows, values)
@@ -455,12 +611,28 @@ class SparseTable(_Counted):
                                           trusted=True)
         self.count(pushes_applied=1, rows_pushed=len(keys))
 
-    def _rows(self, keys: np.ndarray) -> torch.Tensor:
+    def _rows(self, keys: np.ndarray, unique: bool = False) -> torch.Tensor:
+        """Row ids of `keys`, creating the rows of new ones; `unique`: no key repeats."""
         with self._index_lock:
-            before = len(self.index)
-            rows, created = self.index.lookup_or_insert(keys)
-            if created:
-                self._create(keys, rows, before)
+            rows = self.index.lookup(keys)
+            absent = rows < 0
+            if absent.any():
+                # Only the new keys, each once, go to the index: it reserves room for what
+                # it is given, so a read of known keys never grows it and new keys grow it
+                # by what the shard's memory budget counted for them.
+                fresh = keys[absent]
+                where = None
+                if not unique and len(fresh) > 1:
+                    scratch = KeyIndex(len(fresh))
+                    positions, distinct = scratch.lookup_or_insert(fresh)
+                    if distinct < len(fresh):
+                        fresh, where = scratch.keys_by_row(), positions
+                before, slots = len(self.index), self.index.capacity
+                created, _ = self.index.lookup_or_insert(fresh)
+                if self.index.capacity != slots:
+                    _return_freed_pages()
+                self._create(fresh, created, before)
+                rows[absent] = created if where is None else created[where]
         return torch.from_numpy(rows)
 
     def _create(self, keys: np.ndarray, rows: np.ndarray, before: int) -> None:
@@ -487,18 +659,17 @@ class SparseTable(_Counted):
         # Rows past the old capacity are being created by the caller; only older ones move.
         used = min(len(self.index), self._capacity)
         with self._storage.exclusive():
-            # Fresh pages are not resident until written, so spare capacity costs address
-            # space, not memory: resident size follows the rows actually created.
-            value = torch.empty((capacity, dim), dtype=dtype)
+            value = _storage((capacity, dim), dtype)
             value[:used].copy_(self.value[:used])
             self.value = value
             for name in self.optimizer.slots:
-                slot = torch.empty((capacity, dim), dtype=dtype)
+                slot = _storage(self.optimizer.slot_shape(name, (capacity, dim)),
+                                compute_dtype(dtype))
                 if name in self.state:
                     slot[:used].copy_(self.state[name][:used])
                 self.state[name] = slot
             if self.optimizer.uses_step:
-                step = torch.empty(capacity, dtype=torch.int64)
+                step = _storage((capacity,), torch.int64)
                 if self.step is not None:
                     step[:used].copy_(self.step[:used])
                 self.step = step
@@ -538,12 +709,13 @@ class SparseTable(_Counted):
     def stats(self) -> TableStats:
         rows = len(self.index)
         row_bytes = self.spec.dim * self.spec.itemsize
-        state_bytes = rows * row_bytes * len(self.optimizer.slots)
+        state_bytes = rows * self.optimizer.slot_width(self.spec.dim) * _state_itemsize(
+            self.spec)
         if self.step is not None:
             state_bytes += rows * self.step.element_size()
         return TableStats(
             self.spec.name, "sparse", self.spec.optimizer.describe(), rows, rows * row_bytes,
-            state_bytes, self.index.nbytes, self.counters(),
+            state_bytes, self.index.nbytes, self.counters(), memory_bytes=self.memory_bytes(),
         )
 
 

@@ -155,7 +155,7 @@ def stats_to_proto(s: TableStats, mode: modes.Mode) -> pb.TableStats:
         rows_pushed=c.rows_pushed, row_start=s.row_start, row_end=s.row_end,
         consistency=consistency, staleness=staleness or 0,
         pushes_dropped=c.pushes_dropped, gradients_aggregated=c.gradients_aggregated,
-        pushes_kept=c.pushes_kept,
+        pushes_kept=c.pushes_kept, memory_bytes=s.memory_bytes,
     )
 
 

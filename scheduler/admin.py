@@ -3,6 +3,8 @@ and the health probe behind `pstrain health`."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -30,8 +32,12 @@ class ServerAdmin:
                                                Stubs(channel, self.security.call_metadata()))
         return found[1]
 
-    def set_membership(self, address: str, live: list[int]) -> pb.MembershipResponse:
-        request = pb.MembershipRequest(live_workers=live).SerializeToString()
+    def set_membership(self, address: str, live: list[int],
+                       fenced: Mapping[int, int] | None = None) -> pb.MembershipResponse:
+        """Tells a server which workers are live, and which incarnations were declared dead
+        (worker -> incarnation: the server refuses them from then on)."""
+        request = pb.MembershipRequest(live_workers=live,
+                                       fenced=dict(fenced or {})).SerializeToString()
         return self._stubs(address).unary(rpc.SET_MEMBERSHIP, request, self.timeout_s).msg
 
     def restore(self, address: str, checkpoint_id: str, sha256: str, generation: int) -> int:

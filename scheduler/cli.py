@@ -53,7 +53,11 @@ def _spec_flags(p: argparse.ArgumentParser, defaults: bool) -> None:
     p.add_argument("--heartbeat-interval-s", type=float, default=d and d.heartbeat_interval_s,
                    help="seconds between heartbeats (default 0.5)")
     p.add_argument("--heartbeat-misses", type=int, default=d and d.heartbeat_misses,
-                   help="missed heartbeats after which a process is dead (default 3)")
+                   help="missed heartbeats after which a process is suspect (default 3)")
+    p.add_argument("--suspect-timeout-s", type=float, default=d and d.suspect_timeout_s,
+                   help="how long a suspect process (its heartbeat lapsed, not seen to exit) "
+                        "keeps its place before it is declared dead; a sync job waits for it "
+                        "that long (default 10; 0: dead when the heartbeat lapses)")
     p.add_argument("--checkpoint-dir", default=d and d.checkpoint_dir,
                    help="directory for checkpoints (default: none written)")
     p.add_argument("--checkpoint-every-s", type=float, default=d and d.checkpoint_every_s,
@@ -64,7 +68,7 @@ def _spec_flags(p: argparse.ArgumentParser, defaults: bool) -> None:
 
 
 _SPEC_FIELDS = ("mode", "staleness", "servers", "workers", "backups", "heartbeat_interval_s",
-                "heartbeat_misses", "checkpoint_dir", "checkpoint_every_s",
+                "heartbeat_misses", "suspect_timeout_s", "checkpoint_dir", "checkpoint_every_s",
                 "checkpoint_every_clocks")
 
 
@@ -335,6 +339,14 @@ def _status(store: JobStore, as_json: bool) -> int:
         print(f"  {when} {e['type']:<9} {e['role']} {e['member']}{error}")
     finished = status["finished_ranks"]
     print(f"finished ranks: {', '.join(map(str, finished)) if finished else 'none'}")
+    suspect = [f"{p['role']} {p['id']}" for p in status["processes"] if p.get("suspect")]
+    if suspect:
+        print(f"suspect now (heartbeat lapsed, not seen to exit): {', '.join(suspect)}")
+    changes = status.get("membership_changes") or []
+    print("membership changes: " + (", ".join(
+        f"worker {c['worker']} {'left (dead)' if c['change'] == 'dead' else 'joined'} at "
+        f"clock {c['clock']}" for c in changes) or "none")
+        + f"; gradients dropped: {status.get('pushes_dropped', 0)}")
     latest = status["latest_checkpoint"]
     print(f"latest checkpoint: {latest['id'] if latest else 'none'}")
     return 0

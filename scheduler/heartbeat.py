@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from scheduler.detector import connection_name
 from scheduler.store import JobStore, ride_out
 
 log = logging.getLogger(__name__)
@@ -22,6 +23,9 @@ class Heartbeat:
     thread logs and keeps trying; it never stops the process. Thread-safe start/stop.
     `sleep(interval_s)` waits between beats and returns True to end them (default: until
     stop); `wall_clock` stamps each beat with the time status reports count its age from.
+    Each beat names its Redis connection after the process (role, ident and the
+    registration's incarnation), so the scheduler can tell a paused process, whose
+    connection stays open, from one that exited (scheduler/detector.py).
     """
 
     def __init__(
@@ -53,10 +57,13 @@ class Heartbeat:
     def beat(self) -> None:
         """One beat now (also used at start so the process is visible at once)."""
         payload = {**self._payload(), "time": self._wall_clock()}
+        registration = dict(self._registration)
+        name = connection_name(self.store.keys.job, self.role, self.ident,
+                               int(registration.get("incarnation", 0)))
         ride_out(
             "heartbeat",
             lambda: self.store.beat(self.role, self.ident, payload, self.ttl_s,
-                                    self._registration),
+                                    registration, name=name),
             None,
         )
 
@@ -73,9 +80,11 @@ class Heartbeat:
                 log.exception("%s %d: heartbeat hook failed", self.role, self.ident)
 
     def stop(self, forget: bool = True) -> None:
-        """Stops beating; with `forget`, deletes the key so the exit is seen at once."""
+        """Stops beating; with `forget`, deletes the key and hangs up the connections the
+        beats named, so the exit is seen at once."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         if forget:
-            ride_out("heartbeat", lambda: self.store.forget(self.role, self.ident), None)
+            ride_out("heartbeat",
+                     lambda: self.store.forget(self.role, self.ident, hang_up=True), None)

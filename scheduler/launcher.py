@@ -210,6 +210,7 @@ class Cluster:
                 "--workers", str(s.workers), "--backups", str(s.backups),
                 "--heartbeat-interval-s", str(s.heartbeat_interval_s),
                 "--heartbeat-misses", str(s.heartbeat_misses),
+                "--suspect-timeout-s", str(s.suspect_timeout_s),
                 "--checkpoint-dir", s.checkpoint_dir,
                 "--checkpoint-every-s", str(s.checkpoint_every_s),
                 "--checkpoint-every-clocks", str(s.checkpoint_every_clocks)]
@@ -289,6 +290,15 @@ class Cluster:
             child.state, child.exit_code = State.EXITED, code
             if child.role == "worker" and code == 0:
                 log.info("%s finished", child.name)
+                # A script that returned without ctx.finish(): its rank is done all the same,
+                # and the scheduler records the end of its heartbeat as a finish.
+                self._mark_finished(child.ident)
+                continue
+            if child.role == "worker" and child.ident in self._finished_ranks():
+                # Its training is done (ctx.finish()): running the script again would train
+                # the rank twice. The job goes on; `up` returns this status at the end.
+                log.error("%s exited with status %d after it finished training; a finished "
+                          "rank is not restarted; see %s", child.name, code, child.log_path)
                 continue
             again = code == RESTART_EXIT_CODE or self.config.restart
             if again and child.restarts < MAX_RESTARTS:
@@ -302,6 +312,16 @@ class Cluster:
                 raise _Failed(code, child)
             else:
                 raise _Failed(code, child)
+
+    def _finished_ranks(self) -> set[int]:
+        """The ranks Redis records as finished (none while Redis is unreachable)."""
+        store = self.store
+        return set() if store is None else ride_out("finished", store.finished_ranks, set())
+
+    def _mark_finished(self, rank: int) -> None:
+        store = self.store
+        if store is not None:
+            ride_out("finished", lambda: store.mark_finished(rank), None)
 
     def _view(self) -> None:
         now = time.monotonic()
@@ -441,8 +461,21 @@ def up(config: UpConfig) -> int:
                 result = _last_json(child.log_path)
                 if result is not None:
                     print(f"worker {child.ident}: {result}", flush=True)
+        report: dict[str, Any] = {}
+        store = cluster.store
+        if store is not None:
+            report = ride_out("report", lambda: membership_report(store, cluster.spec), {})
+        changes = report.get("membership_changes")
+        if changes and cluster.spec.mode == "sync":
+            print("pstrain up: the workers of this sync job changed ("
+                  + ", ".join(f"worker {c['worker']} "
+                              f"{'left' if c['change'] == 'dead' else 'joined'} at clock "
+                              f"{c['clock']}" for c in changes)
+                  + f"; {report.get('pushes_dropped', 0)} gradients dropped): its result is "
+                  "not the single-process one", file=sys.stderr, flush=True)
         summary = {"job": config.spec.job, "exit_status": code,
-                   "restarts": {c.name: c.restarts for c in cluster.children if c.restarts}}
+                   "restarts": {c.name: c.restarts for c in cluster.children if c.restarts},
+                   **report}
         print(json.dumps(summary), flush=True)
         return code
     except KeyboardInterrupt:
@@ -467,12 +500,26 @@ def _still_stopping(signum: int, frame: FrameType | None) -> None:
     print("pstrain up: still stopping the processes it started", file=sys.stderr)
 
 
+def membership_report(store: JobStore, spec: JobSpec) -> dict[str, Any]:
+    """What tells a user whether a job's result is still the single-process one: the changes
+    of its workers (each {time, clock, worker, change: "dead" or "joined", incarnation}), the
+    gradients the servers dropped (late, or past a sync quorum), and how often each process
+    was suspect (paused or starved, never declared dead)."""
+    servers = store.heartbeats("server", list(range(spec.servers)))
+    return {
+        "membership_changes": store.membership_changes(),
+        "pushes_dropped": sum(int(b.get("dropped", 0)) for b in servers.values() if b),
+        "suspicions": store.suspicion_counts(),
+    }
+
+
 def status_of(store: JobStore, events: int = 20) -> dict[str, Any]:
     """The job as `pstrain status` shows it."""
     spec = store.spec()
     now = time.time()
     out: dict[str, Any] = {"job": store.keys.job, "spec": None if spec is None else
                            json.loads(spec.to_json()), "leader": store.leader(), "processes": []}
+    suspects = store.suspects()
     for role in ("server", "worker"):
         members = store.members(role)
         ids = sorted(set(members) | set(range(spec.servers if role == "server" else
@@ -487,10 +534,14 @@ def status_of(store: JobStore, events: int = 20) -> dict[str, Any]:
                 round(now - float(info.get("time", now)), 3),
                 "clock": info.get("clock", info.get("open_clock")),
                 "alive": beats.get(ident) is not None,
+                # Its heartbeat lapsed but it was not seen to exit: it keeps its place.
+                "suspect": (role, ident) in suspects,
             })
     out["events"] = [{**e.detail, "id": e.id, "time": e.time_s, "type": e.type,
                       "role": e.role, "member": e.member} for e in store.recent_events(events)]
     out["finished_ranks"] = sorted(store.finished_ranks())
+    if spec is not None:
+        out.update(membership_report(store, spec))
     latest = store.latest_checkpoint(spec.servers) if spec else None
     out["latest_checkpoint"] = None if latest is None else {"id": latest[0],
                                                             "shards": latest[1]}

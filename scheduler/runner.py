@@ -148,15 +148,13 @@ class RankClaim:
         return got != 0
 
     def end(self, *, finished: bool) -> None:
-        """Gives the rank up; with `finished` it is recorded as done and never run again."""
+        """Gives the rank up; with `finished` it is recorded as done and never run again
+        (the scheduler records the "finished" event when the script's heartbeat ends)."""
         if self.rank is None:
             return
         rank = self.rank
         ride_out("claim", lambda: self.store.end_rank(rank, self.holder, finished=finished),
                  None)
-        if finished:
-            ride_out("claim", lambda: self.store.event("finished", "worker", rank, pid=self.pid,
-                                                       host=self.host), None)
         self.rank = None
 
 
@@ -241,6 +239,12 @@ def run_worker(config: WorkerRunConfig, environ: Mapping[str, str] | None = None
         for attempt in range(MAX_ROLLBACK_RESTARTS + 1):
             code = supervisor.run_once()
             if code != RESTART_EXIT_CODE or supervisor.stopping or supervisor.lost:
+                break
+            if rank in ride_out("claim", store.finished_ranks, set[int]()):
+                # The script finished its training (ctx.finish()) before it exited: running
+                # it again would train the rank twice.
+                log.error("worker %d exited with %d after it finished training; not running "
+                          "it again", rank, code)
                 break
             log.warning("worker %d: the job rolled back; starting the script again (%d)", rank,
                         attempt + 1)

@@ -25,6 +25,8 @@ import grpc
 from protos import marks
 from protos.security import Security
 from scheduler.admin import ServerAdmin
+from scheduler.detector import FailureDetector, Notice, Suspicions, connection_name
+from scheduler.finishing import Departures
 from scheduler.membership import MembershipTracker, Transition
 from scheduler.recovery import (
     RedisWatch,
@@ -54,10 +56,24 @@ class Scheduler:
         self.ident = ident or f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
         self._now = clock
         self.leading = False
+        # A worker declared dead is fenced (`_fence`): it never rejoins as itself, as a paused
+        # one would silently change a sync job's result. A paused server keeps its state, so
+        # it may come back.
         self.workers = MembershipTracker()
         self.servers = MembershipTracker()
+        # Who is silent, since when: a lapsed heartbeat is a death only once the failure
+        # detector confirms it (scheduler/detector.py).
+        detector = FailureDetector(spec.suspect_timeout_s)
+        self._suspicions = {"worker": Suspicions(detector), "server": Suspicions(detector)}
+        # Ranks declared dead and not yet back as a new incarnation (for membership records),
+        # and whether this lease has read the fences and records of earlier leaders.
+        self._gone: set[int] = set()
+        self._fences_loaded = True
+        # The open sync clock as this poll's server heartbeats give it.
+        self._clock = 0
         self.admin = ServerAdmin(security=security)
-        self._pushed: dict[int, tuple[int, tuple[int, ...]]] = {}
+        # What each shard was last told: (its incarnation, live workers, fenced incarnations).
+        self._pushed: dict[int, tuple[int, tuple[int, ...], tuple[tuple[int, int], ...]]] = {}
         self._next_checkpoint_s = 0.0
         # The incarnation each shard last served under, as this scheduler saw it (kept across
         # outages and lease changes): another one later is a restarted server.
@@ -76,6 +92,11 @@ class Scheduler:
         # keep their place in the quorum meanwhile.
         self._restarting: dict[int, float] = {}
         self.restart_grace_s = 60.0
+        # Workers that finished: out of the membership, and the end of their heartbeat is
+        # no death. `_departed` is the last poll's answer; `_live_said` what Redis was told.
+        self.departures = Departures()
+        self._departed: set[int] = set()
+        self._live_said: tuple[tuple[int, ...], float] = ((), float("-inf"))
 
     def run(self, stop: threading.Event) -> None:
         log.info("scheduler %s for job %r started", self.ident, self.spec.job)
@@ -124,6 +145,19 @@ class Scheduler:
         to an outage changes nothing about the processes."""
         self._pushed.clear()
         self._adopted = False
+        self._fences_loaded = False
+
+    def _load_fences(self) -> None:
+        """What earlier leaders fenced stays fenced, and whom they saw die is still gone:
+        read before this lease's first beats are."""
+        for rank, incarnation in self.store.fenced_workers().items():
+            self.workers.fence(rank, incarnation)
+        for change in self.store.membership_changes():
+            if change.get("change") == "dead":
+                self._gone.add(int(change["worker"]))
+            else:
+                self._gone.discard(int(change["worker"]))
+        self._fences_loaded = True
 
     def _find_dead_at_takeover(self) -> None:
         for role, tracker in (("worker", self.workers), ("server", self.servers)):
@@ -131,8 +165,11 @@ class Scheduler:
             beats = self.store.heartbeats(role, sorted(registered))
             for member, info in registered.items():
                 known = member in tracker.alive or member in tracker.dead
-                if beats.get(member) is None and not known:
+                finished = role == "worker" and member in self._departed
+                if beats.get(member) is None and not known and not finished:
                     tracker.dead.add(member)
+                    if role == "worker":
+                        self._fence(member, int(info.get("incarnation", 0)))
                     self.store.event("dead", role, member, incarnation=info.get("incarnation", 0),
                                      note="found dead at takeover")
         self._adopted = True
@@ -146,17 +183,27 @@ class Scheduler:
             self._redis.emptied(self._now())
             self.store.put_spec(self.spec)
             self.store.event("rebuilt", "scheduler", self.ident)
+            for rank, incarnation in self.workers.fenced.items():
+                self.store.fence_worker(rank, incarnation)
             log.warning("scheduler: job %r was missing from Redis; rebuilt it", self.spec.job)
         worker_ids = sorted(set(range(self.spec.workers)) | set(self.store.members("worker")))
         server_ids = list(range(self.spec.servers))
+        if not self._fences_loaded:
+            self._load_fences()
         worker_beats = self.store.heartbeats("worker", worker_ids)
         server_beats = self.store.heartbeats("server", server_ids)
+        # Read after the beats: a finishing worker writes its record before its heartbeat
+        # ends, so a beat missing here is never a finish that this poll has not read.
+        self._note_departures(worker_beats)
         self._reached_redis(started)
         now = self._now()
         believe = self._redis.trusts_lapses(now)
         if believe and not self._adopted:
             self._find_dead_at_takeover()
-        for t in self.workers.update(_incarnations(worker_beats, believe)):
+        self._clock = max([int(b.get("open_clock", 0)) for b in server_beats.values() if b]
+                          or [self._clock])
+        for t in self.workers.update(self._judge("worker", self.workers, worker_beats, believe,
+                                                 now)):
             if t.kind == "dead" and t.member in self._restarting:
                 self.workers.dead.discard(t.member)
                 self.store.event("restarting", "worker", t.member, incarnation=t.incarnation)
@@ -169,7 +216,8 @@ class Scheduler:
                 del self._restarting[rank]
                 self.workers.dead.add(rank)
                 self.store.event("dead", "worker", rank, note="did not restart after rollback")
-        for t in self.servers.update(_incarnations(server_beats, believe)):
+        for t in self.servers.update(self._judge("server", self.servers, server_beats, believe,
+                                                 now)):
             self._announce("server", t)
             if t.kind == "dead":
                 continue
@@ -177,6 +225,7 @@ class Scheduler:
             self._incarnations[t.member] = t.incarnation
             if restarted(last_seen, t.incarnation) and self.spec.mode == "sync":
                 self._start_rollback(t.member, server_beats)
+        self._publish_live()
         if self._rollback is not None:
             self._roll_back(server_beats)
             return
@@ -211,25 +260,145 @@ class Scheduler:
         detail: dict[str, Any] = {"incarnation": t.incarnation}
         if t.previous:
             detail["previous"] = t.previous
+        if role == "worker" and t.kind in ("dead", "joined", "refused"):
+            detail["clock"] = self._clock
         self.store.event(t.kind, role, t.member, **detail)
+        if t.kind == "refused":
+            log.warning("worker %d incarnation %d beats again after it was declared dead; it "
+                        "stays out, and restarts when a server refuses it", t.member,
+                        t.incarnation)
+            return
         log.info("%s %d %s (incarnation %d)", role, t.member, t.kind, t.incarnation)
+        if role != "worker":
+            return
+        if t.kind == "dead":
+            self._fence(t.member, t.incarnation)
+            self._gone.add(t.member)
+            self._record_change(t.member, "dead", t.incarnation)
+        elif t.kind == "joined" and t.member in self._gone:
+            self._gone.discard(t.member)
+            self._record_change(t.member, "joined", t.incarnation)
+
+    def _fence(self, rank: int, incarnation: int) -> None:
+        """Worker `rank`'s `incarnation` was declared dead: it never takes part again."""
+        self.workers.fence(rank, incarnation)
+        self.store.fence_worker(rank, incarnation)
+
+    def _record_change(self, rank: int, change: str, incarnation: int) -> None:
+        """Records a change of the job's workers, which `pstrain up` and `pstrain status`
+        report: after one, a sync job's result is no longer the single-process one."""
+        self.store.record_membership({"time": time.time(), "clock": self._clock,
+                                      "worker": rank, "change": change,
+                                      "incarnation": incarnation})
+        if self.spec.mode == "sync":
+            log.warning("worker %d %s at clock %d: the sync job's membership changed, so its "
+                        "result is no longer the single-process one", rank,
+                        "left (declared dead)" if change == "dead" else "joined again",
+                        self._clock)
+
+    def _judge(self, role: str, tracker: MembershipTracker,
+               beats: dict[int, dict[str, Any] | None], believe: bool, now: float
+               ) -> dict[int, int | None]:
+        """This poll's observation of `role` as the failure detector judges it: a lapsed
+        heartbeat is left out while its process is only suspect, None once it is dead. The
+        connections of lapsed members are looked up only when there are any."""
+        suspicions = self._suspicions[role]
+        observed = _incarnations(beats, believe)
+        if not believe:
+            # Silences say nothing now: they are counted again once lapses are believed.
+            for member in sorted(suspicions.since):
+                self.store.set_suspect(role, member, None)
+            suspicions.reset()
+            return observed
+        # A worker that finished ended its heartbeat on purpose: no suspicion, it is gone.
+        alive = {m: i for m, i in tracker.alive.items()
+                 if not (role == "worker" and m in self._departed)}
+        probe = suspicions.to_probe(observed, alive)
+        connected: dict[int, bool | None] = {}
+        if probe:
+            names = self.store.client_names()
+            connected = {m: None if names is None else
+                         connection_name(self.spec.job, role, m, incarnation) in names
+                         for m, incarnation in probe.items()}
+        suspected = set(suspicions.since)
+        judged, notices = suspicions.judge(observed, alive, now, connected)
+        for notice in notices:
+            self._notice(role, notice)
+        for member in sorted(suspected):
+            if member in judged and judged[member] is None:  # a suspect no more: dead
+                self.store.set_suspect(role, member, None)
+        return judged
+
+    def _notice(self, role: str, notice: Notice) -> None:
+        member, incarnation = notice.member, notice.incarnation
+        if notice.kind == "suspect":
+            self.store.set_suspect(role, member, {"incarnation": incarnation,
+                                                  "since": time.time(), "clock": self._clock})
+            self.store.event("suspect", role, member, incarnation=incarnation, clock=self._clock)
+            log.warning("%s %d is suspect: its heartbeat lapsed, but it has not been seen to "
+                        "exit; it keeps its place for up to %.1f s (paused or starved?)", role,
+                        member, self.spec.suspect_timeout_s)
+        else:
+            self.store.set_suspect(role, member, None)
+            self.store.event("cleared", role, member, incarnation=incarnation,
+                             silent_s=round(notice.silent_s, 3))
+            log.warning("%s %d beats again after %.1f s as a suspect; it was never declared "
+                        "dead", role, member, notice.silent_s)
 
     def live_workers(self) -> list[int]:
-        """Every rank not declared dead: ranks still starting count, so the quorum holds."""
+        """Every rank not declared dead and not finished: ranks still starting count, so the
+        quorum holds."""
         ranks = set(range(self.spec.workers)) | set(self.workers.alive)
-        return sorted(ranks - self.workers.dead)
+        return sorted(ranks - self.workers.dead - self._departed)
+
+    def _note_departures(self, beats: dict[int, dict[str, Any] | None]) -> None:
+        """Reads which workers finished; one that leaves while it still heartbeats (it
+        called `ctx.finish()`) is announced as "left", the end of a finished worker's
+        heartbeat as "finished". Runs before the failure detector sees the beats, so a
+        finished worker is never suspected, declared dead or fenced: it may still pull (to
+        evaluate) after it has left."""
+        left = self.store.left_workers()
+        self.departures.update(self.store.finished_ranks(),
+                               {r: int(v.get("incarnation", 0)) for r, v in left.items()},
+                               self.workers.alive)
+        departed = self.departures.departed(
+            {r: None if b is None else int(b.get("incarnation", 0)) for r, b in beats.items()})
+        for rank in sorted(departed - self._departed):
+            if beats.get(rank) is not None:
+                record = left.get(rank, {})
+                self.store.event("left", "worker", rank,
+                                 incarnation=record.get("incarnation", 0),
+                                 clock=record.get("clock", -1))
+                log.info("worker %d finished at clock %s: it leaves the membership", rank,
+                         record.get("clock", "?"))
+        for rank in sorted(departed):
+            if beats.get(rank) is None and rank in self.workers.alive:
+                incarnation = self.workers.alive.pop(rank)
+                self.store.event("finished", "worker", rank, incarnation=incarnation)
+                log.info("worker %d finished (incarnation %d)", rank, incarnation)
+        self._departed = departed
+
+    def _publish_live(self) -> None:
+        """Tells Redis which workers are live (barriers wait for them): when that changes,
+        and once a second (Redis may have come back empty)."""
+        live, now = tuple(self.live_workers()), self._now()
+        said, when = self._live_said
+        if live != said or now - when >= 1.0:
+            self.store.set_live_workers(list(live))
+            self._live_said = (live, now)
 
     def _drive_servers(self, beats: dict[int, dict[str, Any] | None]) -> None:
         live = tuple(self.live_workers())
+        fenced = tuple(sorted(self.workers.fenced.items()))
         for shard, beat in beats.items():
             if beat is None:
                 continue
             incarnation = int(beat.get("incarnation", 0))
-            if self._pushed.get(shard) == (incarnation, live):
+            if self._pushed.get(shard) == (incarnation, live, fenced):
                 continue
             try:
-                self.admin.set_membership(str(beat["address"]), list(live))
-                self._pushed[shard] = (incarnation, live)
+                self.admin.set_membership(str(beat["address"]), list(live), dict(fenced))
+                self._pushed[shard] = (incarnation, live, fenced)
             except grpc.RpcError as exc:
                 log.warning("scheduler: membership to shard %d failed: %s", shard, exc.code())
 

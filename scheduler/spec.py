@@ -26,6 +26,10 @@ class JobSpec:
     backups: int = 0
     heartbeat_interval_s: float = 0.5
     heartbeat_misses: int = 3
+    # How long a process may stay silent (suspect) once its heartbeat lapsed before it is
+    # declared dead without proof that it exited (its Redis connection closed): load, GC or a
+    # SIGSTOP may pause it that long. See scheduler/detector.py for how the value was chosen.
+    suspect_timeout_s: float = 10.0
     checkpoint_dir: str = ""
     checkpoint_every_s: float = 0.0  # async and ssp: 0 turns periodic checkpoints off
     checkpoint_every_clocks: int = 0  # sync: 0 turns periodic checkpoints off
@@ -53,6 +57,7 @@ class JobSpec:
             ("backups", 0 <= self.backups < self.workers, f"in [0, workers={self.workers})"),
             ("heartbeat_interval_s", self.heartbeat_interval_s > 0, "> 0"),
             ("heartbeat_misses", self.heartbeat_misses >= 1, ">= 1"),
+            ("suspect_timeout_s", self.suspect_timeout_s >= 0, ">= 0"),
             ("checkpoint_every_s", self.checkpoint_every_s >= 0, ">= 0"),
             ("checkpoint_every_clocks", self.checkpoint_every_clocks >= 0, ">= 0"),
         ]
@@ -62,7 +67,8 @@ class JobSpec:
 
     @property
     def heartbeat_ttl_s(self) -> float:
-        """How long a heartbeat lives: a process is dead after `heartbeat_misses` misses."""
+        """How long a heartbeat lives: a process is suspect after `heartbeat_misses` misses
+        (dead once it has exited, or after `suspect_timeout_s` more)."""
         return self.heartbeat_interval_s * self.heartbeat_misses
 
     @property

@@ -9,13 +9,20 @@ Every key of a job lives under the prefix ``pstrain:{job}:``:
 | ``servers`` | hash | shard -> JSON {address, incarnation, pid, host, restored} |
 | ``workers`` | hash | rank -> JSON {incarnation, pid, host} |
 | ``hb:{role}:{id}`` | string | the latest heartbeat as JSON; expires after the misses allowed |
-| ``events`` | stream | events: joined, dead, restored, rollback, checkpoint, claimed, finished |
+| ``events`` | stream | joined, dead, restored, rollback, checkpoint, claimed, left, finished |
 | ``checkpoint:request`` | string | JSON {id, clock} of the newest checkpoint asked for |
 | ``checkpoints`` | sorted set | checkpoint ids by time of completion of their first shard |
 | ``checkpoint:{id}`` | hash | shard -> JSON {path, sha256, nbytes, clock[, mac]} (mac: signed) |
 | ``generation`` | integer | raised by each sync rollback, never to a used value; workers restart |
 | ``rank:{rank}`` | string | the `pstrain worker` holding the rank: {holder, pid, host}; expires |
-| ``finished`` | set | ranks whose worker ran its script to exit status 0; never claimed again |
+| ``finished`` | set | ranks done (`ctx.finish()`, or exit status 0); never claimed again |
+| ``left`` | hash | rank -> JSON {incarnation, clock, time} of the process that finished |
+| ``live`` | string | JSON list of the ranks the scheduler counts live (not dead or finished) |
+| ``barrier:{name}:{round}`` | hash | rank -> incarnation of each worker there; expires |
+| ``fenced`` | hash | rank -> the newest incarnation declared dead: it never rejoins, it restarts |
+| ``suspects`` | hash | "{role}:{id}" -> JSON {incarnation, since, clock} of each silent process |
+| ``suspicions`` | hash | "{role}:{id}" -> how many times the process was suspect |
+| ``membership`` | list | JSON {time, clock, worker, change, incarnation} per change of workers |
 
 Blocking calls with a socket timeout; thread-safe (redis-py pools connections).
 """
@@ -108,6 +115,18 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 1
 """
+
+# Raises a fenced incarnation, never lowers it. KEYS: the fenced hash; ARGV: rank, incarnation.
+_FENCE = """
+local held = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '-1')
+if tonumber(ARGV[2]) > held then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+end
+return 1
+"""
+
+# Membership changes kept in Redis per job.
+MEMBERSHIP_KEPT = 1000
 
 # The heartbeat-key claim of `worker.init()`, which also leaves alone ranks held by a
 # `pstrain worker` claim and ranks that have finished. KEYS: heartbeat, rank key, finished
@@ -206,6 +225,27 @@ class Keys:
 
     def finished(self) -> str:
         return self.prefix + "finished"
+
+    def fenced(self) -> str:
+        return self.prefix + "fenced"
+
+    def suspects(self) -> str:
+        return self.prefix + "suspects"
+
+    def suspicions(self) -> str:
+        return self.prefix + "suspicions"
+
+    def membership(self) -> str:
+        return self.prefix + "membership"
+
+    def left(self) -> str:
+        return self.prefix + "left"
+
+    def live(self) -> str:
+        return self.prefix + "live"
+
+    def barrier(self, name: str, round_: int) -> str:
+        return f"{self.prefix}barrier:{name}:{round_}"
 
 
 @dataclass(frozen=True)
@@ -308,10 +348,14 @@ class JobStore:
         pipe = self.redis.pipeline(transaction=False)
         for checkpoint_id in forgotten:
             pipe.delete(self.keys.checkpoint(checkpoint_id))
-        for key in self.redis.scan_iter(f"{self.keys.prefix}rank:*", count=100):
-            pipe.delete(key)
+        for pattern in ("rank:*", "barrier:*"):
+            for key in self.redis.scan_iter(f"{self.keys.prefix}{pattern}", count=100):
+                pipe.delete(key)
         pipe.delete(self.keys.checkpoints(), self.keys.finished(), self.keys.members("worker"),
-                    self.keys.members("server"), self.keys.checkpoint_request())
+                    self.keys.members("server"), self.keys.checkpoint_request(),
+                    self.keys.left(), self.keys.live())
+        pipe.delete(self.keys.fenced(), self.keys.suspects(), self.keys.suspicions(),
+                    self.keys.membership())
         pipe.execute()
         if forgotten:
             log.warning("job %r: a new run under the name of an earlier one; it starts from "
@@ -336,15 +380,30 @@ class JobStore:
 
     def beat(
         self, role: str, ident: int, payload: Mapping[str, Any], ttl_s: float,
-        registration: Mapping[str, Any] | None = None,
+        registration: Mapping[str, Any] | None = None, name: str = "",
     ) -> None:
-        """Refreshes a heartbeat (and the registration, so an emptied Redis refills itself)."""
+        """Refreshes a heartbeat (and the registration, so an emptied Redis refills itself).
+
+        With `name`, also names the connection the beat went through (CLIENT SETNAME): the
+        failure detector tells a paused process (its connection open) from an exited one by
+        it. A Redis that refuses the name (an ACL) is logged once; the beat still counts.
+        """
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(self.keys.heartbeat(role, ident), json.dumps(dict(payload)),
                  px=max(1, int(ttl_s * 1000)))
         if registration is not None:
             pipe.hset(self.keys.members(role), str(ident), json.dumps(dict(registration)))
-        pipe.execute()
+        if name:
+            pipe.client_setname(name)
+        results = pipe.execute(raise_on_error=False)
+        failed = [r for r in results[:-1 if name else None] if isinstance(r, Exception)]
+        if failed:
+            raise failed[0]
+        if name and isinstance(results[-1], Exception) and not _warned.get("setname"):
+            _warned["setname"] = True
+            log.warning("Redis refused CLIENT SETNAME (%s): a silent process is declared dead "
+                        "only after --suspect-timeout-s, not as soon as it exits",
+                        results[-1])
 
     def claim(self, role: str, ident: int, payload: Mapping[str, Any], ttl_s: float) -> bool:
         """Takes `ident` if no live process holds it (its heartbeat key is the claim).
@@ -367,8 +426,76 @@ class JobStore:
         raw = self.redis.mget([self.keys.heartbeat(role, i) for i in idents])
         return {i: (None if r is None else json.loads(r)) for i, r in zip(idents, raw, strict=True)}
 
-    def forget(self, role: str, ident: int) -> None:
+    def forget(self, role: str, ident: int, *, hang_up: bool = False) -> None:
+        """Deletes a heartbeat. With `hang_up`, also closes the idle connections (those the
+        beats named among them): the process has left, and the failure detector need not
+        wait to see its connections close. Later calls open new, unnamed ones."""
         self.redis.delete(self.keys.heartbeat(role, ident))
+        if hang_up:
+            self.redis.connection_pool.disconnect(inuse_connections=False)
+
+    def client_names(self) -> set[str] | None:
+        """The names of the connections Redis holds open (CLIENT LIST); None where Redis
+        refuses to say (an ACL, a proxy): then no silence is known to be an exit."""
+        try:
+            clients = self.redis.client_list(_type="normal")
+        except redis.exceptions.ResponseError as exc:
+            if not _warned.get("client list"):
+                _warned["client list"] = True
+                log.warning("Redis refused CLIENT LIST (%s): a silent process is declared "
+                            "dead only after --suspect-timeout-s", exc)
+            return None
+        return {str(c.get("name", "")) for c in clients if c.get("name")}
+
+    # ---- failure detection: suspects, fenced incarnations, membership changes ---------------
+
+    def set_suspect(self, role: str, ident: int, detail: Mapping[str, Any] | None) -> None:
+        """Records (and counts) that a process is suspect, or with None that it is no longer."""
+        if detail is None:
+            self.redis.hdel(self.keys.suspects(), f"{role}:{ident}")
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(self.keys.suspects(), f"{role}:{ident}", json.dumps(dict(detail)))
+        pipe.hincrby(self.keys.suspicions(), f"{role}:{ident}", 1)
+        pipe.execute()
+
+    def suspicion_counts(self) -> dict[str, int]:
+        """"{role}:{id}" -> how many times that process was suspect."""
+        return {_text(k): int(v) for k, v in self.redis.hgetall(self.keys.suspicions()).items()}
+
+    def suspects(self) -> dict[tuple[str, int], dict[str, Any]]:
+        """(role, id) -> {incarnation, since, clock} of each process suspect now."""
+        raw = self.redis.hgetall(self.keys.suspects())
+        out = {}
+        for key, value in raw.items():
+            role, _, ident = _text(key).partition(":")
+            out[(role, int(ident))] = dict(json.loads(value))
+        return out
+
+    def fence_worker(self, rank: int, incarnation: int) -> None:
+        """Records that `incarnation` of worker `rank` was declared dead: it, and any older
+        one, must restart (a new incarnation) to take part again."""
+        self.redis.eval(_FENCE, 1, self.keys.fenced(), rank, incarnation)
+
+    def fenced_workers(self) -> dict[int, int]:
+        """Rank -> the newest incarnation declared dead."""
+        return {int(k): int(v) for k, v in self.redis.hgetall(self.keys.fenced()).items()}
+
+    def fenced_incarnation(self, rank: int) -> int:
+        """The newest incarnation of `rank` declared dead; -1 when none was."""
+        raw = self.redis.hget(self.keys.fenced(), str(rank))
+        return -1 if raw is None else int(raw)
+
+    def record_membership(self, entry: Mapping[str, Any]) -> None:
+        """Appends one change of the workers (the newest MEMBERSHIP_KEPT are kept)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.rpush(self.keys.membership(), json.dumps(dict(entry)))
+        pipe.ltrim(self.keys.membership(), -MEMBERSHIP_KEPT, -1)
+        pipe.execute()
+
+    def membership_changes(self) -> list[dict[str, Any]]:
+        """The changes of the workers, oldest first."""
+        return [dict(json.loads(e)) for e in self.redis.lrange(self.keys.membership(), 0, -1)]
 
     # ---- worker ranks ------------------------------------------------------------------------
 
@@ -401,6 +528,61 @@ class JobStore:
 
     def finished_ranks(self) -> set[int]:
         return {int(_text(r)) for r in self.redis.smembers(self.keys.finished())}
+
+    # ---- finishing and barriers --------------------------------------------------------------
+
+    def finish_worker(self, rank: int, incarnation: int, clock: int) -> None:
+        """Records that worker `rank` (this `incarnation`) finished at `clock`: the rank is
+        never claimed again, and the scheduler takes it out of the membership."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.sadd(self.keys.finished(), str(rank))
+        pipe.hset(self.keys.left(), str(rank), json.dumps(
+            {"incarnation": incarnation, "clock": clock, "time": time.time()}))
+        pipe.execute()
+
+    def mark_finished(self, rank: int) -> None:
+        """Records that rank `rank`'s script exited with status 0 (the process is gone)."""
+        self.redis.sadd(self.keys.finished(), str(rank))
+
+    def left_workers(self) -> dict[int, dict[str, Any]]:
+        """Rank -> {incarnation, clock, time} of each worker that called `ctx.finish()`."""
+        raw = self.redis.hgetall(self.keys.left())
+        return {int(k): json.loads(v) for k, v in raw.items()}
+
+    def set_live_workers(self, ranks: list[int]) -> None:
+        self.redis.set(self.keys.live(), json.dumps(sorted(ranks)))
+
+    def live_workers(self) -> list[int] | None:
+        """The ranks the scheduler counts live; None before it has said."""
+        raw = self.redis.get(self.keys.live())
+        return None if raw is None else [int(r) for r in json.loads(raw)]
+
+    def arrive(self, name: str, round_: int, rank: int, incarnation: int, ttl_s: float) -> None:
+        """Records that `rank` (this `incarnation`) reached round `round_` of barrier `name`;
+        the round's record expires `ttl_s` after its latest arrival."""
+        key = self.keys.barrier(name, round_)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(key, str(rank), str(incarnation))
+        pipe.expire(key, max(1, int(ttl_s)))
+        pipe.execute()
+
+    def barrier_state(self, name: str, round_: int) -> tuple[
+        dict[int, int], list[int] | None, dict[int, int], dict[int, int]
+    ]:
+        """What a barrier waits on, read at once: (rank -> incarnation arrived, the live
+        ranks or None, rank -> incarnation that finished, rank -> registered incarnation)."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hgetall(self.keys.barrier(name, round_))
+        pipe.get(self.keys.live())
+        pipe.hgetall(self.keys.left())
+        pipe.hgetall(self.keys.members("worker"))
+        arrived, live, left, members = pipe.execute()
+        return (
+            {int(k): int(v) for k, v in arrived.items()},
+            None if live is None else [int(r) for r in json.loads(live)],
+            {int(k): int(json.loads(v).get("incarnation", 0)) for k, v in left.items()},
+            {int(k): int(json.loads(v).get("incarnation", 0)) for k, v in members.items()},
+        )
 
     # ---- events ------------------------------------------------------------------------------
 
@@ -524,3 +706,5 @@ def ride_out(what: str, call: Callable[[], T], default: T) -> T:
 
 
 _last_warning: dict[str, float] = {}
+# Refusals by Redis logged once per process: what -> logged.
+_warned: dict[str, bool] = {}

@@ -1,10 +1,17 @@
 """A training script for job tests: clock-driven logistic regression, run by pstrain up.
 
     python tests/job_worker.py --steps K --out DIR [--sleep-ms MS] [--dim D] [--lr LR]
+        [--steps-of R=K ...] [--finish] [--barrier NAME] [--end close|with|return]
+        [--exit-status-of R=N ...]
 
 Its batch at clock t is a function of (rank, t) alone, so a run that is interrupted and
 resumed at a clock computes what an uninterrupted one does. At the end it writes the final
 weights to DIR/worker<rank>.json.
+
+`--steps-of R=K` gives rank R K steps instead; `--finish` calls `ctx.finish()` after the last
+step and `--barrier NAME` waits at `ctx.barrier(NAME)` before the final pull. `--end` says how
+the script ends: `ctx.close()` (the default), a `with worker.init() as ctx:` block, or by
+returning without either. `--exit-status-of R=N` makes rank R exit with status N at the end.
 """
 
 from __future__ import annotations
@@ -30,30 +37,32 @@ def batch(rank: int, clock: int, dim: int, size: int = 64) -> tuple[torch.Tensor
     return x, y
 
 
-def local_sync_run(workers: int, steps: int, dim: int = 16, lr: float = 0.5) -> torch.Tensor:
-    """What a sync job computes: SGD on the mean of the workers' gradients per clock."""
+def local_sync_run(workers: int, steps: int, dim: int = 16, lr: float = 0.5,
+                   steps_of: dict[int, int] | None = None) -> torch.Tensor:
+    """What a sync job computes: SGD on the mean of the workers' gradients per clock (of the
+    workers that still take steps at that clock, with `steps_of` giving some fewer)."""
+    counts = [(steps_of or {}).get(r, steps) for r in range(workers)]
     w = torch.zeros(dim)
-    for t in range(steps):
+    for t in range(max(counts)):
         grads = []
         for r in range(workers):
-            x, y = batch(r, t, dim)
-            grads.append(x.T @ (torch.sigmoid(x @ w) - y) / len(y))
-        w -= lr * torch.stack(grads).sum(0) / workers
+            if t < counts[r]:
+                x, y = batch(r, t, dim)
+                grads.append(x.T @ (torch.sigmoid(x @ w) - y) / len(y))
+        w -= lr * torch.stack(grads).sum(0) / len(grads)
     return w
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--sleep-ms", type=float, default=0.0)
-    p.add_argument("--dim", type=int, default=16)
-    p.add_argument("--lr", type=float, default=0.5)
-    a = p.parse_args()
-    ctx = worker.init()
+def _rank_values(pairs: list[str]) -> dict[int, int]:
+    """`R=N` pairs as {R: N}."""
+    return {int(r): int(n) for r, n in (pair.split("=", 1) for pair in pairs)}
+
+
+def train(ctx: worker.WorkerContext, a: argparse.Namespace) -> None:
     client = ctx.client
+    steps = _rank_values(a.steps_of).get(ctx.rank, a.steps)
     client.declare_dense("w", (a.dim,), optimizer="sgd", lr=a.lr, init=("zeros", 0, 0))
-    while client.clock < a.steps:
+    while client.clock < steps:
         x, y = batch(ctx.rank, client.clock, a.dim)
         w = client.pull_dense("w")
         logits = x @ w
@@ -63,13 +72,40 @@ def main() -> None:
         client.push_dense("w", grad)
         client.end_iteration()
         ctx.report(samples=len(y), loss=float(loss))
+    if a.finish:
+        ctx.finish()
+    if a.barrier:
+        ctx.barrier(a.barrier)
     final = client.pull_dense("w")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"worker{ctx.rank}.json").write_text(json.dumps(
         {"rank": ctx.rank, "clock": client.clock, "w": final.tolist()}
     ))
-    ctx.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--sleep-ms", type=float, default=0.0)
+    p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--lr", type=float, default=0.5)
+    p.add_argument("--steps-of", action="append", default=[], metavar="R=K")
+    p.add_argument("--finish", action="store_true")
+    p.add_argument("--barrier", default="")
+    p.add_argument("--end", choices=("close", "with", "return"), default="close")
+    p.add_argument("--exit-status-of", action="append", default=[], metavar="R=N")
+    a = p.parse_args()
+    if a.end == "with":
+        with worker.init() as ctx:
+            train(ctx, a)
+    else:
+        ctx = worker.init()
+        train(ctx, a)
+        if a.end == "close":
+            ctx.close()
+    sys.exit(_rank_values(a.exit_status_of).get(ctx.rank, 0))
 
 
 if __name__ == "__main__":

@@ -141,7 +141,8 @@ class PSClient:
     @property
     def on_rolled_back(self) -> Callable[[], None] | None:
         """Called (from whichever thread made the call) when a server refuses this process
-        because the job rolled back since it joined, before RolledBackError is raised.
+        because the job rolled back since it joined, or because the scheduler declared this
+        incarnation dead, before RolledBackError is raised.
         worker.init sets it to exit the script for its supervisor to start it again."""
         return self._reach.on_rolled_back
 
@@ -261,6 +262,11 @@ class PSClient:
     def live_everywhere(self) -> bool:
         """Whether every shard lists this worker as live (sync pushes need it)."""
         return all(f.msg.live for f in self._join_all())
+
+    def live_on(self) -> list[int]:
+        """The shards that list this worker as live (none, once it has finished). Blocks
+        for one join per shard; thread-safe."""
+        return [k for k, f in enumerate(self._join_all()) if f.msg.live]
 
     def _join_all(self) -> list[Frame[pb.JoinResponse]]:
         """Join on every shard; repeating it for the same incarnation changes nothing."""

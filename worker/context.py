@@ -5,6 +5,10 @@ and usually the rank; `init()` finds the servers there, registers and heartbeats
 returns a context holding the client and the clock. Standalone, PSTRAIN_SERVERS (a comma
 separated list in shard order) is enough.
 
+A worker that has done its steps leaves the job with `ctx.finish()` (also done by `close()`
+and by the end of a `with worker.init() as ctx:` block without an exception), so workers with
+more steps to go never wait for it; `ctx.barrier(name)` waits for every live worker.
+
 Environment: PSTRAIN_REDIS, PSTRAIN_JOB, PSTRAIN_RANK (claimed if unset),
 PSTRAIN_WORLD_SIZE, PSTRAIN_SERVERS (standalone only), PSTRAIN_TORCH_THREADS.
 """
@@ -13,29 +17,41 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
+from types import TracebackType
 from typing import Any
 
 import torch
 
 from protos.runtime import tune_malloc
 from protos.security import Security, SecurityError
+from scheduler.finishing import barrier_missing
 from scheduler.heartbeat import Heartbeat
 from scheduler.spec import RESTART_EXIT_CODE, JobSpec
 from scheduler.store import JobStore, ride_out
 from worker.bulk import TransportSettings
 from worker.client import PSClient, RetryPolicy
-from worker.errors import PSClientError
+from worker.errors import BarrierTimeoutError, FinishTimeoutError, PSClientError
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
 # Calls keep retrying this long while a server restarts (checkpoint restore included).
 RECOVERY_RETRY = RetryPolicy(attempts=90, initial_backoff_s=0.05, max_backoff_s=1.0)
+
+# How often finish() and barrier() look again: soon at first, then less often, so a long wait
+# at a barrier costs Redis little.
+POLL_FIRST_S = 0.05
+POLL_MAX_S = 0.5
+# A barrier round's record outlives its latest arrival this long: a worker restarted later
+# finds the rounds the others passed.
+BARRIER_TTL_S = 7 * 24 * 3600.0
+_BARRIER_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
 
 
 @dataclass
@@ -68,7 +84,9 @@ class _Metrics:
 
 @dataclass
 class WorkerContext:
-    """A worker's place in its job. Thread-safe; `close` ends it (also at interpreter exit)."""
+    """A worker's place in its job. Thread-safe. `finish` leaves the job, `close` ends the
+    context (finishing first, unless told not to); as a context manager it closes on exit,
+    finishing only when the block ended without an exception."""
 
     rank: int
     world_size: int
@@ -79,6 +97,14 @@ class WorkerContext:
     heartbeat: Heartbeat | None = None
     metrics: _Metrics = field(default_factory=_Metrics)
     exporter: WorkerMetrics | None = None
+    monotonic: Callable[[], float] = field(default=time.monotonic, repr=False)
+    sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
+    # Guards `finished`, `closed` and `barrier_rounds`; held through finish() and close().
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    finished: bool = False
+    closed: bool = False
+    # Per barrier name, the rounds this process has passed: the next call waits at the next.
+    barrier_rounds: dict[str, int] = field(default_factory=dict)
 
     @property
     def clock(self) -> int:
@@ -103,14 +129,145 @@ class WorkerContext:
         """The indices of `items` this rank owns: every world_size-th, from its rank."""
         return range(self.rank, items, self.world_size)
 
-    def close(self) -> None:
-        if self.heartbeat is not None:
-            self.heartbeat.stop(forget=True)
-            self.heartbeat = None
-        if self.exporter is not None:
-            self.exporter.close()
-            self.exporter = None
-        self.client.close()
+    def finish(self, timeout_s: float = 60.0) -> None:
+        """Leaves the job: this worker has done its steps, and nobody waits for it any more.
+
+        Records in Redis that this rank finished (it is never claimed or restarted again),
+        then blocks until every server has taken it out of the live set (the scheduler does
+        that within a poll): sync clocks close and ssp bounds move without it, and barriers
+        stop waiting for it. Then stops the heartbeat, whose end the scheduler records as
+        "finished", not "dead". Send the last step's gradients first (`PSOptimizer.flush()`
+        or `close()`); pulls still work afterwards, pushes do not (sync).
+
+        Idempotent; thread-safe. Raises FinishTimeoutError when the servers still list this
+        worker after `timeout_s` (the record stays: the scheduler applies it when it can).
+        """
+        with self.lock:
+            if self.finished:
+                return
+            if self.closed:
+                raise PSClientError(f"worker {self.rank}: finish() after close(finish=False); "
+                                    "the context is closed")
+            store = self.store
+            if store is None:  # standalone: no scheduler, no membership to leave
+                self.finished = True
+                return
+            deadline = self.monotonic() + timeout_s
+            incarnation, clock = self.client.incarnation, self.client.clock
+
+            def recorded() -> bool:
+                def record() -> bool:
+                    store.finish_worker(self.rank, incarnation, clock)
+                    return True
+                return ride_out("finish", record, False)
+
+            self._poll(recorded, deadline, FinishTimeoutError,
+                       lambda: f"worker {self.rank} could not record in Redis that it "
+                               f"finished within {timeout_s:g} s (Redis unreachable?)")
+            self._poll(lambda: not self.client.live_on(), deadline, FinishTimeoutError,
+                       lambda: f"worker {self.rank} of job {self.job!r} recorded that it "
+                               f"finished, but shards {self.client.live_on()} still listed "
+                               f"it live after {timeout_s:g} s: is the job's scheduler "
+                               "running? (it applies the record when it can)")
+            if self.heartbeat is not None:
+                self.heartbeat.stop(forget=True)
+                self.heartbeat = None
+            self.finished = True
+            log.info("worker %d of job %r finished at clock %d and left the job", self.rank,
+                     self.job, clock)
+
+    def barrier(self, name: str, timeout_s: float = 3600.0) -> None:
+        """Blocks until every live worker of the job has reached barrier `name`.
+
+        Live: not dead and not finished (a worker that finishes or is declared dead while
+        others wait stops being waited for; one still starting is waited for). Calls with
+        the same name are rounds: the k-th call of each worker waits for the k-th of the
+        others, so a name can be used again, e.g. once per epoch. A finished worker may wait
+        at a barrier too (to evaluate once everyone has trained). Thread-safe per name.
+        Raises BarrierTimeoutError naming the missing workers after `timeout_s`.
+        """
+        if not _BARRIER_NAME.fullmatch(name):
+            raise PSClientError(f"barrier name {name!r} must be 1-200 letters, digits or "
+                                "'_.:-'")
+        store = self.store
+        if store is None:
+            if self.world_size == 1:
+                return
+            raise PSClientError(
+                f"ctx.barrier({name!r}) needs the job's Redis (run under pstrain up or pstrain "
+                f"worker); a standalone worker cannot see the other {self.world_size - 1}"
+            )
+        with self.lock:
+            round_ = self.barrier_rounds.get(name, 0)
+            self.barrier_rounds[name] = round_ + 1
+        started = self.monotonic()
+        incarnation = self.client.incarnation
+        missing: list[int] = []
+
+        def passed() -> bool:
+            nonlocal missing
+            state = ride_out("barrier", lambda: store.barrier_state(name, round_), None)
+            if state is None:
+                return False
+            arrived, live, left, registered = state
+            if arrived.get(self.rank) != incarnation:
+                def arrive() -> bool:
+                    store.arrive(name, round_, self.rank, incarnation, BARRIER_TTL_S)
+                    return True
+                if not ride_out("barrier", arrive, False):
+                    return False
+                arrived[self.rank] = incarnation
+            expected = range(self.world_size) if live is None else live
+            missing = barrier_missing(expected, registered, left, arrived)
+            return not missing
+
+        self._poll(passed, started + timeout_s, BarrierTimeoutError, lambda: (
+            f"barrier {name!r} (round {round_}) of job {self.job!r}: worker {self.rank} "
+            f"waited {self.monotonic() - started:.1f} s; still missing workers {missing} "
+            "(live, not finished, not arrived); raise timeout_s if they are still training"))
+        log.info("worker %d passed barrier %r (round %d) after %.1f s", self.rank, name,
+                 round_, self.monotonic() - started)
+
+    def _poll(self, done: Callable[[], bool], deadline: float, error: type[PSClientError],
+              message: Callable[[], str]) -> None:
+        """Asks `done` until it says yes, sleeping a little longer each time; raises `error`
+        with `message()` past `deadline`."""
+        wait_s = POLL_FIRST_S
+        while not done():
+            if self.monotonic() >= deadline:
+                raise error(message())
+            self.sleep(wait_s)
+            wait_s = min(POLL_MAX_S, wait_s * 1.5)
+
+    def close(self, *, finish: bool = True, timeout_s: float = 60.0) -> None:
+        """Ends this worker's part in the job: with `finish` (a clean end) it first leaves
+        the job (`finish`), else it just stops (the scheduler sees its heartbeat end, as for
+        a crash). Then stops the heartbeat, the metrics endpoint and the client. Blocks up to
+        `timeout_s` for the finish; idempotent; thread-safe."""
+        with self.lock:
+            if self.closed:
+                return
+            try:
+                if finish:
+                    self.finish(timeout_s)
+            finally:
+                self.closed = True
+                if self.heartbeat is not None:
+                    self.heartbeat.stop(forget=True)
+                    self.heartbeat = None
+                if self.exporter is not None:
+                    self.exporter.close()
+                    self.exporter = None
+                self.client.close()
+
+    def __enter__(self) -> WorkerContext:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        # sys.exit(0) inside the block is a clean end too.
+        clean = kind is None or (isinstance(error, SystemExit) and error.code in (0, None))
+        self.close(finish=clean)
 
     def _payload(self) -> dict[str, Any]:
         return {"rank": self.rank, "incarnation": self.client.incarnation,
@@ -174,16 +331,23 @@ def init(*, timeout_s: float = 120.0, env: Mapping[str, str] | None = None) -> W
     generation = ride_out("generation", store.generation, 0)
     client.generation = generation
 
-    def restart() -> None:
-        # A sync job rolled back to a checkpoint: this process's progress past it is void.
-        # Its supervisor (pstrain up, pstrain worker, systemd) starts it again and it rejoins
-        # at the checkpoint's clock.
-        log.warning("worker %d: job %r rolled back; exiting to be restarted", rank, job)
+    def restart(why: str = "a server refused it: the job rolled back, or this process was "
+                           "declared dead") -> None:
+        # A sync job rolled back to a checkpoint (this process's progress past it is void), or
+        # this process was declared dead (the job went on without it; it never rejoins as
+        # itself). Its supervisor (pstrain up, pstrain worker, systemd) starts it again and
+        # the new incarnation rejoins: at the checkpoint's clock, or at the open clock.
+        log.warning("worker %d (incarnation %d) of job %r: %s; exiting to be restarted", rank,
+                    incarnation, job, why)
         os._exit(RESTART_EXIT_CODE)
 
     def watch_rollback() -> None:
-        if ride_out("generation", store.generation, 0) > generation:
-            restart()
+        if spec.mode == "sync" and ride_out("generation", store.generation, 0) > generation:
+            restart("the job rolled back")
+        # Declared dead while it was paused: found here even if it makes no request.
+        if ride_out("fenced", lambda: store.fenced_incarnation(rank), -1) >= incarnation:
+            restart("this process was declared dead (silent too long) and the job went on "
+                    "without it")
 
     # A restored server may refuse this process before a heartbeat sees the new generation.
     client.on_rolled_back = restart
@@ -193,13 +357,16 @@ def init(*, timeout_s: float = 120.0, env: Mapping[str, str] | None = None) -> W
         payload=ctx._payload,
         registration={"incarnation": incarnation, "pid": os.getpid(),
                       "host": socket.gethostname()},
-        on_beat=watch_rollback if spec.mode == "sync" else None,
+        on_beat=watch_rollback,
     )
     ctx.heartbeat.start()
     client.join()
     if spec.mode == "sync":
         _wait(lambda: client.live_everywhere() or None, deadline,
               f"the scheduler of job {job!r} to list worker {rank} live")
+        # Listed live, a worker that replaces a dead one is moved up to the open clock:
+        # joining again takes that clock, so its first push is not a late one.
+        client.join()
     _serve_metrics(ctx, env)
     log.info("worker %d of job %r joined at clock %d (incarnation %d)", rank, job,
              client.clock, incarnation)

@@ -21,8 +21,9 @@ class RemoteError(PSClientError):
 
 
 class RolledBackError(RemoteError):
-    """The job rolled back to a checkpoint after this process joined: its progress past the
-    checkpoint is void, and it must restart and rejoin. Never retried."""
+    """The job rolled back to a checkpoint after this process joined (its progress past the
+    checkpoint is void), or the scheduler declared this incarnation dead (the job went on
+    without it): it must restart and rejoin as a new incarnation. Never retried."""
 
 
 class ClusterMismatchError(PSClientError):
@@ -35,3 +36,12 @@ class UnknownTableError(PSClientError):
 
 class PSModuleError(PSClientError):
     """A PS module or PSOptimizer was built or used in a way it cannot work (message says why)."""
+
+
+class FinishTimeoutError(PSClientError):
+    """`ctx.finish()` ran out of time before every server had taken the worker out of the
+    job's live set (is the job's scheduler running?)."""
+
+
+class BarrierTimeoutError(PSClientError):
+    """`ctx.barrier()` ran out of time; the message names the workers that had not come."""

@@ -12,7 +12,7 @@ import itertools
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -23,7 +23,8 @@ from worker.client import PSClient
 from worker.context import WorkerContext, init
 from worker.errors import PSClientError
 
-__all__ = ["TrainingError", "log_loss", "lookahead", "roc_auc", "shard_indices"]
+__all__ = ["TrainingError", "even_batches", "log_loss", "lookahead", "roc_auc",
+           "shard_indices"]
 
 T = TypeVar("T")
 
@@ -47,6 +48,41 @@ def shard_indices(n: int, rank: int, world_size: int) -> npt.NDArray[np.int64]:
         raise TrainingError(f"n must be >= 0, got {n}")
     start, end = rank * n // world_size, (rank + 1) * n // world_size
     return np.arange(start, end, dtype=np.int64)
+
+
+def even_batches(n_items: int, batch_size: int, rank: int, world_size: int,
+                 policy: Literal["drop", "pad"] = "drop") -> list[npt.NDArray[np.int64]]:
+    """This rank's batches of `n_items` samples: every rank gets as many, of the same sizes.
+
+    A sync job closes a clock when every worker has pushed for it, so every worker must take
+    as many steps; splitting n samples W ways leaves some ranks a sample short, and (when the
+    short share is a multiple of `batch_size`) a batch short. Each rank here gets a
+    contiguous block of the same number of samples, batched in order (the last batch may be
+    smaller, the same on every rank):
+
+    - "drop": n // W samples each; the last n % W samples (fewer than W) are left out.
+    - "pad": ceil(n / W) samples each; the last rank's block runs past the end and wraps to
+      the first samples, which are used twice (as torch's DistributedSampler pads).
+
+    Returns each batch's sample indices (0..n_items-1). Shuffle the samples once with a seed
+    every worker shares before using it (and with a per-epoch seed for each epoch). Pure;
+    thread-safe.
+    """
+    if policy not in ("drop", "pad"):
+        raise TrainingError(f"policy must be 'drop' or 'pad', got {policy!r}")
+    if batch_size < 1:
+        raise TrainingError(f"batch_size must be >= 1, got {batch_size}")
+    if world_size < 1:
+        raise TrainingError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise TrainingError(f"rank must lie in [0, {world_size}), got {rank}")
+    if n_items < 0:
+        raise TrainingError(f"n_items must be >= 0, got {n_items}")
+    share = n_items // world_size if policy == "drop" else -(-n_items // world_size)
+    mine = np.arange(rank * share, (rank + 1) * share, dtype=np.int64)
+    if policy == "pad" and n_items:
+        mine %= n_items
+    return [mine[start : start + batch_size] for start in range(0, share, batch_size)]
 
 
 def lookahead(items: Iterable[T], steps: int = 1) -> Iterator[tuple[T, T | None]]:

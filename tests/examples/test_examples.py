@@ -154,6 +154,25 @@ def test_movielens_after_a_sync_server_kill_ends_with_the_clean_run_s_auc(procs:
         assert (b["test_auc"], b["test_logloss"]) == (a["test_auc"], a["test_logloss"])
 
 
+@needs_movielens
+@pytest.mark.timeout(300)
+def test_movielens_async_workers_under_up_score_the_same_final_model(procs: Procs) -> None:
+    # Each worker finishes, waits at the barrier for the other, then evaluates: both score
+    # the model every gradient went into, though async workers end at different times.
+    up = procs.pstrain(["up", "--servers", "2", "--workers", "2", "--mode", "async",
+                        "--no-view", "--log-dir", str(procs.workdir / "logs"), MOVIELENS,
+                        "--", *REDUCED], "up")
+    assert up.popen.wait(timeout=240) == 0, up.log()[-3000:]
+    results = {}
+    for line in up.log().splitlines():
+        for rank in (0, 1):
+            if line.startswith(f"worker {rank}: {{"):
+                results[rank] = json.loads(line.removeprefix(f"worker {rank}: "))
+    assert results[0]["mode"] == "distributed" and results[0]["test_auc"] > 0.6, results
+    assert [(r["test_auc"], r["test_logloss"], r["val_auc"]) for r in results.values()] == [
+        (results[0]["test_auc"], results[0]["test_logloss"], results[0]["val_auc"])] * 2
+
+
 def test_synthetic_ctr_grows_the_table_and_learns(procs: Procs) -> None:
     server = procs.server(0, 1, ["--mode", "async"])
     args = ["--steps", "20", "--batch", "1024", "--eval-samples", "5000", "--log-every", "10"]

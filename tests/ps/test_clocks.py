@@ -8,7 +8,7 @@ import pytest
 
 from ps.clocks import ClockBoard, Quorum
 from ps.consistency import SyncPolicy
-from ps.errors import InvalidArgumentError
+from ps.errors import FencedError, InvalidArgumentError, RolledBackError
 
 
 def closes(board: ClockBoard) -> bool:
@@ -89,3 +89,29 @@ def test_checkpoint_form_round_trips_through_json() -> None:
     assert (copy.open_clock, copy.clocks_closed, copy.clocks, copy.live) == (
         1, 1, {0: 2, 1: 1, 2: 1}, {0, 2})
 
+
+
+@pytest.mark.parametrize(
+    ("fences", "worker", "incarnation", "refused"),
+    [
+        ([], 1, 7, False),
+        ([{1: 7}], 1, 7, True),  # the incarnation declared dead
+        ([{1: 7}], 1, 6, True),  # an older one of that worker
+        ([{1: 7}], 1, 8, False),  # its restart, a new incarnation
+        ([{1: 7}], 0, 7, False),  # another worker
+        ([{1: 7}, {1: 5}], 1, 6, True),  # a fence never goes down
+        ([{1: 7}, {1: 9, 2: 3}], 1, 8, True),  # it goes up
+    ],
+)
+def test_a_fenced_incarnation_is_refused_so_it_restarts(
+    fences: list[dict[int, int]], worker: int, incarnation: int, refused: bool,
+) -> None:
+    board = ClockBoard(Quorum(workers=3))
+    for fenced in fences:
+        board.fence(fenced)
+    if not refused:
+        board.check_not_fenced(worker, incarnation)
+        return
+    with pytest.raises(FencedError, match="declared dead") as err:
+        board.check_not_fenced(worker, incarnation)
+    assert isinstance(err.value, RolledBackError)  # marked so the client restarts

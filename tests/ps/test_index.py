@@ -9,7 +9,7 @@ import pytest
 
 from ps._index import Int64Index
 from ps.errors import InvalidArgumentError
-from ps.index import KeyIndex
+from ps.index import SLOT_BYTES, KeyIndex, capacity_for, count_distinct
 
 I64_MIN = np.iinfo(np.int64).min
 I64_MAX = np.iinfo(np.int64).max
@@ -323,3 +323,22 @@ def test_first_repeat_rejects_rows_outside_the_index() -> None:
     with pytest.raises(ValueError, match="outside the bitmap"):
         index.first_repeat(np.array([0, 1 << 40], dtype=np.int64))
     assert index.first_repeat(np.array([0, 1, 2], dtype=np.int64)) == -1
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 6, 11, 12, 100, 717, 718, 10_000, 734_003, 734_004])
+def test_capacity_for_is_the_capacity_the_index_takes(n: int) -> None:
+    """The projection memory accounting makes before inserting equals what the C index
+    reserves, at and around its load limit (0.7 of a power of two)."""
+    index = KeyIndex()
+    index.lookup_or_insert(np.arange(n, dtype=np.int64))
+    assert index.capacity == capacity_for(n) == KeyIndex(capacity_hint=n).capacity
+    assert index.nbytes == SLOT_BYTES * capacity_for(n)
+
+
+@pytest.mark.parametrize(
+    ("keys", "distinct"),
+    [([], 0), ([7], 1), ([7, 7], 1), ([1, 2, 3], 3), ([3, 1, 3, 2, 1], 3),
+     ([I64_MIN, I64_MAX, -1, I64_MIN], 3)],
+)
+def test_count_distinct(keys: list[int], distinct: int) -> None:
+    assert count_distinct(np.array(keys, dtype=np.int64)) == distinct

@@ -4,6 +4,8 @@ not the client's."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -14,12 +16,13 @@ import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from procs import Proc, Procs
+from procs import REPO, Proc, Procs
 
 from protos import codec, rpc
 from protos import pstrain_pb2 as pb
 from protos.parts import cut
 from worker.client import PSClient
+from worker.errors import RemoteError
 
 _PATHS = {m.name: m.path for m in rpc.METHODS}
 
@@ -186,7 +189,7 @@ def raw(procs: Procs) -> Iterator[Raw]:
     server = procs.server(extra=["--max-message-mib", "4", "--chunk-mib", "1",
                                  "--max-answer-mib", "0.001", "--max-table-mib", "1",
                                  "--max-dim", "64", "--max-tables", "45",
-                                 "--max-declare-tables", "50"])
+                                 "--max-declare-tables", "50", "--max-new-rows", "999"])
     client = PSClient([server.address])
     client.declare_dense("w", (8, 4), optimizer="sgd", lr=1.0, init=("uniform", -1, 1))
     client.declare_sparse("e", 4, optimizer="adagrad", lr=0.1)
@@ -379,6 +382,12 @@ CASES = [
         "RESOURCE_EXHAUSTED", "holds 2 tables and takes at most 45 (--max-tables); 50 more do "
         "not fit", id="declare-past-table-count",
     ),
+    pytest.param(
+        lambda r: r.exchange(_sparse_push(codec.keys_bytes(np.arange(100, 1100)), _values(1000))),
+        "RESOURCE_EXHAUSTED", "this exchange would create 1000 new rows (table 'e': 1000), over "
+        "this server's limit of 999 per request (--max-new-rows); send fewer new keys",
+        id="new-rows-over-limit",
+    ),
     # An exchange is checked whole before its first push applies or its iteration ends.
     pytest.param(
         lambda r: r.exchange(_exchange(_then_dense(torch.ones(8, 5), [8, 5]))),
@@ -548,9 +557,9 @@ def test_a_clock_past_the_limit_leaves_stats_and_membership_working(raw: Raw) ->
 
 def test_stalled_streams_are_cancelled_and_free_their_threads(procs: Procs) -> None:
     """Two clients each send the first part of a streamed exchange and then nothing, on a
-    server with two threads: each stream is cancelled once idle for --stream-idle-s, and
-    the server answers other calls again, with nothing applied."""
-    server = procs.server(extra=["--stream-idle-s", "1", "--grpc-threads", "2"])
+    server with two threads for data calls: each stream is cancelled once idle for
+    --stream-idle-s, and the server answers other calls again, with nothing applied."""
+    server = procs.server(extra=["--stream-idle-s", "1", "--grpc-threads", "4"])
     client = PSClient([server.address])
     client.declare_dense("w", (8, 4), optimizer="sgd", lr=1.0, init=("zeros", 0, 0))
     first = _streamed(torch.ones(8, 4))[0]
@@ -582,3 +591,122 @@ def test_stalled_streams_are_cancelled_and_free_their_threads(procs: Procs) -> N
     assert "sent nothing for 1 s; cancelling it" in server.log()
     channel.close()
     client.close()
+
+
+# ---- the memory budget ---------------------------------------------------------------------
+
+MiB = 1 << 20
+# What a server holds beyond its tables while it serves steps of BATCH new keys: the
+# request's gRPC message and decoded arrays, new rows' initial values and the optimizer's
+# temporaries, kept on the heap for reuse (20 to 22 MiB measured at this batch), and, now
+# and then, up to the key index's size again (8 MiB here, twice over at most) when heap the
+# index once advised onto huge pages (ps/_index.c) is reused and faulted in 2 MiB at a time.
+# Without the budget the server passes 64 MiB + this within 45 batches; with storage on the
+# heap (freed copies of a grown table kept for reuse), within 30.
+REQUEST_SLACK = 48 * MiB
+BATCH, DIM = 8192, 32
+
+
+def _rss(pid: int) -> int:
+    """The process's resident memory (VmRSS), bytes."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"process {pid} reports no VmRSS")
+
+
+def _emb_step(known: np.ndarray, new: np.ndarray) -> bytes:
+    """Worker 1 pushes gradients of `known` and `new` keys of "emb", ends its iteration and
+    pulls the new keys: a worker's usual step, in one exchange."""
+    msg = pb.ExchangeRequest(worker=1, incarnation=1, end_iteration=True)
+    payload = codec.Payload()
+    keys = np.concatenate([known, new])
+    msg.pushes.append(pb.ExchangePush(
+        table="emb", seq=next(_seq), dtype=pb.FLOAT32, dim=DIM,
+        keys=payload.add(codec.keys_bytes(keys)),
+        values=payload.add(codec.tensor_bytes(torch.ones(len(keys), DIM))),
+    ))
+    msg.pulls.append(pb.ExchangePull(table="emb", keys=payload.add(codec.keys_bytes(new))))
+    return codec.encode(msg, {"payload": payload.parts})
+
+
+def test_a_server_at_its_memory_budget_refuses_new_rows_and_stays_within_it(
+    procs: Procs,
+) -> None:
+    """New keys are pushed in batches until the server refuses one: it refuses before it
+    holds more than its budget (resident memory stays within it, past an empty server's),
+    names the table and the budget, and changes nothing; the rows it holds are still pulled
+    and pushed, and it goes on serving."""
+    server = procs.server(extra=["--memory-budget", "64MiB"])
+    client = PSClient([server.address], transport="grpc")
+    client.declare_sparse("emb", DIM, optimizer="adagrad", lr=0.1)
+    baseline = _rss(server.pid)
+    grads = torch.ones(BATCH, DIM)
+    refused: RemoteError | None = None
+    start = 0
+    while start < 64 * BATCH:  # the rows of more than twice the budget
+        try:
+            client.push_sparse("emb", np.arange(start, start + BATCH), grads, assume_unique=True)
+        except RemoteError as exc:
+            refused = exc
+            break
+        start += BATCH
+        grown = _rss(server.pid) - baseline
+        assert grown < 64 * MiB + REQUEST_SLACK, f"{grown / MiB:.1f} MiB after {start} rows"
+    assert refused is not None, f"{start} rows pushed, none refused"
+    assert refused.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert refused.details.startswith(f"table 'emb': creating {BATCH} new rows would take "
+                                      "this server to ")
+    assert "over its --memory-budget of 64 MiB (it holds " in refused.details
+    assert refused.details.endswith("raise the budget, add servers, or send fewer new keys "
+                                    "(rows are not evicted)")
+
+    channel = grpc.insecure_channel(server.address)
+    exchange = channel.unary_unary(_PATHS["Exchange"])
+    probe = np.arange(0, start, 997)
+
+    def state() -> tuple[list[object], list[tuple[int, int]], torch.Tensor]:
+        stats = client.stats()[0]
+        tables = [(t.rows, t.memory_bytes, t.pushes_applied) for t in stats.tables]
+        return tables, sorted((c.worker, c.clock) for c in stats.clocks), client.pull_sparse(
+            "emb", probe, clock=0)
+
+    before = state()
+    assert before[0][0][0] == start and before[0][0][1] <= 64 * MiB
+    with pytest.raises(grpc.RpcError) as err:
+        exchange(_emb_step(np.arange(10), np.arange(start, start + 100)), timeout=30)
+    assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "table 'emb': creating 100 new rows" in (err.value.details() or "")
+    after = state()
+    assert after[:2] == before[:2]
+    torch.testing.assert_close(after[2], before[2], atol=0, rtol=0)
+
+    # The rows it holds are served and updated; a dense table past the budget is refused.
+    client.push_sparse("emb", probe, torch.ones(len(probe), DIM), assume_unique=True)
+    assert not torch.equal(client.pull_sparse("emb", probe, clock=0), before[2])
+    with pytest.raises(RemoteError, match="table 'big': declaring it would take this server"):
+        client.declare_dense("big", (4096, 1024), optimizer="sgd", lr=0.1)
+    stub = health_pb2_grpc.HealthStub(channel)
+    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    assert _rss(server.pid) - baseline < 64 * MiB + REQUEST_SLACK
+    channel.close()
+    client.close()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--memory-budget", "8XB"], "pstrain server: --memory-budget: '8XB' is not a size; "
+         "give bytes, or a number with a unit such as 512MiB, 8GiB or 1.5GB"),
+        (["--memory-budget=-1GiB"], "--memory-budget: '-1GiB' is not a size"),
+        (["--max-new-rows", "0"], "pstrain server: max_new_rows must be >= 1, got 0"),
+    ],
+)
+def test_a_bad_limit_flag_stops_the_server_naming_it(flags: list[str], message: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "ps", "--bind", "127.0.0.1:0", "--restore", "none", *flags],
+        capture_output=True, text=True, timeout=60, cwd=REPO, check=False,
+    )
+    assert done.returncode == 2 and message in done.stderr, (done.returncode, done.stderr)

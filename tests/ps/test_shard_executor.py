@@ -20,12 +20,15 @@ import pytest
 import torch
 
 from protos import codec, modes
+from protos.partition import RowRange
 from ps.clocks import Quorum
-from ps.errors import ClockWaitTimeoutError, InvalidArgumentError
+from ps.errors import ClockWaitTimeoutError, InvalidArgumentError, ResourceExhaustedError
+from ps.index import capacity_for
 from ps.initializers import InitSpec
 from ps.shard import (
     DensePush,
     Exchange,
+    Limits,
     Pull,
     PullRecord,
     PushMeta,
@@ -33,8 +36,9 @@ from ps.shard import (
     Shard,
     ShardConfig,
     SparsePush,
+    format_size,
 )
-from ps.tables import OptimizerConfig, TableSpec
+from ps.tables import DenseTable, OptimizerConfig, SparseTable, TableSpec
 
 BOUND_S = 5.0  # the longest any test here waits for a thread, in real time
 F32 = torch.float32
@@ -423,3 +427,156 @@ def test_a_refused_exchange_changes_nothing() -> None:
     result = shard.exchange(fixed)
     assert result.outcomes == [PushOutcome.APPLIED]
     assert result.open_clock == 0
+
+
+# ---- what requests may make the shard hold -------------------------------------------------------
+
+W = TableSpec("w", "dense", F32, shape=(4,), init=ONES, optimizer=SGD_1)
+EMB = TableSpec("emb", "sparse", F32, dim=2, init=ONES, optimizer=SGD_1)
+
+
+def budget_shard(rows: int = 0, mode: str = "async", workers: int = 2,
+                 max_new_rows: int = 1 << 24) -> tuple[Shard, FakeClock, int]:
+    """make_shard's tables on a shard whose memory budget holds "emb" at `rows` rows (its
+    storage for exactly them, its index for them) beside "w"; no budget for 0 rows. Returns
+    the budget too."""
+    budget = rows and (DenseTable.bytes_for(W, RowRange(0, 0, 4))
+                       + SparseTable.bytes_for(EMB, rows, capacity_for(rows)))
+    clock = FakeClock()
+    limits = Limits(memory_budget_bytes=budget, max_new_rows=max_new_rows)
+    shard = Shard(ShardConfig(0, 1, mode=modes.parse(mode), quorum=Quorum(workers),
+                              max_wait_s=10.0, limits=limits), clock=clock)
+    shard.declare([W, EMB])
+    return shard, clock, budget
+
+
+def span(start: int, stop: int) -> np.ndarray:
+    return np.arange(start, stop, dtype=np.int64)
+
+
+def emb_push(worker: int, seq: int, keys: np.ndarray, clock: int = 0) -> SparsePush:
+    return SparsePush("emb", PushMeta(worker, 1, seq, clock), F32, 2, keys,
+                      codec.tensor_bytes(torch.ones(len(keys), 2)))
+
+
+def step(shard: Shard, worker: int, pushes: list[SparsePush], pulls: list[Pull],
+         end_iteration: bool = False, clock: int = 0) -> Any:
+    return shard.exchange(Exchange(worker=worker, incarnation=1, generation=0,
+                                   push_clock=clock, pushes=pushes,
+                                   end_iteration=end_iteration, pull_clock=clock + end_iteration,
+                                   pulls=pulls))
+
+
+def held(shard: Shard) -> dict[str, tuple[int, int, Any]]:
+    """Each table's rows, memory and counters."""
+    return {s.name: (s.rows, s.memory_bytes, s.counters) for s, _ in shard.stats()}
+
+
+def test_new_rows_past_the_memory_budget_are_refused_whole_and_change_nothing() -> None:
+    shard, _, budget = budget_shard(3000)
+    for seq, start in enumerate((0, 1000, 2000), 1):
+        assert push_sparse(shard, "emb", PushMeta(0, 1, seq), 2, span(start, start + 1000),
+                           codec.tensor_bytes(torch.ones(1000, 2))) is PushOutcome.APPLIED
+    assert shard.memory_bytes() == budget  # filled to the byte, never past it
+    before, stats, clocks = values(shard), held(shard), shard.clock_state()
+    # Known and new keys pushed, the iteration ended, new keys pulled: refused as a whole.
+    request = [emb_push(0, 4, np.concatenate([span(0, 10), span(5000, 5002)]))]
+    with pytest.raises(ResourceExhaustedError) as err:
+        step(shard, 0, request, [Pull("emb", span(6000, 6004)), Pull("w")], end_iteration=True)
+    assert str(err.value) == (
+        f"table 'emb': creating 6 new rows would take this server to "
+        f"{format_size(budget + 6 * 8)}, over its --memory-budget of {format_size(budget)} "
+        f"(it holds {format_size(budget)} now); raise the budget, add servers, or send fewer "
+        "new keys (rows are not evicted)"
+    )
+    assert (values(shard), held(shard), shard.clock_state()) == (before, stats, clocks)
+    # A pull alone of one new key is refused too.
+    with pytest.raises(ResourceExhaustedError, match="creating 1 new rows"):
+        pull_sparse(shard, "emb", 1, 0, span(2999, 3001))
+    assert (values(shard), held(shard)) == (before, stats)
+    # The refused push's number is still free: the same number over known keys applies.
+    result = step(shard, 0, [emb_push(0, 4, span(0, 10))], [Pull("emb", span(0, 3000))],
+                  end_iteration=True)
+    assert result.outcomes == [PushOutcome.APPLIED] and len(result.pulled[0]) == 3000
+    assert values(shard)[1][0] == [-1.0, -1.0] and shard.memory_bytes() == budget
+
+
+def test_the_budget_counts_each_new_key_once_across_a_request() -> None:
+    """Pushing new keys and pulling the same ones (a worker's usual step) asks for each row
+    once; so does a pull that names a new key twice."""
+    shard, _, budget = budget_shard(1024)  # a sparse table's first allocation
+    keys = span(0, 1024)
+    result = step(shard, 0, [emb_push(0, 1, keys)],
+                  [Pull("emb", keys), Pull("emb", np.concatenate([keys[::-1], keys]))])
+    assert result.outcomes == [PushOutcome.APPLIED]
+    assert held(shard)["emb"][:2] == (1024, budget - DenseTable.bytes_for(W, RowRange(0, 0, 4)))
+
+
+def test_a_table_near_the_budget_leaves_room_for_the_others() -> None:
+    """Growth under a budget takes half the room left, not all of it: a second table still
+    gets rows after the first grew near the budget."""
+    shard, _, budget = budget_shard(3000)
+    shard.declare([TableSpec("other", "sparse", F32, dim=2, init=ONES, optimizer=SGD_1)])
+    step(shard, 0, [emb_push(0, 1, span(0, 2000))], [])
+    assert shard.memory_bytes() < budget
+    step(shard, 0, [], [Pull("other", span(0, 10))])
+    assert held(shard)["other"][0] == 10 and shard.memory_bytes() <= budget
+
+
+def test_rows_admitted_for_a_waiting_request_count_against_the_next() -> None:
+    """An ssp pull of new keys waits for the clocks with its rows admitted but not yet made;
+    a push of other new keys meanwhile, which would fit alone, is refused, and the room is
+    given back once the pull is served."""
+    shard, clock, budget = budget_shard(3000, mode="ssp")
+    shard.tick(0, 1, 0)
+    pull = Call(lambda: pull_sparse(shard, "emb", 0, 1, span(0, 2000)))
+    assert settle(pull, clock)
+    with pytest.raises(ResourceExhaustedError, match="creating 2000 new rows"):
+        step(shard, 1, [emb_push(1, 1, span(10_000, 12_000))], [])
+    assert held(shard)["emb"][0] == 0
+    shard.tick(1, 1, 0)
+    assert len(pull.outcome()) == 2000
+    assert shard.memory_bytes() <= budget
+    # What the pull reserved is back: its rows count now, as rows.
+    step(shard, 1, [emb_push(1, 1, span(10_000, 11_000))], [], clock=1)
+    assert held(shard)["emb"][0] == 3000 and shard.memory_bytes() <= budget
+
+
+@pytest.mark.parametrize("budgeted", [False, True])
+def test_max_new_rows_bounds_what_one_request_creates_over_all_its_tables(
+    budgeted: bool,
+) -> None:
+    shard, _, _ = budget_shard(10_000 if budgeted else 0, max_new_rows=100)
+    shard.declare([TableSpec("emb2", "sparse", F32, dim=2, init=ONES, optimizer=SGD_1)])
+    keys = span(0, 100)
+    step(shard, 0, [emb_push(0, 1, keys)], [Pull("emb", keys), Pull("emb", keys[::-1])])
+    # Known keys are not counted: 100 known and 100 new pass.
+    step(shard, 0, [], [Pull("emb", span(0, 200))])
+    before, stats = values(shard), held(shard)
+    with pytest.raises(ResourceExhaustedError) as err:
+        step(shard, 0, [emb_push(0, 2, span(200, 260))], [Pull("emb2", span(0, 41))])
+    assert str(err.value) == (
+        "this exchange would create 101 new rows (table 'emb': 60, table 'emb2': 41), over "
+        "this server's limit of 100 per request (--max-new-rows); send fewer new keys per "
+        "request"
+    )
+    assert (values(shard), held(shard)) == (before, stats)
+
+
+def test_a_declare_past_the_budget_is_refused_whole() -> None:
+    shard, _, budget = budget_shard(3000)
+    big = TableSpec("big", "dense", F32, shape=(1000, 100), init=ONES,
+                    optimizer=OptimizerConfig("adam", (("lr", 0.1),)))
+    small = TableSpec("small", "sparse", F32, dim=2, init=ONES, optimizer=SGD_1)
+    held_now = shard.memory_bytes()
+    with pytest.raises(ResourceExhaustedError) as err:
+        shard.declare([small, big])
+    projected = held_now + SparseTable.bytes_for(small) + 3 * 400_000 + 8
+    assert str(err.value) == (
+        f"table 'big': declaring it would take this server to {format_size(projected)}, over "
+        f"its --memory-budget of {format_size(budget)} (it holds {format_size(held_now)} "
+        "now); raise the budget, add servers, or declare a smaller table"
+    )
+    assert set(held(shard)) == {"w", "emb"}
+    shard.declare([small])
+    assert set(held(shard)) == {"w", "emb", "small"}

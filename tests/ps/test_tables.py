@@ -559,3 +559,116 @@ def test_counters_add_up_and_are_copies() -> None:
     seen.pushes_rejected = 100
     assert table.counters().pushes_rejected == 3
     assert dataclasses.asdict(table.stats().counters)["pushes_rejected"] == 3
+
+
+# ---- memory, as the server's budget counts it ---------------------------------------------------
+
+
+def allocated(table: DenseTable | SparseTable) -> int:
+    """The bytes the table's tensors and index really hold, read from their storages."""
+    tensors = [table.value, *table.state.values()]
+    if table.step is not None:
+        tensors.append(table.step)
+    held = sum(t.untyped_storage().nbytes() for t in tensors)
+    return held + (table.index.nbytes if isinstance(table, SparseTable) else 0)
+
+
+@pytest.mark.parametrize(
+    ("spec", "placement"),
+    [
+        (dense_spec(), RowRange(1, 2, 5)),
+        (dense_spec(optimizer=ADAM, dtype=torch.float64), RowRange(0, 0, 6)),
+        (dense_spec(shape=()), RowRange(0, 0, 1)),
+        (dense_spec(shape=()), RowRange(1, 0, 0)),  # a scalar's other shards
+        (dense_spec(shape=(6, 0)), RowRange(0, 0, 6)),
+        (dense_spec(optimizer=OptimizerConfig("adagrad"), dtype=torch.bfloat16,
+                    shape=(5, 2, 3)), RowRange(0, 0, 5)),
+    ],
+)
+def test_a_dense_table_holds_what_its_spec_says_before_it_exists(
+    spec: TableSpec, placement: RowRange
+) -> None:
+    """A declare is checked against the budget from the spec alone; the table then made
+    holds exactly that, as its stats report."""
+    table = DenseTable(spec, placement)
+    assert DenseTable.bytes_for(spec, placement) == table.memory_bytes()
+    # A one-element block sits in an 8-byte allocation.
+    assert table.memory_bytes() <= allocated(table) <= table.memory_bytes() + 8
+    assert table.stats().memory_bytes == table.memory_bytes()
+
+
+@pytest.mark.parametrize("optimizer", [SGD_HALF, OptimizerConfig("adagrad"), ADAM])
+def test_a_sparse_tables_memory_is_what_its_storage_and_index_allocate(
+    optimizer: OptimizerConfig,
+) -> None:
+    """Counted at reserved capacity, not rows in use: growing in doubling steps, it is
+    always what the tensors and the index really hold, and never less than the rows."""
+    spec = sparse_spec(optimizer=optimizer, dim=8)
+    table = SparseTable(spec, 0, 1)
+    assert table.memory_bytes() == SparseTable.bytes_for(spec) == allocated(table)
+    seen = [table.memory_bytes()]
+    for start in range(0, 20_000, 1500):
+        table.pull(np.arange(start, start + 1500, dtype=np.int64))
+        held = table.memory_bytes()
+        assert held == allocated(table) == table.stats().memory_bytes
+        assert held >= table.rows * table.bytes_per_row + table.index.nbytes
+        seen.append(held)
+    assert seen == sorted(seen) and len(set(seen)) > 3, seen
+
+
+@pytest.mark.parametrize("new", [1, 500, 1000, 1024, 3000, 50_000])
+def test_the_projected_bytes_are_what_creating_the_rows_takes(new: int) -> None:
+    """bytes_at, for the rows after a request and the capacity storage grows to, equals
+    what the table holds once the request's rows exist."""
+    table = SparseTable(sparse_spec(optimizer=ADAM), 0, 1)
+    table.pull(np.arange(700, dtype=np.int64))
+    rows = table.rows + new
+    capacity = max(rows, 2 * table.capacity) if rows > table.capacity else table.capacity
+    projected = table.bytes_at(rows, capacity)
+    table.pull(np.arange(10_000_000, 10_000_000 + new, dtype=np.int64))
+    assert table.memory_bytes() == projected == allocated(table)
+
+
+def test_rows_created_after_a_reserve_allocate_nothing_more() -> None:
+    table = SparseTable(sparse_spec(), 0, 1)
+    table.reserve(5000, 6000)
+    assert (table.rows, table.capacity) == (0, 6000)
+    held = table.memory_bytes()
+    before = table.snapshot()
+    table.pull(np.arange(2500, dtype=np.int64))
+    table.apply(np.arange(2500, 5000, dtype=np.int64), torch.ones(2500, 4), assign=False)
+    assert (table.rows, table.capacity, table.memory_bytes()) == (5000, 6000, held)
+    assert before["keys"].numel() == 0
+    table.reserve(10, 10)  # never shrinks
+    assert (table.capacity, table.memory_bytes()) == (6000, held)
+
+
+def test_reading_known_keys_never_grows_the_index() -> None:
+    """A pull or push of rows that exist allocates nothing, however many keys it names: only
+    new keys take index room (the budget counts nothing else)."""
+    table = SparseTable(sparse_spec(), 0, 1)
+    held = keys(*range(700))  # 0.7 of the index's 1024 slots: full
+    table.pull(held)
+    slots, memory = table.index.capacity, table.memory_bytes()
+    table.pull(held)
+    table.apply(held, torch.ones(len(held), 4), assign=False)
+    table.pull(keys(*range(699, -1, -1), *range(700)))
+    assert (table.index.capacity, table.memory_bytes()) == (slots, memory)
+
+
+def test_a_pull_naming_new_keys_more_than_once_creates_each_row_once() -> None:
+    table = SparseTable(sparse_spec(), 0, 1)
+    pulled = table.pull(keys(9, 5, 9, 9, 5, 9)).gather(0, 6)
+    assert table.rows == 2
+    assert table.index.capacity == 8  # room for 2 keys, not for 6
+    np.testing.assert_array_equal(table.index.keys_by_row(), [9, 5])
+    for i, j in [(0, 2), (0, 3), (0, 5), (1, 4)]:
+        assert torch.equal(pulled[i], pulled[j])
+    torch.testing.assert_close(table.pull(keys(5, 9)).gather(0, 2), pulled[[1, 0]])
+
+
+def test_absent_names_the_new_keys_and_changes_nothing() -> None:
+    table = warm_sparse()
+    before = image(table)
+    np.testing.assert_array_equal(table.absent(keys(3, 77, -5, 77, 8)), [77, 77, 8])
+    assert image(table) == before

@@ -16,29 +16,35 @@ import pytest
 import redis
 
 from scheduler.heartbeat import Heartbeat
+from scheduler.store import Keys
 
 
 class RecordingStore:
     """The two JobStore calls a heartbeat makes, recorded; `down` beats raise as in an outage."""
 
     def __init__(self, down: frozenset[int] = frozenset()) -> None:
+        self.keys = Keys("job")
         self.down = down
         self.calls = 0
         self.beats: list[tuple[str, int, dict[str, Any], float, dict[str, Any]]] = []
+        self.names: list[str] = []  # the connection name each beat gave
         self.forgotten: list[tuple[str, int]] = []
+        self.hung_up = 0
         self.forget_down = False
 
     def beat(self, role: str, ident: int, payload: dict[str, Any], ttl_s: float,
-             registration: dict[str, Any]) -> None:
+             registration: dict[str, Any], name: str = "") -> None:
         self.calls += 1
         if self.calls in self.down:
             raise redis.exceptions.ConnectionError("connection refused")
         self.beats.append((role, ident, dict(payload), ttl_s, dict(registration)))
+        self.names.append(name)
 
-    def forget(self, role: str, ident: int) -> None:
+    def forget(self, role: str, ident: int, *, hang_up: bool = False) -> None:
         if self.forget_down:
             raise redis.exceptions.TimeoutError("timed out")
         self.forgotten.append((role, ident))
+        self.hung_up += hang_up
 
 
 class ScriptedSleep:
@@ -101,6 +107,20 @@ def test_a_registration_update_reaches_the_next_beat_only() -> None:
     hb.beat()
     assert [b[4]["address"] for b in store.beats] == ["a:1", "b:2"]
     assert registration == {"address": "a:1", "incarnation": 2}  # the caller's dict is kept
+
+
+def test_each_beat_names_its_connection_after_the_incarnation_and_stop_hangs_up() -> None:
+    # The failure detector tells a paused process (its named connection open) from one that
+    # exited (closed) by these names; a restarted process beats under a name of its own.
+    store = RecordingStore()
+    hb = heartbeat(store, sleep=ScriptedSleep(1))
+    hb.start()
+    hb.update_registration(incarnation=5)
+    hb.beat()
+    hb.stop()
+    assert store.names[0] == "pstrain:job:worker:3:2"
+    assert store.names[-1] == "pstrain:job:worker:3:5"
+    assert store.forgotten == [("worker", 3)] and store.hung_up == 1
 
 
 def test_a_failing_hook_is_logged_and_beating_goes_on(caplog: pytest.LogCaptureFixture) -> None:

@@ -1,10 +1,10 @@
 """The membership rule as a transition table: (what is known, what one poll observes) ->
 (the events published, what is known after).
 
-The tracker keeps no time of its own: a member is observed dead when its heartbeat key has
-lapsed in Redis (its time to live ran out, `heartbeat_misses` beats missed), so time enters
-only as the sequence of polls. An observation maps member -> incarnation, or None where the
-heartbeat has lapsed.
+The tracker keeps no time of its own: a member is observed dead when the failure detector
+confirmed its lapsed heartbeat (tests/scheduler/test_detector.py holds that rule's timing), so
+time enters only as the sequence of polls. An observation maps member -> incarnation, or None
+where the member is dead.
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ def dead(member: int, incarnation: int) -> Transition:
 
 def restored(member: int, incarnation: int, previous: int) -> Transition:
     return Transition("restored", member, incarnation, previous)
+
+
+def refused(member: int, incarnation: int) -> Transition:
+    return Transition("refused", member, incarnation)
 
 
 @pytest.mark.parametrize(
@@ -94,3 +98,68 @@ def test_polls_in_sequence(polls: list[tuple[Observed, list[Transition]]]) -> No
     tracker = MembershipTracker()
     for at, (observed, events) in enumerate(polls):
         assert tracker.update(observed) == events, f"poll {at}: {observed}"
+
+
+# With fencing (the scheduler's workers: it fences each one it declares dead), an incarnation
+# declared dead never joins again.
+@pytest.mark.parametrize(
+    ("polls", "fenced_after"),
+    [
+        pytest.param(
+            [
+                ({0: 7}, [joined(0, 7)]),
+                ({0: None}, [dead(0, 7)]),  # declared dead (the detector confirmed it)
+                ({0: 7}, [refused(0, 7)]),  # it was only paused: it stays out, once said
+                ({0: 7}, []),
+                ({0: None}, []),
+                ({0: 9}, [joined(0, 9)]),  # restarted: the new incarnation joins
+            ],
+            {0: 7}, id="paused-past-its-death-restarts",
+        ),
+        pytest.param(
+            [
+                ({0: 7, 1: 3}, [joined(0, 7), joined(1, 3)]),
+                ({0: None, 1: 3}, [dead(0, 7)]),
+                ({0: 6, 1: 3}, [refused(0, 6)]),  # an older incarnation is fenced too
+                ({0: 8, 1: None}, [joined(0, 8), dead(1, 3)]),
+                ({0: None, 1: None}, [dead(0, 8)]),  # fenced incarnations only grow
+            ],
+            {0: 8, 1: 3}, id="older-incarnations-and-several-members",
+        ),
+        pytest.param(
+            [
+                ({0: 5}, [joined(0, 5)]),
+                ({0: 6}, [restored(0, 6, 5)]),  # a restart within the TTL fences nothing
+            ],
+            {}, id="restored-is-no-death",
+        ),
+    ],
+)
+def test_a_dead_incarnation_never_rejoins(
+    polls: list[tuple[Observed, list[Transition]]], fenced_after: dict[int, int],
+) -> None:
+    tracker = MembershipTracker()
+    for at, (observed, events) in enumerate(polls):
+        transitions = tracker.update(observed)
+        assert transitions == events, f"poll {at}: {observed}"
+        for t in transitions:
+            if t.kind == "dead":
+                tracker.fence(t.member, t.incarnation)
+    assert tracker.fenced == fenced_after
+
+
+def test_a_fence_read_from_redis_takes_a_live_member_out() -> None:
+    # A new leader reads the fences of the one before; a fenced process still beating is dead.
+    tracker = MembershipTracker(alive={0: 4})
+    assert tracker.fence(0, 4) and not tracker.fence(0, 3)
+    assert tracker.update({0: 4}) == [dead(0, 4), refused(0, 4)]
+    assert tracker.alive == {} and tracker.dead == {0}
+
+
+def test_without_fencing_a_dead_member_joins_again() -> None:
+    # Servers (a paused server keeps its state), and workers whose end was no death (finished,
+    # restarting after a rollback): the same incarnation may come back.
+    tracker = MembershipTracker()
+    tracker.update({0: 4})
+    tracker.update({0: None})
+    assert tracker.update({0: 4}) == [joined(0, 4)] and tracker.fenced == {}

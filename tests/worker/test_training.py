@@ -7,7 +7,14 @@ import math
 import numpy as np
 import pytest
 
-from worker.training import TrainingError, log_loss, lookahead, roc_auc, shard_indices
+from worker.training import (
+    TrainingError,
+    even_batches,
+    log_loss,
+    lookahead,
+    roc_auc,
+    shard_indices,
+)
 
 
 def brute_force_auc(labels: np.ndarray, scores: np.ndarray) -> float:
@@ -61,6 +68,68 @@ def test_shards_cover_every_index_once_in_near_equal_blocks(n: int, world: int) 
 def test_shard_indices_rejects_a_rank_outside_the_world() -> None:
     with pytest.raises(TrainingError, match="rank"):
         shard_indices(10, 3, 3)
+
+
+@pytest.mark.parametrize(
+    ("n", "batch", "world", "policy", "batches"),
+    [
+        # 10 samples, 3 ranks: drop leaves the last one out, 3 each.
+        (10, 2, 3, "drop", [[[0, 1], [2]], [[3, 4], [5]], [[6, 7], [8]]]),
+        # pad gives 4 each; the last rank wraps to sample 0 and 1.
+        (10, 2, 3, "pad", [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9], [0, 1]]]),
+        # Shares of 2 and 3 with batches of 2: 1 and 2 batches unequalised; 1 each dropped.
+        (5, 2, 2, "drop", [[[0, 1]], [[2, 3]]]),
+        (5, 2, 2, "pad", [[[0, 1], [2]], [[3, 4], [0]]]),
+        # Divides evenly: both policies agree.
+        (8, 4, 2, "drop", [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]),
+        (8, 4, 2, "pad", [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]),
+        # Fewer samples than ranks.
+        (2, 4, 3, "drop", [[], [], []]),
+        (2, 4, 3, "pad", [[[0]], [[1]], [[0]]]),
+        (0, 4, 2, "pad", [[], []]),
+        # One rank: every sample, in batches.
+        (5, 2, 1, "drop", [[[0, 1], [2, 3], [4]]]),
+    ],
+)
+def test_even_batches_table(n: int, batch: int, world: int, policy: str,
+                            batches: list[list[list[int]]]) -> None:
+    got = [[b.tolist() for b in even_batches(n, batch, r, world, policy)]  # type: ignore[arg-type]
+           for r in range(world)]
+    assert got == batches
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 99, 100, 101, 1000])
+@pytest.mark.parametrize("world", [1, 2, 3, 7])
+@pytest.mark.parametrize("policy", ["drop", "pad"])
+def test_even_batches_give_every_rank_as_many_batches_of_the_same_sizes(
+    n: int, world: int, policy: str
+) -> None:
+    ranks = [even_batches(n, 32, r, world, policy) for r in range(world)]  # type: ignore[arg-type]
+    sizes = {tuple(len(b) for b in batches) for batches in ranks}
+    assert len(sizes) == 1
+    used = np.concatenate([np.concatenate(b) if b else np.array([], np.int64) for b in ranks])
+    if policy == "drop":
+        # Every sample at most once; fewer than `world` left out.
+        assert len(set(used.tolist())) == len(used) and n - len(used) < world
+    else:
+        # Every sample at least once; fewer than `world` used twice.
+        assert set(used.tolist()) == set(range(n)) and len(used) - n < world
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((10, 2, 3, 3, "drop"), "rank"),
+        ((10, 0, 0, 3, "drop"), "batch_size"),
+        ((10, 2, 0, 0, "drop"), "world_size"),
+        ((-1, 2, 0, 1, "drop"), "n_items"),
+        ((10, 2, 0, 1, "repeat"), "policy"),
+    ],
+)
+def test_even_batches_refuse_bad_input_naming_it(args: tuple[int, int, int, int, str],
+                                                 match: str) -> None:
+    with pytest.raises(TrainingError, match=match):
+        even_batches(*args)  # type: ignore[arg-type]
 
 
 def test_lookahead_pairs_each_item_with_the_next() -> None:

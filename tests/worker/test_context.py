@@ -1,0 +1,164 @@
+"""The worker's job context with real processes: finishing, barriers, how a script ends."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+import torch
+from procs import REPO, Procs, wait_until
+
+from scheduler.store import Event, JobStore
+from worker.client import PSClient
+from worker.context import WorkerContext
+from worker.errors import BarrierTimeoutError
+
+JOB_WORKER = str(REPO / "tests" / "job_worker.py")
+sys.path.insert(0, str(REPO / "tests"))
+
+from job_worker import local_sync_run  # noqa: E402
+
+
+def worker_events(store: JobStore, kind: str) -> list[Event]:
+    return [e for e in store.events() if e.type == kind and e.role == "worker"]
+
+
+def summary(up_log: str) -> dict[str, Any]:
+    """`pstrain up`'s final JSON line."""
+    result: dict[str, Any] = json.loads(
+        [line for line in up_log.splitlines() if line.startswith("{")][-1])
+    return result
+
+
+def finals(procs: Procs, ranks: int) -> list[dict[str, Any]]:
+    return [json.loads((procs.workdir / "out" / f"worker{r}.json").read_text())
+            for r in range(ranks)]
+
+
+def test_unequal_step_counts_in_sync_finish_and_nobody_waits_for_a_finished_worker(
+    procs: Procs,
+) -> None:
+    # Rank 1 takes 12 steps, rank 0 30. Rank 1 finishes, then waits at a barrier for rank 0
+    # (alive, as a worker that evaluates is): rank 0's clocks 12..29 close without it. Then
+    # rank 1 exits with status 3, and --restart does not run the finished rank again.
+    redis = procs.redis().address
+    store = JobStore.connect(redis, "unequal")
+    up = procs.pstrain(["up", "--redis", redis, "--job", "unequal", "--servers", "2",
+                        "--workers", "2", "--mode", "sync", "--restart", "--no-view",
+                        "--log-dir", str(procs.workdir / "logs"),
+                        JOB_WORKER, "--", "--steps", "30", "--steps-of", "1=12", "--finish",
+                        "--barrier", "trained", "--exit-status-of", "1=3",
+                        "--out", str(procs.workdir / "out")], "up")
+    assert up.popen.wait(timeout=240) == 3, up.log()[-3000:]
+    result = summary(up.log())
+    assert (result["exit_status"], result["restarts"]) == (3, {}), result
+    assert "worker1 exited with status 3 after it finished training" in up.log()
+    # Clocks 0..11 average both gradients, 12..29 use rank 0's alone.
+    expected = local_sync_run(2, 30, steps_of={1: 12})
+    results = finals(procs, 2)
+    assert [r["clock"] for r in results] == [30, 12]
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["w"]), expected, atol=1e-6, rtol=0)
+    left = {e.member: e.detail["clock"] for e in worker_events(store, "left")}
+    assert left == {"1": 12, "0": 30}
+    assert worker_events(store, "dead") == []
+    assert store.finished_ranks() == {0, 1}
+
+
+def test_a_barrier_gives_every_async_worker_the_same_final_model(procs: Procs) -> None:
+    # Rank 1 takes 5 quick steps, rank 0 40 slow ones; both wait at the barrier, then pull.
+    # The script runs in a `with worker.init() as ctx:` block, which finishes on its end.
+    redis = procs.redis().address
+    store = JobStore.connect(redis, "async-barrier")
+    up = procs.pstrain(["up", "--redis", redis, "--job", "async-barrier", "--servers", "2",
+                        "--workers", "2", "--mode", "async", "--no-view",
+                        "--log-dir", str(procs.workdir / "logs"), JOB_WORKER, "--",
+                        "--steps", "40", "--steps-of", "1=5", "--sleep-ms", "20",
+                        "--barrier", "trained", "--end", "with",
+                        "--out", str(procs.workdir / "out")], "up")
+    assert up.popen.wait(timeout=240) == 0, up.log()[-3000:]
+    results = finals(procs, 2)
+    assert [r["clock"] for r in results] == [40, 5]
+    assert results[0]["w"] == results[1]["w"]
+    assert {e.member for e in worker_events(store, "left")} == {"0", "1"}
+    assert worker_events(store, "dead") == []
+
+
+def test_a_worker_that_exits_0_is_recorded_finished_not_dead(procs: Procs) -> None:
+    # The script returns without ctx.finish() or close(): `pstrain worker` records the rank
+    # finished when it exits 0, and the scheduler calls the end of its heartbeat a finish.
+    redis = procs.redis().address
+    store = JobStore.connect(redis, "exit0")
+    procs.pstrain(["scheduler", "--redis", redis, "--job", "exit0", "--mode", "async",
+                   "--workers", "2", "--servers", "1"], "scheduler")
+    wait_until(store.leader, 30, "a leader")
+    procs.pstrain(["server", "--redis", redis, "--job", "exit0", "--shard", "0", "--bind",
+                   "127.0.0.1:0"], "server")
+    workers = [procs.pstrain(["worker", "--redis", redis, "--job", "exit0", JOB_WORKER,
+                              "--steps", "20", "--end", "return",
+                              "--out", str(procs.workdir / "out")], f"worker{k}")
+               for k in range(2)]
+    for proc in workers:
+        assert proc.popen.wait(timeout=120) == 0, proc.log()
+    wait_until(lambda: {e.member for e in worker_events(store, "finished")} == {"0", "1"}, 15,
+               "both workers' finished events")
+    time.sleep(1.0)  # a death would be declared by now too
+    assert worker_events(store, "dead") == []
+    assert store.finished_ranks() == {0, 1}
+
+
+def _context(store: JobStore, rank: int, incarnation: int, world_size: int = 3
+             ) -> WorkerContext:
+    """A context for barriers alone: they use Redis and the client's incarnation, no server."""
+    client = cast(PSClient, SimpleNamespace(incarnation=incarnation))
+    store.register("worker", rank, {"incarnation": incarnation})
+    return WorkerContext(rank, world_size, store.keys.job, client, store=store)
+
+
+def test_a_barrier_names_the_missing_workers_and_stops_waiting_for_finished_and_dead_ones(
+    procs: Procs,
+) -> None:
+    store = JobStore.connect(procs.redis().address, "barrier")
+    ranks = [_context(store, r, 100 + r) for r in range(3)]
+    store.set_live_workers([0, 1, 2])
+    with pytest.raises(BarrierTimeoutError, match=r"still missing workers \[1, 2\]"):
+        ranks[0].barrier("ready", timeout_s=0.3)
+    # Rank 2 finishes and the scheduler declares rank 1 dead: nobody is left to wait for.
+    store.finish_worker(2, 102, clock=7)
+    store.set_live_workers([0, 2])
+    assert not store.claim("worker", 2, {"incarnation": 103}, 1.0)  # never run again
+    started = time.monotonic()
+    ranks[0].barrier("ready", timeout_s=5)
+    assert time.monotonic() - started < 1.0
+
+
+def test_barrier_rounds_wait_for_each_other(procs: Procs) -> None:
+    store = JobStore.connect(procs.redis().address, "rounds")
+    ranks = [_context(store, r, 200 + r, world_size=2) for r in range(2)]
+    store.set_live_workers([0, 1])
+    passed: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def run(rank: int) -> None:
+        for epoch in range(3):
+            if rank == 1:
+                time.sleep(0.2)  # the slow one: rank 0 must wait for it every round
+            ranks[rank].barrier("epoch", timeout_s=10)
+            with lock:
+                passed.append((epoch, rank))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    # Nobody passes round e before both have reached it.
+    assert sorted(passed[:2]) == [(0, 0), (0, 1)]
+    assert sorted(passed[2:4]) == [(1, 0), (1, 1)]
+    assert sorted(passed[4:]) == [(2, 0), (2, 1)]

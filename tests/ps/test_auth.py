@@ -337,3 +337,45 @@ def test_a_lane_carries_only_its_sessions_worker(procs: Procs, certs: JobCerts) 
     with pytest.raises(PSClientError, match="may not act as worker 0"):
         PSClient([server.address], worker=0, security=_as(certs, "worker-1"),
                  connect_timeout_s=5.0)
+
+
+def _assign(worker: int) -> bytes:
+    request = pb.ExchangeRequest(worker=worker, incarnation=1, push_clock=0)
+    request.pushes.add(table="w", dense=True, assign=True, seq=1)
+    return request.SerializeToString()
+
+
+# The attacks of the trust issue that one call makes, each as the request that makes it.
+ATTACKS = {
+    "overwrite a table (ASSIGN)": (rpc.EXCHANGE, _assign(0)),
+    "wipe every table (Restore of no checkpoint)": (rpc.RESTORE, pb.RestoreRequest(
+        generation=1).SerializeToString()),
+    "lock every worker out (Restore, generation 2**62-1)": (rpc.RESTORE, pb.RestoreRequest(
+        generation=2**62 - 1).SerializeToString()),
+    "lock rank 0 out (Join, incarnation 2**64-1)": (rpc.JOIN, pb.JoinRequest(
+        worker=0, incarnation=2**64 - 1).SerializeToString()),
+    "pre-play a push id": (rpc.EXCHANGE, _assign(1)),
+    "evict the workers (SetMembership([999]))": (rpc.SET_MEMBERSHIP, pb.MembershipRequest(
+        live_workers=[999]).SerializeToString()),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("attack", list(ATTACKS), ids=str)
+def test_each_attack_by_a_stranger_is_refused_and_changes_nothing(
+    tls_server: str, certs: JobCerts, other_certs: JobCerts, wrong_secret: Path, attack: str
+) -> None:
+    method, request = ATTACKS[attack]
+    before = _stats(certs, tls_server)
+    assert _call(Security(secret_path=str(certs.secret())), tls_server, method, request) == (
+        grpc.StatusCode.UNAVAILABLE)
+    assert _call(_as(other_certs, "admin"), tls_server, method, request) == (
+        grpc.StatusCode.UNAVAILABLE)
+    assert _call(_as(certs, "admin", wrong_secret), tls_server, method, request) == (
+        grpc.StatusCode.UNAUTHENTICATED)
+    if method.service == rpc.ADMIN_SERVICE:
+        assert _call(_as(certs, "worker"), tls_server, method, request) == (
+            grpc.StatusCode.PERMISSION_DENIED)
+    after = _stats(certs, tls_server)
+    assert after.tables == before.tables and after.clocks == before.clocks
+    assert _health(_as(certs, "server"), tls_server) == grpc.StatusCode.OK

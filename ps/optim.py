@@ -570,6 +570,11 @@ class Adagrad(Optimizer[AdagradConfig]):
     def _slot_initial_value(self, name: str) -> float:
         return self._config.initial_accumulator_value
 
+    @staticmethod
+    def _accumulate(acc: torch.Tensor, grad: torch.Tensor) -> None:
+        """Adds a gradient's contribution to its rows' accumulators, in place."""
+        acc.addcmul_(grad, grad, value=1)
+
     def _update_dense(
         self,
         param: torch.Tensor,
@@ -602,7 +607,7 @@ class Adagrad(Optimizer[AdagradConfig]):
             if cfg.weight_decay != 0.0:
                 block_grad.add_(param.index_select(0, block_rows), alpha=cfg.weight_decay)
             acc = gather(state_sum, block_rows)
-            acc.addcmul_(block_grad, block_grad, value=1)
+            self._accumulate(acc, block_grad)
             scatter_(state_sum, block_rows, acc)
             # The accumulator is saved, so its buffer can become the denominator.
             std = acc.sqrt_().add_(cfg.eps)
@@ -708,32 +713,28 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.view(rows, t.numel() // rows if rows else 1)
 
 
-class RowwiseAdagrad(Optimizer[AdagradConfig]):
+class RowwiseAdagrad(Adagrad):
     """Adagrad with one accumulator per row: the mean of the row's squared gradient, as
     FBGEMM's exact row-wise Adagrad (TorchRec's default for embeddings).
 
     ``sum[r] += mean(g[r]**2)``; ``param[r] -= lr * g[r] / (sqrt(sum[r]) + eps)``, with
     ``g = grad + weight_decay * param``. Slot ``"sum"`` is ``[rows, 1]``: a row's state costs
     one element instead of ``dim``. A dense block's rows are its first dimension (a scalar is
-    one row). Immutable; the ``apply_*`` calls do not block and take no locks.
+    one row). Sparse rows take Adagrad's path with this accumulation. Immutable; the
+    ``apply_*`` calls do not block and take no locks.
     """
 
     name = "rowwise_adagrad"
-    slots = ("sum",)
-    uses_step = False
-    config_type = AdagradConfig
     elementwise = False
 
     __slots__ = ()
 
-    def __init__(self, config: AdagradConfig | None = None) -> None:
-        super().__init__(AdagradConfig() if config is None else config)
-
-    def _slot_initial_value(self, name: str) -> float:
-        return self._config.initial_accumulator_value
-
     def slot_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         return (shape[0], 1) if shape else ()
+
+    @staticmethod
+    def _accumulate(acc: torch.Tensor, grad: torch.Tensor) -> None:
+        acc.add_(grad.square().mean(dim=1, keepdim=True))
 
     def _update_dense(
         self,
@@ -747,31 +748,8 @@ class RowwiseAdagrad(Optimizer[AdagradConfig]):
         cfg = self._config
         if cfg.weight_decay != 0.0:
             g = g.add(value, alpha=cfg.weight_decay)
-        acc.add_(g.square().mean(dim=1, keepdim=True))
+        self._accumulate(acc, g)
         value.addcdiv_(g, acc.sqrt().add_(cfg.eps), value=-cfg.lr)
-
-    def _update_rows(
-        self,
-        param: torch.Tensor,
-        rows: torch.Tensor,
-        grad: torch.Tensor,
-        state: Mapping[str, torch.Tensor],
-        step: torch.Tensor | None,
-    ) -> None:
-        cfg = self._config
-        state_sum = state["sum"]
-        rows, order = _in_address_order(rows)
-        for block in _blocks(rows.shape[0], param.shape[1]):
-            block_rows = rows[block]
-            block_grad = grad.index_select(0, order[block])
-            if cfg.weight_decay != 0.0:
-                block_grad.add_(param.index_select(0, block_rows), alpha=cfg.weight_decay)
-            acc = gather(state_sum, block_rows)
-            acc.add_(block_grad.square().mean(dim=1, keepdim=True))
-            scatter_(state_sum, block_rows, acc)
-            std = acc.sqrt_().add_(cfg.eps)
-            rows_add(param, block_rows, block_grad.mul_(-cfg.lr).div_(std))
-        _count_rows(step, rows)
 
 
 class FTRL(Optimizer[FTRLConfig]):

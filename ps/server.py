@@ -131,7 +131,7 @@ class ParameterServer:
             lambda checkpoint_id, sha256: read_checkpoint(
                 config.checkpoint_dir, config.job, checkpoint_id, config.shard,
                 config.num_shards, sha256),
-            self.bulk, CallGate(config.call_limits()),
+            self.bulk, CallGate(config.call_limits()), config.security.tls,
         )
         # Runs gRPC's calls and the request lanes' alike: one thread limit for both.
         self._calls = futures.ThreadPoolExecutor(

@@ -142,17 +142,6 @@ def _abort(context: grpc.ServicerContext | LaneContext, exc: Exception) -> NoRet
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
 
-def _acting_as(context: Any, worker: int) -> None:
-    """Refuses a caller whose certificate binds it to another rank than `worker` (the
-    certificates `pstrain certs --workers` makes; others may act as any rank)."""
-    auth = getattr(context, "auth_context", None)
-    rank = peer_rank(auth()) if auth is not None else None
-    if rank is not None and rank != worker:
-        raise PermissionDeniedError(
-            f"this client's certificate is worker rank {rank}'s; it may not act as worker "
-            f"{worker}")
-
-
 def _guard(call: Callable[[], R], context: grpc.ServicerContext) -> R:
     try:
         return call()
@@ -178,8 +167,11 @@ class ParameterServerServicer:
 
     def __init__(self, shard: Shard, limits: WireLimits, version: str,
                  load: Callable[[str, str], ShardState],
-                 bulk: BulkEndpoint | None = None, gate: CallGate | None = None) -> None:
+                 bulk: BulkEndpoint | None = None, gate: CallGate | None = None,
+                 tls: bool = False) -> None:
         self.shard = shard
+        # Whether callers present certificates (which may bind them to a rank).
+        self.tls = tls
         # Data calls in flight, per client and in all (None: unlimited).
         self.gate = gate
         # This shard's state in checkpoint (id, sha256), from the server's own directory.
@@ -192,6 +184,19 @@ class ParameterServerServicer:
         self._watch = _StreamWatch(limits.stream_idle_s)
         # Request latency by method, when the server exports metrics.
         self.latency: Histogram | None = None
+
+    def _acting_as(self, context: Any, worker: int) -> None:
+        """Refuses a caller whose certificate binds it to another rank than `worker` (the
+        certificates `pstrain certs --workers` makes; others may act as any rank). Without
+        TLS there are no certificates, and the call costs nothing."""
+        if not self.tls:
+            return
+        auth = getattr(context, "auth_context", None)
+        rank = peer_rank(auth()) if auth is not None else None
+        if rank is not None and rank != worker:
+            raise PermissionDeniedError(
+                f"this client's certificate is worker rank {rank}'s; it may not act as worker "
+                f"{worker}")
 
     # ---- control ---------------------------------------------------------------------------
 
@@ -249,7 +254,7 @@ class ParameterServerServicer:
         msg = request.msg
 
         def join() -> tuple[int, int, bool]:
-            _acting_as(context, msg.worker)
+            self._acting_as(context, msg.worker)
             return self.shard.join(msg.worker, msg.incarnation, msg.generation)
 
         clock, open_clock, live = _guard(join, context)
@@ -275,7 +280,7 @@ class ParameterServerServicer:
 
     def Handshake(self, request: Frame[pb.HandshakeRequest], context: Any) -> bytes:
         bulk = self.bulk
-        _guard(lambda: _acting_as(context, request.msg.worker), context)
+        _guard(lambda: self._acting_as(context, request.msg.worker), context)
         if bulk is None:
             return pb.HandshakeResponse(transport="grpc").SerializeToString()
         return _guard(lambda: bulk.handshake(request.msg), context).SerializeToString()
@@ -291,7 +296,7 @@ class ParameterServerServicer:
         payload = request.payload("payload")
 
         def run() -> bytes:
-            _acting_as(context, request.msg.worker)
+            self._acting_as(context, request.msg.worker)
             if request.msg.HasField("bulk"):
                 return self._exchange_bulk(request.msg, context.is_active)
             self._check_request_size(payload.nbytes)
@@ -465,7 +470,7 @@ class ParameterServerServicer:
         are checked before any more of it is received or held."""
         self._check_request_size(nbytes)
         if isinstance(head, pb.ExchangeRequest):
-            _acting_as(context, head.worker)
+            self._acting_as(context, head.worker)
             self.shard.check_tables(wire.tables_named(head))
 
     def _check_request_size(self, nbytes: int) -> None:

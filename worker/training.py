@@ -33,6 +33,17 @@ class TrainingError(PSClientError):
     """A training helper was called with inputs it cannot use (the message says why)."""
 
 
+def _check_share(what: str, n: int, rank: int, world_size: int) -> None:
+    """TrainingError naming the first of `world_size`, `rank`, `n` (called `what`) that is out
+    of range."""
+    if world_size < 1:
+        raise TrainingError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise TrainingError(f"rank must lie in [0, {world_size}), got {rank}")
+    if n < 0:
+        raise TrainingError(f"{what} must be >= 0, got {n}")
+
+
 def shard_indices(n: int, rank: int, world_size: int) -> npt.NDArray[np.int64]:
     """The indices of `n` samples that worker `rank` of `world_size` trains on.
 
@@ -40,12 +51,7 @@ def shard_indices(n: int, rank: int, world_size: int) -> npt.NDArray[np.int64]:
     exactly once, so shuffle the data once (with a seed shared by every worker) before
     sharding it. Pure; thread-safe.
     """
-    if world_size < 1:
-        raise TrainingError(f"world_size must be >= 1, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise TrainingError(f"rank must lie in [0, {world_size}), got {rank}")
-    if n < 0:
-        raise TrainingError(f"n must be >= 0, got {n}")
+    _check_share("n", n, rank, world_size)
     start, end = rank * n // world_size, (rank + 1) * n // world_size
     return np.arange(start, end, dtype=np.int64)
 
@@ -72,12 +78,7 @@ def even_batches(n_items: int, batch_size: int, rank: int, world_size: int,
         raise TrainingError(f"policy must be 'drop' or 'pad', got {policy!r}")
     if batch_size < 1:
         raise TrainingError(f"batch_size must be >= 1, got {batch_size}")
-    if world_size < 1:
-        raise TrainingError(f"world_size must be >= 1, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise TrainingError(f"rank must lie in [0, {world_size}), got {rank}")
-    if n_items < 0:
-        raise TrainingError(f"n_items must be >= 0, got {n_items}")
+    _check_share("n_items", n_items, rank, world_size)
     share = n_items // world_size if policy == "drop" else -(-n_items // world_size)
     mine = np.arange(rank * share, (rank + 1) * share, dtype=np.int64)
     if policy == "pad" and n_items:

@@ -116,6 +116,8 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("server", help="run one parameter-server shard (see pstrain server --help)",
                    add_help=False)
+    sub.add_parser("export", help="turn a checkpoint into a model served without servers "
+                                  "(see pstrain export --help)", add_help=False)
 
     w = sub.add_parser("worker", help="run a training script as a worker of a job")
     _redis_flags(w)
@@ -224,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     if args[0] == "server":
         # Replace this process so signals, exit status and pid belong to the server itself.
         os.execv(sys.executable, [sys.executable, "-m", "ps", *args[1:]])
+    if args[0] == "export":
+        # Reading checkpoints is server-side code: it runs as `python -m ps.export`.
+        os.execv(sys.executable, [sys.executable, "-m", "ps.export", *args[1:]])
     a = parser.parse_args(args)
     logging.basicConfig(level=os.environ.get("PSTRAIN_LOG_LEVEL", "INFO").upper(),
                         format=f"%(asctime)s %(levelname)s {a.command} %(name)s: %(message)s")

@@ -58,6 +58,7 @@ from protos import modes
 from worker.client import PSClient
 from worker.errors import PSModuleError
 from worker.pipeline import Gradient, Pipeline, Pulled, Ticket, to_device, to_host
+from worker.serving import trainable_parameters
 
 log = logging.getLogger(__name__)
 
@@ -380,7 +381,7 @@ class PSDense(PSModule):
         super().__init__(client, name, consistency)
         _check_hyper(hyper)
         self.module = module
-        params = [p for p in module.parameters() if p.requires_grad]
+        params = trainable_parameters(module)
         if not params:
             raise PSModuleError(f"PSDense {name!r}: the module has no trainable parameters")
         dtypes = {p.dtype for p in params}

@@ -1,0 +1,273 @@
+"""`python -m ps.export` (and `pstrain export`): turn a checkpoint into a model that a plain
+PyTorch process serves without a parameter server (format: protos/exported.py; loader:
+worker/serving.py).
+
+A checkpoint is found on disk, without Redis: ``<checkpoint-dir>/<job>/<id>``, the given id
+or the newest complete one (ps/checkpoint.py's order). Every shard file is hashed against its
+manifest entry before anything is written; a missing, incomplete or corrupt checkpoint is
+refused with a message naming the file. Dense tables are reassembled from their shards' row
+ranges (the placement workers route by), sparse tables from their hash shards into one
+key-sorted table. Optimizer state, steps and the written flags are left out; dtypes are
+kept (a float16 or bfloat16 table exports as such).
+
+Unknown ids: the server would create a never-seen id's row from the table's init rule; a
+served model cannot grow, so an export serves zeros for it (``default`` in each sparse file)
+and records the init rule and seed in the manifest, for a caller that wants the rule.
+
+With ``--delta --since PREV`` the output holds only what changed since the export PREV: per
+sparse table the rows whose key is new or whose values differ bit for bit, and the keys gone;
+each dense table that changed at all, whole; and the tables dropped.
+`worker.serving.apply_delta(PREV, delta)` gives the full export again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from protos.exported import (
+    MANIFEST_NAME,
+    BaseRef,
+    DenseTable,
+    Export,
+    ExportFormatError,
+    SparseTable,
+    Table,
+    read_export,
+    sha256_file,
+    write_export,
+)
+from protos.partition import dense_placement
+from ps.checkpoint import (
+    CheckpointError,
+    Manifest,
+    ShardState,
+    checkpoint_dir,
+    latest_complete,
+    read_manifest,
+    read_shard,
+)
+from ps.errors import PSError
+from ps.tables import TableSpec
+
+log = logging.getLogger(__name__)
+
+
+class ExportError(PSError):
+    """A checkpoint cannot be exported: none found, incomplete, or tables that disagree."""
+
+
+def find(directory: str | Path, job: str, checkpoint_id: str | None = None) -> Manifest:
+    """The manifest of checkpoint `checkpoint_id` of `job` under `directory`, or of the newest
+    complete one. ExportError (or CheckpointError from reading) when there is none, or when
+    it is incomplete (naming the missing shard files). Blocks on small file reads."""
+    if checkpoint_id is None:
+        found = latest_complete(directory, job)
+        if found is None:
+            raise ExportError(f"no complete checkpoint of job {job!r} under {directory}; "
+                              "check --job and --checkpoint-dir")
+        return found
+    manifest = read_manifest(checkpoint_dir(directory, job, checkpoint_id))
+    if not manifest.complete:
+        missing = sorted(set(range(manifest.num_shards)) - set(manifest.shards))
+        files = ", ".join(f"shard-{k}-of-{manifest.num_shards}.safetensors" for k in missing)
+        raise ExportError(f"checkpoint {manifest.directory} is incomplete: no manifest entry "
+                          f"(shard-<k>.json) for {files}; export a complete checkpoint")
+    return manifest
+
+
+def read_states(manifest: Manifest) -> list[ShardState]:
+    """Every shard of `manifest`, each hashed against its recorded sha256 while read (blocks
+    on reading the whole checkpoint). CheckpointCorruptError names a file that fails."""
+    states = []
+    for shard in range(manifest.num_shards):
+        recorded = manifest.shards[shard]
+        state = read_shard(recorded.path, recorded.sha256)
+        if (state.job, state.checkpoint_id, state.shard, state.num_shards) != (
+                manifest.job, manifest.checkpoint_id, shard, manifest.num_shards):
+            raise ExportError(f"{recorded.path} holds shard {state.shard}/{state.num_shards} of "
+                              f"{state.job!r} {state.checkpoint_id!r}, not what its manifest "
+                              "entry says; the checkpoint is corrupt")
+        states.append(state)
+    return states
+
+
+def export_states(states: list[ShardState], clock: int) -> Export:
+    """The served model of one checkpoint's shards (all of them, in shard order). Pure."""
+    first = states[0]
+    names = [t.name for t in first.tables]
+    by_shard = [{t.name: t for t in s.tables} for s in states]
+    tables: dict[str, Table] = {}
+    for name in names:
+        parts = []
+        for shard, found in enumerate(by_shard):
+            if name not in found:
+                raise ExportError(f"table {name!r} is in shard 0 of checkpoint "
+                                  f"{first.checkpoint_id!r} but not in shard {shard}")
+            parts.append(found[name])
+        spec = TableSpec.from_dict(parts[0].spec)
+        info: dict[str, object] = {k: v for k, v in parts[0].spec.items()
+                                   if k in ("init", "seed", "optimizer")}
+        if spec.kind == "dense":
+            tables[name] = _dense(spec, [p.tensors["value"] for p in parts], info)
+        else:
+            tables[name] = _sparse(spec, [(p.tensors["keys"], p.tensors["value"]) for p in parts],
+                                   info)
+    return Export(job=first.job, checkpoint_id=first.checkpoint_id, clock=clock, tables=tables)
+
+
+def delta(base: Export, new: Export, base_manifest_sha256: str) -> Export:
+    """What changed from `base` to `new`, as a delta export (see the module docstring). Pure.
+    ExportError for a sparse table whose dim or dtype changed (make a full export)."""
+    tables: dict[str, Table] = {}
+    for name, table in new.tables.items():
+        old = base.tables.get(name)
+        if isinstance(table, DenseTable):
+            if not (isinstance(old, DenseTable) and _same_bits(old.value, table.value)):
+                tables[name] = table
+            continue
+        if old is None:
+            tables[name] = table
+            continue
+        if not isinstance(old, SparseTable) or (old.dim, old.dtype) != (table.dim, table.dtype):
+            raise ExportError(f"table {name!r} changed kind, dim or dtype since the base export; "
+                              "make a full export")
+        pos = torch.searchsorted(old.keys, table.keys).clamp_(max=max(len(old.keys) - 1, 0))
+        if len(old.keys):
+            present = old.keys[pos] == table.keys
+            same = present & _rows_equal(old.values[pos], table.values)
+        else:
+            same = torch.zeros(len(table.keys), dtype=torch.bool)
+        changed = ~same
+        removed = old.keys[~torch.isin(old.keys, table.keys)]
+        tables[name] = SparseTable(table.keys[changed], table.values[changed], table.default,
+                                   removed, table.spec)
+    return Export(
+        job=new.job, checkpoint_id=new.checkpoint_id, clock=new.clock, tables=tables,
+        kind="delta", base=BaseRef(base.checkpoint_id, base_manifest_sha256),
+        dropped_tables=tuple(sorted(set(base.tables) - set(new.tables))),
+    )
+
+
+def export(directory: str | Path, job: str, out: str | Path, checkpoint_id: str | None = None,
+           since: str | Path | None = None) -> Path:
+    """Exports a checkpoint (see `find`) to the new directory `out`; with `since`, a delta
+    against the export there. Returns the manifest's path. Blocks on reading the checkpoint
+    and writing the export; raises ExportError, CheckpointError or ExportFormatError."""
+    manifest = find(directory, job, checkpoint_id)
+    full = export_states(read_states(manifest), manifest.clock)
+    if since is None:
+        result = full
+    else:
+        base = read_export(since)
+        if base.kind != "full":
+            raise ExportError(f"{since} is a delta export; --since needs a full export")
+        result = delta(base, full, sha256_file(Path(since) / MANIFEST_NAME))
+    written = write_export(out, result)
+    log.info("job %s checkpoint %s clock %d: exported %d tables (%s) to %s", job,
+             manifest.checkpoint_id, manifest.clock, len(result.tables), result.kind, out)
+    return written
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+def _dense(spec: TableSpec, values: list[torch.Tensor], info: dict[str, object]) -> DenseTable:
+    ranges = dense_placement(spec.name, spec.shape, spec.itemsize, len(values))
+    tail = spec.shape[1:]
+    blocks = []
+    for where in ranges:
+        block = values[where.shard]
+        if block.numel() != where.rows * _prod(tail):
+            raise ExportError(f"dense table {spec.name!r}: shard {where.shard} holds "
+                              f"{list(block.shape)}, its placement is rows "
+                              f"[{where.start}, {where.end}) of {list(spec.shape)}")
+        if where.rows:
+            blocks.append((where.start, block.reshape(where.rows, *tail)))
+    blocks.sort(key=lambda b: b[0])
+    whole = (torch.cat([b for _, b in blocks]) if blocks
+             else torch.empty((0, *tail), dtype=spec.dtype))
+    return DenseTable(whole.reshape(spec.shape).contiguous(), info)
+
+
+def _sparse(spec: TableSpec, parts: list[tuple[torch.Tensor, torch.Tensor]],
+            info: dict[str, object]) -> SparseTable:
+    keys = torch.cat([k.reshape(-1).to(torch.int64) for k, _ in parts])
+    values = torch.cat([v.reshape(-1, spec.dim) for _, v in parts])
+    order = torch.argsort(keys)
+    keys, values = keys[order], values[order]
+    if keys.numel() > 1 and not bool((keys[1:] > keys[:-1]).all()):
+        raise ExportError(f"sparse table {spec.name!r}: a key is held by two shards; the "
+                          "checkpoint is corrupt")
+    return SparseTable(keys.contiguous(), values.contiguous(),
+                       torch.zeros(spec.dim, dtype=spec.dtype), spec=info)
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+_INT_OF = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """`t` as integers of its width: equality of these is equality of the bits (NaN and -0.0
+    included), which is what a delta must preserve."""
+    return t.contiguous().view(_INT_OF[t.element_size()])
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def _rows_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (_bits(a) == _bits(b)).all(dim=1)
+
+
+# ---- command line -----------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pstrain export",
+        description="Export a checkpoint as a model served without parameter servers: one "
+                    "safetensors file per table and a manifest.json (see worker/serving.py).")
+    p.add_argument("--job", required=True, help="the job whose checkpoint to export")
+    p.add_argument("--checkpoint-dir", required=True,
+                   help="the job's checkpoint directory (holds <job>/<checkpoint id>/)")
+    p.add_argument("--checkpoint", default=None, metavar="ID",
+                   help="the checkpoint id (default: the newest complete one)")
+    p.add_argument("--out", required=True, help="the new directory to write the export to")
+    p.add_argument("--delta", action="store_true",
+                   help="write only what changed since the export given by --since")
+    p.add_argument("--since", default=None, metavar="EXPORT_DIR",
+                   help="with --delta: the earlier full export to compare against")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if a.delta != (a.since is not None):
+        p.error("--delta and --since EXPORT_DIR go together")
+    logging.basicConfig(level=a.log_level.upper(),
+                        format="%(asctime)s %(levelname)s export %(name)s: %(message)s")
+    try:
+        written = export(a.checkpoint_dir, a.job, a.out, a.checkpoint, a.since)
+    except (PSError, CheckpointError, ExportFormatError) as exc:
+        print(f"pstrain export: {exc}", file=sys.stderr)
+        return 2
+    print(written)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,6 +3,7 @@
     python examples/movielens.py --local                       # plain PyTorch, the baseline
     python examples/movielens.py --servers HOST:PORT[,...] --rank R --world-size W
     python examples/movielens.py --local --device cuda          # either mode, on a GPU
+    python examples/movielens.py --score-export DIR             # an export, offline
 
 The label is "rated 4 or 5". Features: user, movie, age bucket, gender, occupation, zip
 prefix and release year (one embedding each), the movie's genres (an embedding bag) and an
@@ -18,6 +19,11 @@ as defaults for its flags. The run ends with one JSON line: test AUC and log los
 training samples per second, wall time, mode, device. Inside a job (pstrain up, pstrain
 worker) a worker that has trained leaves the job (`ctx.finish()`) and waits at a barrier
 for the others before its final evaluation, so every worker scores the same final model.
+
+`--score-export DIR` scores the test split offline from `pstrain export`'s output: the same
+model with worker/serving.py's modules in place of the PS modules (`--tables fused` or
+`separate`, as trained), no server; give the data flags (--seed, --max-samples, --dim,
+--hidden) the training run had. `test_auc_exact` in both results is the unrounded AUC.
 
 `--device cuda` puts the MLP (and, locally, the whole model) on the GPU. Distributed, the
 sparse modules are made with that device: ids stay on the CPU, whence they go to the
@@ -48,11 +54,19 @@ import torch.nn.functional as F
 from torch import nn
 
 import worker
+from protos.exported import SparseTable
 from ps.initializers import InitSpec, init_rows
 from worker.client import PSClient
 from worker.collection import FeatureConfig, KeyedJagged, PSEmbeddingCollection
 from worker.modules import PSDense, PSEmbedding, PSEmbeddingBag
 from worker.optimizer import PSOptimizer
+from worker.serving import (
+    ExportFormatError,
+    ServingEmbedding,
+    ServingEmbeddingBag,
+    load,
+    load_dense,
+)
 from worker.training import add_cluster_args, connect, log_loss, lookahead, roc_auc, shard_indices
 
 log = logging.getLogger("movielens")
@@ -286,7 +300,7 @@ class SeparateFields(nn.Module):
     Feature f's table holds the same keys (`field_offsets[f] + code`) and so the same rows
     as the fused table would, and training gives the same results."""
 
-    def __init__(self, tables: Sequence[PSEmbedding]) -> None:
+    def __init__(self, tables: Sequence[PSEmbedding | ServingEmbedding]) -> None:
         super().__init__()
         self.tables = nn.ModuleList(tables)
         self._tables = list(tables)
@@ -296,7 +310,8 @@ class SeparateFields(nn.Module):
 
     def prefetch(self, keys: torch.Tensor) -> None:
         for f, table in enumerate(self._tables):
-            table.prefetch(keys[:, f])
+            if isinstance(table, PSEmbedding):
+                table.prefetch(keys[:, f])
 
 
 class CollectionFeatures(nn.Module):
@@ -399,6 +414,52 @@ def ps_model(
                             optimizer="adagrad", lr=hyper.emb_lr, init=init, seed=seed + 1,
                             device=device)
     return ClickModel(FieldsAndGenres(fields, genres, field_offsets(data)), mlp)
+
+
+def served_model(
+    path: str, data: MovieLens, hyper: Hyper, seed: int, tables: str = "fused",
+    device: torch.device = CPU,
+) -> ClickModel:
+    """The model `ps_model` trains, from an export of its tables (`pstrain export`): serving
+    modules in place of the PS modules, the MLP's trained values loaded. No server."""
+    exported = load(path)
+
+    def sparse(name: str) -> SparseTable:
+        table = exported.tables.get(name)
+        if not isinstance(table, SparseTable):
+            raise ExampleError(f"{path} has no sparse table {name!r}: not an export of this "
+                               f"example trained with --tables {tables}")
+        return table
+
+    if "movielens.mlp" not in exported.tables:
+        raise ExampleError(f"{path} has no table 'movielens.mlp': not an export of this example")
+    mlp = load_dense(make_mlp(hyper, seed), exported.tables["movielens.mlp"])
+    fields: nn.Module
+    if tables == "fused":
+        fields = ServingEmbedding(sparse("movielens.fields"))
+    elif tables == "separate":
+        fields = SeparateFields([ServingEmbedding(sparse(f"movielens.{f}")) for f in FEATURES])
+    else:
+        raise ExampleError("--score-export serves models trained with --tables fused or separate")
+    genres = ServingEmbeddingBag(sparse("movielens.genres"), mode="mean")
+    return ClickModel(FieldsAndGenres(fields, genres, field_offsets(data)), mlp).to(device)
+
+
+def score_export(args: argparse.Namespace) -> dict[str, Any]:
+    """Test and validation AUC of an export, offline, on the training run's split."""
+    started = time.monotonic()
+    torch.set_num_threads(args.threads)
+    data = load_movielens()
+    parts = split(len(data), args.seed, args.max_samples)
+    hyper = Hyper(args.dim, tuple(args.hidden), args.emb_lr, args.dense_lr, args.init_std)
+    model = served_model(args.score_export, data, hyper, args.seed, args.tables, args.device)
+    placement = Placement(args.device, ids_on_device=True)
+    test_auc, test_loss = evaluate(model, data, parts.test, placement)
+    val_auc, _ = evaluate(model, data, parts.val, placement)
+    return {"test_auc": round(test_auc, 5), "test_auc_exact": test_auc,
+            "test_logloss": round(test_loss, 5), "val_auc": round(val_auc, 5),
+            "wall_s": round(time.monotonic() - started, 2), "mode": "export",
+            "export": args.score_export, "tables": args.tables, "device": str(args.device)}
 
 
 # ---- training --------------------------------------------------------------------------------
@@ -505,7 +566,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         val_auc, _ = evaluate(model, data, parts.val, placement)
     test_auc, test_loss = evaluate(model, data, parts.test, placement)
     result: dict[str, Any] = {
-        "test_auc": round(test_auc, 5), "test_logloss": round(test_loss, 5),
+        "test_auc": round(test_auc, 5), "test_auc_exact": test_auc,
+        "test_logloss": round(test_loss, 5),
         "val_auc": round(val_auc, 5), "samples_per_s": round(trained / max(train_s, 1e-9), 1),
         "wall_s": round(time.monotonic() - started, 2), "train_s": round(train_s, 2),
         "mode": mode, "rank": args.rank, "world_size": args.world_size,
@@ -568,6 +630,9 @@ def _device(text: str) -> torch.device:
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--local", action="store_true", help="train in plain single-process PyTorch")
+    p.add_argument("--score-export", default="", metavar="DIR",
+                   help="train nothing: score the test split offline from this export "
+                        "(pstrain export), with the training run's data flags")
     add_cluster_args(p)
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--batch-size", type=int, default=1024)
@@ -604,8 +669,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        result = train(args)
-    except ExampleError as exc:
+        result = score_export(args) if args.score_export else train(args)
+    except (ExampleError, ExportFormatError) as exc:
         print(f"movielens: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result), flush=True)

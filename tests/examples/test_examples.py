@@ -62,6 +62,33 @@ def test_movielens_one_sync_worker_trains_exactly_like_plain_pytorch(procs: Proc
 
 
 @needs_movielens
+@pytest.mark.timeout(120)
+def test_movielens_export_scores_offline_with_the_auc_training_printed(procs: Procs) -> None:
+    # One server, one worker in a job; after the worker's final evaluation (every id it
+    # scored now has a row) `pstrain checkpoint` cuts the model, `pstrain export` turns it
+    # into files, and the example scores them with no server.
+    redis, job = procs.redis().address, "served"
+    store = JobStore.connect(redis, job)
+    ckpt, out = procs.workdir / "ckpt", procs.workdir / "export"
+    procs.pstrain(["scheduler", "--redis", redis, "--job", job, "--mode", "async",
+                   "--workers", "1", "--servers", "1", "--checkpoint-dir", str(ckpt)],
+                  "scheduler")
+    wait_until(store.leader, 30, "a leader")
+    procs.pstrain(["server", "--redis", redis, "--job", job, "--shard", "0", "--bind",
+                   "127.0.0.1:0"], "server")
+    trained = run(procs, ["-m", "scheduler.cli", "worker", "--redis", redis, "--job", job, "--rank",
+                          "0", MOVIELENS, "--", *REDUCED], "worker")
+    for command in (["checkpoint", "--redis", redis, "--job", job, "--wait-s", "30"],
+                    ["export", "--job", job, "--checkpoint-dir", str(ckpt), "--out", str(out)]):
+        proc = procs.pstrain(command, command[0])
+        assert proc.popen.wait(timeout=60) == 0, proc.log()
+    served = run(procs, [MOVIELENS, "--score-export", str(out), *REDUCED], "served")
+    assert served["mode"] == "export" and trained["mode"] == "distributed"
+    assert served["test_auc_exact"] == pytest.approx(trained["test_auc_exact"], abs=1e-6)
+    assert served["test_auc_exact"] > 0.6
+
+
+@needs_movielens
 def test_movielens_two_async_workers_share_two_servers(procs: Procs) -> None:
     servers = ",".join(s.address for s in procs.servers(2, ["--mode", "async", "--workers", "2"]))
     workers = [

@@ -23,6 +23,7 @@ each dense table that changed at all, whole; and the tables dropped.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -56,6 +57,9 @@ from ps.tables import TableSpec
 
 log = logging.getLogger(__name__)
 
+# The tensors of a checkpointed table that an export holds (ps/tables.py's snapshot names).
+_EXPORTED = frozenset({"value", "keys"})
+
 
 class ExportError(PSError):
     """A checkpoint cannot be exported: none found, incomplete, or tables that disagree."""
@@ -82,7 +86,8 @@ def find(directory: str | Path, job: str, checkpoint_id: str | None = None) -> M
 
 def read_states(manifest: Manifest) -> list[ShardState]:
     """Every shard of `manifest`, each hashed against its recorded sha256 while read (blocks
-    on reading the whole checkpoint). CheckpointCorruptError names a file that fails."""
+    on reading the whole checkpoint), with only the tensors an export holds (values and
+    keys). CheckpointCorruptError names a file that fails."""
     states = []
     for shard in range(manifest.num_shards):
         recorded = manifest.shards[shard]
@@ -92,7 +97,12 @@ def read_states(manifest: Manifest) -> list[ShardState]:
             raise ExportError(f"{recorded.path} holds shard {state.shard}/{state.num_shards} of "
                               f"{state.job!r} {state.checkpoint_id!r}, not what its manifest "
                               "entry says; the checkpoint is corrupt")
-        states.append(state)
+        # Only values and keys are exported: dropping the optimizer state now keeps one
+        # shard's state in memory at a time, not the whole checkpoint's.
+        states.append(dataclasses.replace(state, tables=[
+            dataclasses.replace(t, tensors={k: v for k, v in t.tensors.items()
+                                            if k in _EXPORTED})
+            for t in state.tables]))
     return states
 
 

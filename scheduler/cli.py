@@ -1,6 +1,7 @@
 """The `pstrain` command line. This is the one place it reads environment variables.
 
-Roles run as their own processes: `pstrain server` replaces itself with `python -m ps`, and
+Roles run as their own processes: `pstrain server` replaces itself with `python -m ps`
+(`pstrain export`, which reads checkpoints, with `python -m ps.export`), and
 `pstrain worker --rank R` with the training script; `pstrain worker` without a rank claims
 one in Redis and runs the script as its child (scheduler/runner.py). So the CLI never
 imports the server or the worker (DESIGN.md: the launcher starts roles through the CLI).

@@ -35,6 +35,7 @@ BIG = (300, 64)  # 75 KiB of float32: split across the shards by rows
 SPECS = [
     TableSpec("big", "dense", torch.float32, shape=BIG),
     TableSpec("bias", "dense", torch.float32, shape=(3,)),
+    TableSpec("half/bias", "dense", torch.float16, shape=(2,)),
     TableSpec("emb", "sparse", torch.float32, dim=4),
     TableSpec("half/emb", "sparse", torch.bfloat16, dim=3, seed=5),
 ]
@@ -50,7 +51,8 @@ class Cluster:
             shard.declare(SPECS)
         self.seq = 0
         self.dense = {"big": torch.arange(BIG[0] * BIG[1], dtype=torch.float32).reshape(BIG),
-                      "bias": torch.tensor([1.0, -2.0, 3.5])}
+                      "bias": torch.tensor([1.0, -2.0, 3.5]),
+                      "half/bias": torch.tensor([0.5, 1e-3], dtype=torch.float16)}
         for name, value in self.dense.items():
             self.assign(name, value)
         self.rows: dict[str, dict[int, torch.Tensor]] = {"emb": {}, "half/emb": {}}
@@ -68,7 +70,7 @@ class Cluster:
         spec = next(s for s in SPECS if s.name == name)
         for where in dense_placement(name, spec.shape, spec.itemsize, SHARDS):
             block = value[where.start : where.end]
-            push = DensePush(name, PushMeta(0, 1, self.seq + 1, assign=True), torch.float32,
+            push = DensePush(name, PushMeta(0, 1, self.seq + 1, assign=True), spec.dtype,
                              tuple(block.shape), [(0, block.reshape(-1).clone())])
             self.exchange(where.shard, [push], [])
 
@@ -121,6 +123,7 @@ def test_an_export_reassembles_every_table_in_its_dtype(tmp_path: Path) -> None:
         assert torch.equal(table.values, torch.stack([rows[k] for k in sorted(rows)]))
         assert torch.equal(table.default, torch.zeros(table.dim, dtype=table.dtype))
     assert got.tables["half/emb"].dtype == torch.bfloat16
+    assert got.tables["half/bias"].dtype == torch.float16
 
 
 def test_the_layout_is_a_manifest_and_one_plain_safetensors_file_per_table(
@@ -130,7 +133,8 @@ def test_the_layout_is_a_manifest_and_one_plain_safetensors_file_per_table(
     export(tmp_path / "ckpt", JOB, tmp_path / "out")
     names = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert names == sorted(["manifest.json", "big.safetensors", "bias.safetensors",
-                            "emb.safetensors", "half%2Femb.safetensors"])
+                            "emb.safetensors", "half%2Femb.safetensors",
+                            "half%2Fbias.safetensors"])
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert {k: manifest[k] for k in ("format", "format_version", "kind", "job",
                                      "checkpoint_id", "clock", "default_row")} == {

@@ -441,7 +441,8 @@ class Shard:
     def _create(self, spec: TableSpec) -> Table:
         hogwild = self._policy_for(spec).hogwild
         if spec.kind == "sparse":
-            return SparseTable(spec, self.config.shard, self.config.num_shards, hogwild)
+            return SparseTable(spec, self.config.shard, self.config.num_shards, hogwild,
+                               self._now)
         ranges = dense_placement(spec.name, spec.shape, spec.itemsize, self.config.num_shards)
         return DenseTable(spec, ranges[self.config.shard], hogwild)
 
@@ -590,6 +591,9 @@ class Shard:
             )
         # Last of the checks, as it reserves room (never rows) for what passed all others.
         grant = self._admit_rows(touches)
+        # Rows touched now are stamped with this clock (TTLs in clocks count from it).
+        for table in {t for t, _, _, _ in touches}:
+            table.observe_clock(max(request.push_clock, request.pull_clock))
         try:
             outcomes = [self._commit(p, alive) for p in prepared]
             open_clock = None
@@ -657,7 +661,8 @@ class Shard:
                         f"table {table.spec.name!r}: creating {new[table]} new rows would take "
                         f"this server to {format_size(least)}, over its --memory-budget of "
                         f"{format_size(budget)} (it holds {format_size(held)} now); raise the "
-                        "budget, add servers, or send fewer new keys (rows are not evicted)"
+                        "budget, add servers, send fewer new keys, or declare the table "
+                        "with max_rows or a TTL to evict rows"
                     )
                 spare = (budget - least) // table.bytes_per_row
                 capacity = grown_capacity(rows, table.capacity, spare)

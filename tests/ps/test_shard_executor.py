@@ -486,8 +486,8 @@ def test_new_rows_past_the_memory_budget_are_refused_whole_and_change_nothing() 
     assert str(err.value) == (
         f"table 'emb': creating 6 new rows would take this server to "
         f"{format_size(budget + 6 * 8)}, over its --memory-budget of {format_size(budget)} "
-        f"(it holds {format_size(budget)} now); raise the budget, add servers, or send fewer "
-        "new keys (rows are not evicted)"
+        f"(it holds {format_size(budget)} now); raise the budget, add servers, send fewer "
+        "new keys, or declare the table with max_rows or a TTL to evict rows"
     )
     assert (values(shard), held(shard), shard.clock_state()) == (before, stats, clocks)
     # A pull alone of one new key is refused too.

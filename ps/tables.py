@@ -934,8 +934,8 @@ class SparseTable(_Counted):
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Copies of the keys, values, optimizer state and steps of every row held (rows in
-        slot order; an evicted row is not there), the clock each was last touched (under
-        eviction) and the admission sketch (under count:K)."""
+        slot order; an evicted row is not there), the clock each was last touched and the
+        evicted-id bits (under eviction) and the admission sketch (under count:K)."""
         with self._index_lock, self._storage.shared(), self._update_lock:
             if self.index.row_limit == len(self.index):  # no holes: rows 0..n-1
                 rows = len(self.index)
@@ -956,6 +956,7 @@ class SparseTable(_Counted):
                     out["step"] = self.step.index_select(0, at)
             if self._evict.active:
                 out["touched"] = torch.from_numpy(self._touched_clock[held].copy())
+                out["evicted_bits"] = torch.from_numpy(self._evicted_bits.copy())
             if self._sketch is not None:
                 out["sketch"] = torch.from_numpy(self._sketch.counters.copy())
         return out
@@ -989,6 +990,10 @@ class SparseTable(_Counted):
             if self._evict.active:
                 self._free_len = self._ttl_cursor = self._lru_cursor = 0
                 touched = tensors.get("touched")
+                bits = tensors.get("evicted_bits")
+                self._evicted_bits[:] = 0
+                if bits is not None and bits.numel() == len(self._evicted_bits):
+                    self._evicted_bits[:] = bits.numpy()
                 self._slot_key[:n] = keys
                 self._touched_clock[:] = -1
                 self._touched_clock[:n] = (self._clock_now if touched is None

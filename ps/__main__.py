@@ -17,6 +17,7 @@ from typing import Any
 
 from protos import modes, security
 from protos.transport import PREFERENCE
+from ps import plan
 from ps.concurrency import RESERVED_THREADS
 from ps.coordination import ServerCoordinator, advertised, find_checkpoint, new_incarnation
 from ps.errors import InvalidArgumentError, PSError
@@ -246,8 +247,11 @@ def _attacher(
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["plan"]:
+        return plan.main(args[1:])
     try:
-        config, attach, prepare = build(sys.argv[1:] if argv is None else argv)
+        config, attach, prepare = build(args)
         run(config, attach, prepare)
     except (PSError, CoordinationError, security.SecurityError) as exc:
         print(f"pstrain server: {exc}", file=sys.stderr)

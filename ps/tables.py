@@ -52,7 +52,7 @@ AnyOptimizer = Optimizer[Any]
 TableKind = Literal["dense", "sparse"]
 
 # First allocation of a sparse table's storage, in rows; it doubles from there.
-_INITIAL_SPARSE_ROWS = 1024
+INITIAL_SPARSE_ROWS = 1024
 # A dense table's step counter: one int64.
 _STEP_BYTES = 8
 # Sparse storage blocks from this size on are mapped on their own (see _storage).
@@ -532,7 +532,7 @@ class SparseTable(_Counted):
         # Shared by every read and update of rows; exclusive while storage is reallocated.
         self._storage = RWLock()
         self._update_lock = _update_guard(hogwild)
-        self._grow(_INITIAL_SPARSE_ROWS)
+        self._grow(INITIAL_SPARSE_ROWS)
 
     # ---- memory --------------------------------------------------------------------------
 
@@ -555,7 +555,7 @@ class SparseTable(_Counted):
         return sketch + (_EVICTED_BITS // 8 if spec.evict_rule.active else 0)
 
     @classmethod
-    def bytes_for(cls, spec: TableSpec, capacity: int = _INITIAL_SPARSE_ROWS,
+    def bytes_for(cls, spec: TableSpec, capacity: int = INITIAL_SPARSE_ROWS,
                   index_slots: int = 0) -> int:
         """What a table of `spec` takes with storage for `capacity` rows and an index of
         `index_slots` slots (at least an empty index's). Pure: with the defaults, a newly

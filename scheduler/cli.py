@@ -116,6 +116,8 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("server", help="run one parameter-server shard (see pstrain server --help)",
                    add_help=False)
+    sub.add_parser("plan", help="memory per server of sparse tables, before a job (see "
+                                "pstrain plan --help)", add_help=False)
 
     w = sub.add_parser("worker", help="run a training script as a worker of a job")
     _redis_flags(w)
@@ -224,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     if args[0] == "server":
         # Replace this process so signals, exit status and pid belong to the server itself.
         os.execv(sys.executable, [sys.executable, "-m", "ps", *args[1:]])
+    if args[0] == "plan":
+        # Table sizes are the server's own arithmetic (ps.plan), reached as a process.
+        os.execv(sys.executable, [sys.executable, "-m", "ps", "plan", *args[1:]])
     a = parser.parse_args(args)
     logging.basicConfig(level=os.environ.get("PSTRAIN_LOG_LEVEL", "INFO").upper(),
                         format=f"%(asctime)s %(levelname)s {a.command} %(name)s: %(message)s")

@@ -319,6 +319,10 @@ def _scheduler(a: argparse.Namespace) -> int:
     return 0
 
 
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
 def _status(store: JobStore, as_json: bool) -> int:
     status = status_of(store)
     if status["spec"] is None:
@@ -337,6 +341,15 @@ def _status(store: JobStore, as_json: bool) -> int:
         print(f"{p['role']:<8}{p['id']:>3} {p['pid'] or '-':>8} {p['host'] or '-'!s:<14}"
               f"{p['address'] or '-'!s:<22}{p['incarnation'] or '-':>18}{age:>8}"
               f"{p['clock'] if p['clock'] is not None else '-':>7}")
+    tables = [(p["id"], name, t) for p in status["processes"] if p["role"] == "server"
+              for name, t in sorted((p.get("tables") or {}).items())]
+    if tables:
+        print(f"sparse tables:\n{'server':>8} {'table':<16}{'rows':>12}{'memory':>11}"
+              f"{'admitted':>11}{'refused':>11}{'evicted':>11}{'readmitted':>11}")
+        for server, name, t in tables:
+            print(f"{server:>8} {name:<16}{t['rows']:>12}{_mib(t['memory_bytes']):>11}"
+                  f"{t['admitted']:>11}{t['refused_by_admission']:>11}{t['evicted']:>11}"
+                  f"{t['readmitted']:>11}")
     print("recent events:")
     for e in status["events"]:
         when = time.strftime("%H:%M:%S", time.localtime(e["time"]))

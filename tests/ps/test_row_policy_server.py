@@ -3,6 +3,8 @@ written by the server and restored by its successor."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,6 +46,14 @@ def client(module_procs: Procs) -> Iterator[PSClient]:
         yield c
 
 
+def status(redis: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "scheduler.cli", "status", "--redis", redis,
+                           "--job", JOB], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def declare(client: PSClient) -> None:
     client.declare_sparse("clicks", 4, admit="count:3", admit_default=0.5, init=INIT, seed=1)
     client.declare_sparse("lru", 4, max_rows=3, init=INIT, seed=2, optimizer="sgd", lr=1.0)
@@ -68,6 +78,10 @@ def test_admission_counts_and_eviction_survive_a_restart_from_a_checkpoint(
         assert stats.metadata_bytes >= 4 << 20  # the sketch
         stats = table_stats(client, "lru")
         assert (stats.rows, stats.admitted, stats.evicted) == (3, 5, 2)
+        # `pstrain status` shows them, from the server's heartbeat.
+        wait_until(lambda: "lru" in status(redis), 10, "the tables in pstrain status")
+        line = next(x for x in status(redis).splitlines() if " lru " in x)
+        assert line.split()[1:3] + line.split()[5:] == ["lru", "3", "5", "0", "2", "0"], line
         store.request_checkpoint("c1", -1)
         wait_until(lambda: store.checkpoint("c1"), 30, "checkpoint c1")
     procs.kill(server)

@@ -618,7 +618,7 @@ class SparseTable(_Counted):
     def observe_clock(self, clock: int) -> None:
         """Tells the table the clock of a request touching it: rows are stamped with the
         latest one, which TTLs in clocks count from. Thread-safe."""
-        if clock > self._clock_now:
+        if self._evict.active and clock > self._clock_now:
             with self._index_lock:
                 self._clock_now = max(self._clock_now, clock)
 

@@ -870,3 +870,28 @@ def test_a_snapshot_after_eviction_holds_only_the_rows_left() -> None:
     kept.restore(snap)
     order = snap["keys"].tolist()
     assert held_keys(kept) == {order[1], order[2]}
+
+
+@pytest.mark.parametrize("hogwild", [False, True])
+def test_racing_pulls_and_pushes_on_an_evicting_table_see_only_their_own_rows(
+        hogwild: bool) -> None:
+    # Each thread owns its ids and assigns each row its own id: a pull that read a slot
+    # given to another id in between would see another thread's value.
+    table = SparseTable(sparse_spec(max_rows=300, ttl_clocks=3), 0, 1, hogwild)
+
+    def work(k: int) -> None:
+        rng = np.random.default_rng(k)
+        for step in range(150):
+            ids = np.unique(rng.integers(0, 200, size=40)) + 1000 * (k + 1)
+            table.observe_clock(step)
+            table.apply(ids, torch.from_numpy(ids).float()[:, None].repeat(1, 4), assign=True)
+            got = pulled(table, *ids.tolist())
+            written = got[:, 0] == torch.from_numpy(ids).float()
+            # A row evicted between the push and the pull reads its initial values.
+            fresh = (got == initial(table, *ids.tolist())).all(dim=1)
+            assert bool((written | fresh).all()), (k, step)
+
+    run_in_threads(work, 4)
+    assert table.rows <= 300 + 4 * 40
+    _, rows = table.index.items()
+    assert len(np.unique(rows)) == len(rows) and (rows < table.capacity).all()

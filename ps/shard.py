@@ -628,6 +628,8 @@ class Shard:
         fresh: dict[SparseTable, list[tuple[np.ndarray, bool]]] = {}
         for table, keys, known, unique in touches:
             absent = table.absent(keys) if known is None else keys[known < 0]
+            # Ids the table's admission rule refuses make no row, so take no room.
+            absent = table.admissible(absent)
             if len(absent):
                 fresh.setdefault(table, []).append((absent, unique))
         new = {

@@ -615,6 +615,19 @@ class SparseTable(_Counted):
             rows = self.index.lookup(keys)
         return keys[rows < 0]
 
+    def admissible(self, keys: np.ndarray) -> np.ndarray:
+        """Of `keys` without rows, those the admission rule would give a row if named now
+        (under count:K, those whose next sight is the K-th or later): what the memory budget
+        counts as new rows. Changes nothing; thread-safe."""
+        rule = self._admit
+        if rule.kind == "prob":
+            return keys[admitted_by_probability(keys, self.spec.seed, rule.probability)]
+        if self._sketch is not None and len(keys):
+            with self._index_lock:
+                seen = self._sketch.estimate(keys)
+            return keys[seen.astype(np.int64) + 1 >= rule.count]
+        return keys
+
     def observe_clock(self, clock: int) -> None:
         """Tells the table the clock of a request touching it: rows are stamped with the
         latest one, which TTLs in clocks count from. Thread-safe."""

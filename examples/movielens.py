@@ -337,6 +337,9 @@ class Hyper:
     emb_lr: float
     dense_lr: float
     init_std: float
+    # The sparse tables' admission and eviction options (PSEmbedding's admit, ttl_clocks,
+    # ttl_s, max_rows), as the flags give them.
+    rows: tuple[tuple[str, str | int | float], ...] = ()
 
 
 def make_mlp(hyper: Hyper, seed: int) -> nn.Sequential:
@@ -393,7 +396,11 @@ def ps_model(
     init = ("normal", 0.0, hyper.init_std)
     mlp = PSDense(client, make_mlp(hyper, seed).to(device), "movielens.mlp", optimizer="adam",
                   lr=hyper.dense_lr)
+    rows = dict(hyper.rows)
     if tables == "collection":
+        if rows:
+            raise ExampleError("--admit, --ttl-clocks, --ttl-s and --max-rows apply to "
+                               "--tables fused or separate, not collection")
         features = [FeatureConfig(f, hyper.dim, optimizer="adagrad", lr=hyper.emb_lr,
                                   init=init, seed=seed) for f in FEATURES]
         features.append(FeatureConfig("genres", hyper.dim, pooling="mean", optimizer="adagrad",
@@ -404,15 +411,15 @@ def ps_model(
     fields: nn.Module
     if tables == "fused":
         fields = PSEmbedding(client, "movielens.fields", hyper.dim, optimizer="adagrad",
-                             lr=hyper.emb_lr, init=init, seed=seed, device=device)
+                             lr=hyper.emb_lr, init=init, seed=seed, device=device, **rows)
     else:
         fields = SeparateFields([
             PSEmbedding(client, f"movielens.{f}", hyper.dim, optimizer="adagrad",
-                        lr=hyper.emb_lr, init=init, seed=seed, device=device)
+                        lr=hyper.emb_lr, init=init, seed=seed, device=device, **rows)
             for f in FEATURES])
     genres = PSEmbeddingBag(client, "movielens.genres", hyper.dim, mode="mean",
                             optimizer="adagrad", lr=hyper.emb_lr, init=init, seed=seed + 1,
-                            device=device)
+                            device=device, **rows)
     return ClickModel(FieldsAndGenres(fields, genres, field_offsets(data)), mlp)
 
 
@@ -484,7 +491,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     data = load_movielens()
     parts = split(len(data), args.seed, args.max_samples)
-    hyper = Hyper(args.dim, tuple(args.hidden), args.emb_lr, args.dense_lr, args.init_std)
+    hyper = Hyper(args.dim, tuple(args.hidden), args.emb_lr, args.dense_lr, args.init_std,
+                  table_options(args))
     client: PSClient | None = None
     ps: PSOptimizer | None = None
     ctx: worker.WorkerContext | None = None
@@ -659,10 +667,34 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="distributed: the seven single-valued features in one table, in one "
                         "table each (the same rows and results), or every feature declared "
                         "in one PSEmbeddingCollection")
+    add_table_flags(p)
     args = p.parse_args(argv)
     if not 0 <= args.rank < args.world_size:
         p.error(f"--rank must lie in [0, --world-size), got {args.rank} of {args.world_size}")
     return args
+
+
+def add_table_flags(p: argparse.ArgumentParser) -> None:
+    """The sparse tables' admission and eviction flags (distributed runs)."""
+    p.add_argument("--admit", default="always",
+                   help="when an id gets a row: always, count:K (its K-th sight) or prob:P")
+    p.add_argument("--ttl-clocks", type=int, default=0,
+                   help="evict rows untouched this many steps (0: never)")
+    p.add_argument("--ttl-s", type=float, default=0.0,
+                   help="evict rows untouched this many seconds (0: never)")
+    p.add_argument("--max-rows", type=int, default=0,
+                   help="rows per server and table; past it the least recently used go "
+                        "(0: no limit)")
+
+
+def table_options(args: argparse.Namespace) -> tuple[tuple[str, str | int | float], ...]:
+    """The flags of add_table_flags that differ from their defaults, as PSEmbedding's
+    keyword arguments."""
+    given = {"admit": args.admit, "ttl_clocks": args.ttl_clocks, "ttl_s": args.ttl_s,
+             "max_rows": args.max_rows}
+    defaults: dict[str, str | int | float] = {"admit": "always", "ttl_clocks": 0,
+                                              "ttl_s": 0.0, "max_rows": 0}
+    return tuple((k, v) for k, v in given.items() if v != defaults[k])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -71,16 +71,26 @@ class DenseSpec(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., init: _Optional[_Union[Initializer, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SparseSpec(_message.Message):
-    __slots__ = ("dim", "dtype", "init", "seed")
+    __slots__ = ("dim", "dtype", "init", "seed", "admit", "admit_default", "ttl_clocks", "ttl_s", "max_rows")
     DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     INIT_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    TTL_CLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
     dim: int
     dtype: DType
     init: Initializer
     seed: int
-    def __init__(self, dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., init: _Optional[_Union[Initializer, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+    admit: str
+    admit_default: float
+    ttl_clocks: int
+    ttl_s: float
+    max_rows: int
+    def __init__(self, dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., init: _Optional[_Union[Initializer, _Mapping]] = ..., seed: _Optional[int] = ..., admit: _Optional[str] = ..., admit_default: _Optional[float] = ..., ttl_clocks: _Optional[int] = ..., ttl_s: _Optional[float] = ..., max_rows: _Optional[int] = ...) -> None: ...
 
 class TableSpec(_message.Message):
     __slots__ = ("name", "dense", "sparse", "optimizer", "allow_non_finite", "consistency", "staleness")
@@ -266,7 +276,7 @@ class PullRecord(_message.Message):
     def __init__(self, table: _Optional[str] = ..., worker: _Optional[int] = ..., clock: _Optional[int] = ..., min_live_clock: _Optional[int] = ...) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("name", "kind", "optimizer", "rows", "value_bytes", "state_bytes", "index_bytes", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "rows_pulled", "rows_pushed", "row_start", "row_end", "pushes_dropped", "gradients_aggregated", "consistency", "staleness", "pushes_kept", "memory_bytes")
+    __slots__ = ("name", "kind", "optimizer", "rows", "value_bytes", "state_bytes", "index_bytes", "pushes_applied", "pushes_duplicate", "pushes_rejected", "pulls", "rows_pulled", "rows_pushed", "row_start", "row_end", "pushes_dropped", "gradients_aggregated", "consistency", "staleness", "pushes_kept", "memory_bytes", "admitted", "refused_by_admission", "evicted", "readmitted", "metadata_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +298,11 @@ class TableStats(_message.Message):
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     PUSHES_KEPT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_BY_ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    READMITTED_FIELD_NUMBER: _ClassVar[int]
+    METADATA_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     optimizer: str
@@ -309,7 +324,12 @@ class TableStats(_message.Message):
     staleness: int
     pushes_kept: int
     memory_bytes: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., optimizer: _Optional[str] = ..., rows: _Optional[int] = ..., value_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., index_bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., gradients_aggregated: _Optional[int] = ..., consistency: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., pushes_kept: _Optional[int] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+    admitted: int
+    refused_by_admission: int
+    evicted: int
+    readmitted: int
+    metadata_bytes: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., optimizer: _Optional[str] = ..., rows: _Optional[int] = ..., value_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., index_bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., gradients_aggregated: _Optional[int] = ..., consistency: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., pushes_kept: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., admitted: _Optional[int] = ..., refused_by_admission: _Optional[int] = ..., evicted: _Optional[int] = ..., readmitted: _Optional[int] = ..., metadata_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("info", "tables", "bytes_received", "bytes_sent", "open_clock", "clocks_closed", "clocks", "pull_log", "history")

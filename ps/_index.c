@@ -49,7 +49,8 @@ typedef struct {
     PyObject_HEAD
     Slot *slots;
     size_t capacity; /* number of slots, a power of two */
-    size_t size;     /* number of keys; also the row id the next new key receives */
+    size_t size;     /* number of keys */
+    size_t next_row; /* one past the largest row id ever held: what lookup_or_insert gives next */
     size_t max_size; /* load limit: 0.7 * capacity */
     uint64_t seed;
     int readers; /* lookups/exports currently running with the GIL released */
@@ -218,13 +219,13 @@ static Py_ssize_t probe_lookup(const Int64Index *self, const int64_t *keys, int6
 }
 
 /* Capacity for size + n keys must already be reserved, so no slot moves during the loop and
- * the prefetches stay valid. Returns the new size, which the caller stores with the GIL held
- * (len() from another thread must not see it change mid-call). */
+ * the prefetches stay valid. Returns the new next_row, which the caller stores with the GIL
+ * held (len() from another thread must not see it change mid-call). */
 static size_t probe_insert(Int64Index *self, const int64_t *keys, int64_t *out, Py_ssize_t n) {
     Slot *slots = self->slots;
     const size_t mask = self->capacity - 1;
     const uint64_t seed = self->seed;
-    int64_t next_row = (int64_t)self->size;
+    int64_t next_row = (int64_t)self->next_row;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + PREFETCH_DISTANCE < n)
             PREFETCH(&slots[hash_key(keys[i + PREFETCH_DISTANCE], seed) & mask], 1);
@@ -302,9 +303,9 @@ static PyObject *Int64Index_lookup(Int64Index *self, PyObject *args) {
 
 PyDoc_STRVAR(lookup_or_insert_doc,
 "lookup_or_insert($self, keys, out, /)\n--\n\n"
-"Like lookup(), but a key that is absent is inserted first. New keys get dense row ids\n"
-"len(self), len(self) + 1, ... in order of first appearance in `keys`; repeats of a key\n"
-"share its row. Returns the number of rows created. Room for len(self) + len(keys) keys is\n"
+"Like lookup(), but a key that is absent is inserted first. New keys get row ids\n"
+"row_limit, row_limit + 1, ... (len(self), ... while nothing was deleted) in order of first\n"
+"appearance in `keys`; repeats of a key share its row. Returns the number of rows created. Room for len(self) + len(keys) keys is\n"
 "reserved before anything is inserted, so on MemoryError the table is unchanged.\n"
 "Releases the GIL while probing; not thread-safe.");
 
@@ -315,14 +316,15 @@ static PyObject *Int64Index_lookup_or_insert(Int64Index *self, PyObject *args) {
     if (get_keys_and_out(keys_obj, out_obj, &keys, &out) < 0) return NULL;
     Py_ssize_t n = keys.len / 8, created = -1;
     if (begin_use(self, 1) == 0) {
-        size_t before = self->size, after = 0;
+        size_t before = self->next_row, after = 0;
         /* Worst case reservation: it may grow the table one batch early, but it makes the call
          * all-or-nothing, so a row id is never handed out without being returned. */
-        if (index_reserve(self, before + (size_t)n) == 0) {
+        if (index_reserve(self, self->size + (size_t)n) == 0) {
             Py_BEGIN_ALLOW_THREADS
             after = probe_insert(self, keys.buf, out.buf, n);
             Py_END_ALLOW_THREADS
-            self->size = after;
+            self->next_row = after;
+            self->size += after - before;
             created = (Py_ssize_t)(after - before);
         }
         end_use(self, 1);
@@ -341,7 +343,12 @@ static PyObject *Int64Index_export(Int64Index *self, PyObject *arg) {
     Py_buffer out;
     if (get_int64_buffer(arg, &out, 1, "keys_out") < 0) return NULL;
     int ok = 0;
-    if ((size_t)(out.len / 8) != self->size) {
+    if (self->next_row != self->size) {
+        PyErr_Format(PyExc_ValueError,
+                     "export needs dense row ids 0..len-1, but the index holds %zu keys with row "
+                     "ids up to %zu (keys were deleted); use items()", self->size,
+                     self->next_row);
+    } else if ((size_t)(out.len / 8) != self->size) {
         PyErr_Format(PyExc_ValueError, "keys_out has %zd elements, the index holds %zu keys",
                      out.len / 8, self->size);
     } else if (begin_use(self, 0) == 0) {
@@ -375,7 +382,7 @@ static PyObject *Int64Index_reserve(Int64Index *self, PyObject *arg) {
 
 PyDoc_STRVAR(clear_doc,
 "clear($self)\n--\n\n"
-"Remove every key; the capacity is kept, and row ids start again from 0.");
+"Remove every key; the capacity is kept, and row ids start again from 0 (row_limit is 0).");
 
 static PyObject *Int64Index_clear(Int64Index *self, PyObject *Py_UNUSED(ignored)) {
     if (begin_use(self, 1) < 0) return NULL;
@@ -385,8 +392,203 @@ static PyObject *Int64Index_clear(Int64Index *self, PyObject *Py_UNUSED(ignored)
     slots_clear(slots, cap);
     Py_END_ALLOW_THREADS
     self->size = 0;
+    self->next_row = 0;
     end_use(self, 1);
     Py_RETURN_NONE;
+}
+
+
+/* ---- deletion and explicit rows ---- */
+
+/* Backward-shift deletion: empties slot i, then moves each later entry of its probe run into
+ * the hole when the hole lies on that entry's path from its home slot, so lookups never meet
+ * a hole inside a run and no tombstones build up. Needs no GIL. */
+static void slot_remove(Slot *slots, size_t mask, uint64_t seed, size_t i) {
+    size_t j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (slots[j].row < 0) break;
+        const size_t home = hash_key(slots[j].key, seed) & mask;
+        /* The entry at j may move to i iff its home is not cyclically within (i, j]. */
+        const int stays = (i <= j) ? (home > i && home <= j) : (home > i || home <= j);
+        if (stays) continue;
+        slots[i] = slots[j];
+        i = j;
+    }
+    slots[i].key = -1;
+    slots[i].row = EMPTY_ROW;
+}
+
+static Py_ssize_t probe_delete(Int64Index *self, const int64_t *keys, int64_t *out,
+                               Py_ssize_t n) {
+    Slot *slots = self->slots;
+    const size_t mask = self->capacity - 1;
+    const uint64_t seed = self->seed;
+    Py_ssize_t removed = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int64_t key = keys[i];
+        size_t j = hash_key(key, seed) & mask;
+        int64_t row;
+        while ((row = slots[j].row) >= 0 && slots[j].key != key) j = (j + 1) & mask;
+        out[i] = row;
+        if (row >= 0) {
+            slot_remove(slots, mask, seed, j);
+            removed++;
+        }
+    }
+    return removed;
+}
+
+PyDoc_STRVAR(delete_doc,
+"delete($self, keys, out, /)\n--\n\n"
+"Remove each key of `keys`, writing the row id it held into `out` (-1 for a key that is\n"
+"absent, or a repeat of one removed earlier in the call). Returns the number removed. The\n"
+"row ids are not handed out again by lookup_or_insert (it continues from row_limit); give\n"
+"them to new keys with insert_rows. Backward-shift deletion: no tombstones. Releases the\n"
+"GIL while probing; not thread-safe.");
+
+static PyObject *Int64Index_delete(Int64Index *self, PyObject *args) {
+    PyObject *keys_obj, *out_obj;
+    Py_buffer keys, out;
+    if (!PyArg_ParseTuple(args, "OO:delete", &keys_obj, &out_obj)) return NULL;
+    if (get_keys_and_out(keys_obj, out_obj, &keys, &out) < 0) return NULL;
+    Py_ssize_t removed = -1;
+    if (begin_use(self, 1) == 0) {
+        if (self->slots == NULL) {
+            removed = 0;
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            removed = probe_delete(self, keys.buf, out.buf, keys.len / 8);
+            Py_END_ALLOW_THREADS
+            self->size -= (size_t)removed;
+        }
+        end_use(self, 1);
+    }
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&out);
+    return removed < 0 ? NULL : PyLong_FromSsize_t(removed);
+}
+
+PyDoc_STRVAR(insert_rows_doc,
+"insert_rows($self, keys, rows, /)\n--\n\n"
+"Insert each key of `keys` with the row id at the same position of `rows` (each >= 0): how\n"
+"a caller reuses the row ids of deleted keys. Keys must be absent and distinct, rows must\n"
+"not be held by another key (the index does not check that). All-or-nothing: a negative row\n"
+"or a key already present raises ValueError with the index unchanged. Raises row_limit past\n"
+"the largest row given. Releases the GIL while probing; not thread-safe.");
+
+static PyObject *Int64Index_insert_rows(Int64Index *self, PyObject *args) {
+    PyObject *keys_obj, *rows_obj;
+    Py_buffer keys, rows;
+    if (!PyArg_ParseTuple(args, "OO:insert_rows", &keys_obj, &rows_obj)) return NULL;
+    if (get_int64_buffer(keys_obj, &keys, 0, "keys") < 0) return NULL;
+    if (get_int64_buffer(rows_obj, &rows, 0, "rows") < 0) {
+        PyBuffer_Release(&keys);
+        return NULL;
+    }
+    const Py_ssize_t n = keys.len / 8;
+    const int64_t *k = keys.buf, *r = rows.buf;
+    int ok = 0;
+    if (rows.len != keys.len) {
+        PyErr_Format(PyExc_ValueError, "keys has %zd elements, rows has %zd", n, rows.len / 8);
+    } else if (begin_use(self, 1) == 0) {
+        int64_t top = -1;
+        Py_ssize_t bad = -1, present = -1;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (r[i] < 0) {
+                bad = i;
+                break;
+            }
+            if (r[i] > top) top = r[i];
+        }
+        if (bad >= 0) {
+            PyErr_Format(PyExc_ValueError, "row %lld at position %zd is negative",
+                         (long long)r[bad], bad);
+        } else if (index_reserve(self, self->size + (size_t)n) == 0) {
+            Slot *slots = self->slots;
+            const size_t mask = self->capacity - 1;
+            const uint64_t seed = self->seed;
+            Py_ssize_t i;
+            Py_BEGIN_ALLOW_THREADS
+            for (i = 0; i < n; i++) {
+                size_t j = hash_key(k[i], seed) & mask;
+                while (slots[j].row >= 0 && slots[j].key != k[i]) j = (j + 1) & mask;
+                if (slots[j].row >= 0) {
+                    present = i;
+                    break;
+                }
+                slots[j].key = k[i];
+                slots[j].row = r[i];
+            }
+            if (present >= 0) { /* undo: the index is as it was */
+                for (Py_ssize_t u = 0; u < present; u++) {
+                    size_t j = hash_key(k[u], seed) & mask;
+                    while (slots[j].key != k[u] || slots[j].row < 0) j = (j + 1) & mask;
+                    slot_remove(slots, mask, seed, j);
+                }
+            }
+            Py_END_ALLOW_THREADS
+            if (present >= 0) {
+                PyErr_Format(PyExc_ValueError,
+                             "key %lld at position %zd is already in the index; insert_rows "
+                             "takes absent, distinct keys", (long long)k[present], present);
+            } else {
+                self->size += (size_t)n;
+                if ((size_t)(top + 1) > self->next_row) self->next_row = (size_t)(top + 1);
+                ok = 1;
+            }
+        }
+        end_use(self, 1);
+    }
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&rows);
+    return ok ? Py_NewRef(Py_None) : NULL;
+}
+
+PyDoc_STRVAR(items_doc,
+"items($self, keys_out, rows_out, /)\n--\n\n"
+"Write every (key, row id) pair, in slot order, into two writable int64 buffers of length\n"
+"len(self). Releases the GIL while scanning; not thread-safe.");
+
+static PyObject *Int64Index_items(Int64Index *self, PyObject *args) {
+    PyObject *keys_obj, *rows_obj;
+    Py_buffer keys, rows;
+    if (!PyArg_ParseTuple(args, "OO:items", &keys_obj, &rows_obj)) return NULL;
+    if (get_int64_buffer(keys_obj, &keys, 1, "keys_out") < 0) return NULL;
+    if (get_int64_buffer(rows_obj, &rows, 1, "rows_out") < 0) {
+        PyBuffer_Release(&keys);
+        return NULL;
+    }
+    int ok = 0;
+    if (rows.len != keys.len) {
+        PyErr_Format(PyExc_ValueError, "keys_out has %zd elements, rows_out has %zd",
+                     keys.len / 8, rows.len / 8);
+    } else if ((size_t)(keys.len / 8) != self->size) {
+        PyErr_Format(PyExc_ValueError, "keys_out has %zd elements, the index holds %zu keys",
+                     keys.len / 8, self->size);
+    } else if (keys.buf == rows.buf && self->size > 0) {
+        PyErr_SetString(PyExc_ValueError, "keys_out and rows_out must be different buffers");
+    } else if (begin_use(self, 0) == 0) {
+        const Slot *slots = self->slots;
+        int64_t *kd = keys.buf, *rd = rows.buf;
+        size_t cap = self->capacity, w = 0;
+        Py_BEGIN_ALLOW_THREADS
+        for (size_t i = 0; i < cap; i++)
+            if (slots[i].row >= 0) {
+                kd[w] = slots[i].key;
+                rd[w++] = slots[i].row;
+            }
+        Py_END_ALLOW_THREADS
+        end_use(self, 0);
+        ok = 1;
+    }
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&rows);
+    return ok ? Py_NewRef(Py_None) : NULL;
+}
+
+static PyObject *Int64Index_get_row_limit(Int64Index *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromSize_t(self->next_row);
 }
 
 static Py_ssize_t Int64Index_len(Int64Index *self) { return (Py_ssize_t)self->size; }
@@ -406,12 +608,17 @@ static PyMethodDef Int64Index_methods[] = {
     {"export", (PyCFunction)Int64Index_export, METH_O, export_doc},
     {"reserve", (PyCFunction)Int64Index_reserve, METH_O, reserve_doc},
     {"clear", (PyCFunction)Int64Index_clear, METH_NOARGS, clear_doc},
+    {"delete", (PyCFunction)Int64Index_delete, METH_VARARGS, delete_doc},
+    {"insert_rows", (PyCFunction)Int64Index_insert_rows, METH_VARARGS, insert_rows_doc},
+    {"items", (PyCFunction)Int64Index_items, METH_VARARGS, items_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static PyGetSetDef Int64Index_getset[] = {
     {"capacity", (getter)Int64Index_get_capacity, NULL, "Number of slots (a power of two).", NULL},
     {"nbytes", (getter)Int64Index_get_nbytes, NULL, "Bytes held by the slot array.", NULL},
+    {"row_limit", (getter)Int64Index_get_row_limit, NULL,
+     "One past the largest row id handed out since the last clear.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -30,7 +30,17 @@ class Int64Index:
     def reserve(self, n: int, /) -> None:
         """Grow so that ``n`` keys fit without a rehash; never shrinks."""
     def clear(self) -> None:
-        """Remove every key, keeping the capacity."""
+        """Remove every key, keeping the capacity; row ids start again from 0."""
+    def delete(self, keys: _Int64Buffer, out: _Int64Buffer, /) -> int:
+        """Remove ``keys``, writing each one's former row id (or -1) into ``out``; return the
+        number removed."""
+    def insert_rows(self, keys: _Int64Buffer, rows: _Int64Buffer, /) -> None:
+        """Insert absent, distinct ``keys`` with the given row ids; all-or-nothing."""
+    def items(self, keys_out: _Int64Buffer, rows_out: _Int64Buffer, /) -> None:
+        """Write every (key, row id) pair in slot order; both have length ``len(self)``."""
+    @property
+    def row_limit(self) -> int:
+        """One past the largest row id handed out since the last clear."""
     def __len__(self) -> int: ...
     @property
     def capacity(self) -> int:

@@ -34,6 +34,8 @@ from scheduler.spec import JobSpec
 from scheduler.store import JobStore, ride_out
 
 log = logging.getLogger(__name__)
+# Sparse tables a server lists in its heartbeat for `pstrain status` (by name), at most.
+_SHOWN_TABLES = 16
 
 
 def new_incarnation() -> int:
@@ -101,6 +103,15 @@ class ServerCoordinator:
             "bytes": sum(s.value_bytes + s.state_bytes + s.index_bytes for s in stats),
             "pushes": sum(s.counters.pushes_applied for s in stats),
             "dropped": sum(s.counters.pushes_dropped for s in stats),
+            # What `pstrain status` shows per sparse table (a bounded number of them).
+            "table_stats": {
+                s.name: {"rows": s.rows, "memory_bytes": s.memory_bytes,
+                         "admitted": s.counters.admitted,
+                         "refused_by_admission": s.counters.refused_by_admission,
+                         "evicted": s.counters.evicted, "readmitted": s.counters.readmitted}
+                for s in sorted(stats, key=lambda s: s.name)[:_SHOWN_TABLES]
+                if s.kind == "sparse"
+            },
         }
 
     def on_beat(self) -> None:

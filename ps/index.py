@@ -2,7 +2,8 @@
 
 A typed numpy wrapper over the C extension ``ps._index.Int64Index``. Row ids are dense: the
 n-th distinct key ever inserted gets row ``n``, so they index straight into the value arrays
-that hold the embedding rows.
+that hold the embedding rows. A table that evicts rows deletes keys and gives their row ids
+to new keys itself (``delete``, ``insert_rows``), so its row ids stay below ``row_limit``.
 
 Calls are blocking and release the GIL while they work, but a ``KeyIndex`` is NOT thread-safe:
 callers must serialise every call (reads included, when a writer may run) with their own lock.
@@ -96,16 +97,43 @@ class KeyIndex:
     def first_repeat(self, rows: npt.NDArray[np.int64]) -> int:
         """Position of the first row id in ``rows`` that repeats an earlier one, or -1.
 
-        ``rows`` are row ids of this index (0 <= row < len(self)). One bit test per element,
+        ``rows`` are row ids of this index (0 <= row < row_limit). One bit test per element,
         far cheaper than sorting. Not thread-safe, like every call here.
         """
-        need = (len(self._index) + 8) // 8
+        need = (self._index.row_limit + 8) // 8
         if self._bits.size < need:
             self._bits = np.zeros(max(need, 2 * self._bits.size), dtype=np.uint8)
         return first_repeat(_as_keys(rows), self._bits)
 
+    def delete(self, keys: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Removes ``keys``; returns the row id each held (-1 where absent). The freed row ids
+        are the caller's to reuse with ``insert_rows``."""
+        keys = _as_keys(keys)
+        rows = np.empty(keys.shape[0], dtype=np.int64)
+        self._index.delete(keys, rows)
+        return rows
+
+    def insert_rows(self, keys: npt.NDArray[np.int64], rows: npt.NDArray[np.int64]) -> None:
+        """Inserts absent, distinct ``keys`` with the row ids ``rows`` (each >= 0, held by no
+        other key). All-or-nothing: ``ValueError`` naming a present key or a negative row."""
+        self._index.insert_rows(_as_keys(keys), _as_keys(rows))
+
+    def items(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """``(keys, rows)`` of every key, in slot order (not by row)."""
+        keys = np.empty(len(self._index), dtype=np.int64)
+        rows = np.empty(len(self._index), dtype=np.int64)
+        self._index.items(keys, rows)
+        return keys, rows
+
+    @property
+    def row_limit(self) -> int:
+        """One past the largest row id handed out since the last ``clear``: ``len(self)``
+        until a key is deleted."""
+        return self._index.row_limit
+
     def keys_by_row(self) -> npt.NDArray[np.int64]:
-        """Returns the key of every row: ``keys_by_row()[row] == key``. For checkpoints."""
+        """Returns the key of every row: ``keys_by_row()[row] == key``. For checkpoints.
+        ``ValueError`` once keys were deleted (rows have holes): use ``items``."""
         keys = np.empty(len(self._index), dtype=np.int64)
         self._index.export(keys)
         return keys

@@ -34,6 +34,11 @@ class _ShardCollector(Collector):
         size = GaugeMetricFamily("pstrain_table_bytes",
                                  "Bytes of values, optimizer state and index of a table.",
                                  labels=[*labels, "table"])
+        parts = GaugeMetricFamily(
+            "pstrain_table_part_bytes",
+            "Bytes of a table by part: value, state, index, metadata (admission sketch, row "
+            "stamps, evicted-id bits), memory (all of it at reserved capacity, as "
+            "--memory-budget counts it).", labels=[*labels, "table", "part"])
         counters = {
             name: CounterMetricFamily(f"pstrain_table_{name}", text, labels=[*labels, "table"])
             for name, text in (
@@ -44,16 +49,27 @@ class _ShardCollector(Collector):
                 ("pulls", "Pulls served from a table."),
                 ("rows_pulled", "Rows served by pulls."),
                 ("rows_pushed", "Rows updated by pushes."),
+                ("admitted", "Ids given a row."),
+                ("refused_by_admission", "Keys refused a row by the admission rule: pulls "
+                 "served the default row, gradients dropped."),
+                ("evicted", "Rows evicted by TTL or max_rows."),
+                ("readmitted", "Rows created for ids evicted before (estimated)."),
             )
         }
         for stats, _mode in self.shard.stats():
             key = [shard_label, stats.name]
             rows.add_metric(key, stats.rows)
             size.add_metric(key, stats.value_bytes + stats.state_bytes + stats.index_bytes)
+            for part, nbytes in (("value", stats.value_bytes), ("state", stats.state_bytes),
+                                 ("index", stats.index_bytes),
+                                 ("metadata", stats.metadata_bytes),
+                                 ("memory", stats.memory_bytes)):
+                parts.add_metric([*key, part], nbytes)
             for name, family in counters.items():
                 family.add_metric(key, getattr(stats.counters, name))
         yield rows
         yield size
+        yield parts
         yield from counters.values()
         state = self.shard.clock_state()
         clock = GaugeMetricFamily("pstrain_open_clock", "The oldest sync clock still open.",

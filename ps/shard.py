@@ -441,7 +441,8 @@ class Shard:
     def _create(self, spec: TableSpec) -> Table:
         hogwild = self._policy_for(spec).hogwild
         if spec.kind == "sparse":
-            return SparseTable(spec, self.config.shard, self.config.num_shards, hogwild)
+            return SparseTable(spec, self.config.shard, self.config.num_shards, hogwild,
+                               self._now)
         ranges = dense_placement(spec.name, spec.shape, spec.itemsize, self.config.num_shards)
         return DenseTable(spec, ranges[self.config.shard], hogwild)
 
@@ -590,6 +591,9 @@ class Shard:
             )
         # Last of the checks, as it reserves room (never rows) for what passed all others.
         grant = self._admit_rows(touches)
+        # Rows touched now are stamped with this clock (TTLs in clocks count from it).
+        for table in {t for t, _, _, _ in touches}:
+            table.observe_clock(max(request.push_clock, request.pull_clock))
         try:
             outcomes = [self._commit(p, alive) for p in prepared]
             open_clock = None
@@ -624,6 +628,8 @@ class Shard:
         fresh: dict[SparseTable, list[tuple[np.ndarray, bool]]] = {}
         for table, keys, known, unique in touches:
             absent = table.absent(keys) if known is None else keys[known < 0]
+            # Ids the table's admission rule refuses make no row, so take no room.
+            absent = table.admissible(absent)
             if len(absent):
                 fresh.setdefault(table, []).append((absent, unique))
         new = {
@@ -657,7 +663,8 @@ class Shard:
                         f"table {table.spec.name!r}: creating {new[table]} new rows would take "
                         f"this server to {format_size(least)}, over its --memory-budget of "
                         f"{format_size(budget)} (it holds {format_size(held)} now); raise the "
-                        "budget, add servers, or send fewer new keys (rows are not evicted)"
+                        "budget, add servers, send fewer new keys, or declare the table "
+                        "with max_rows or a TTL to evict rows"
                     )
                 spare = (budget - least) // table.bytes_per_row
                 capacity = grown_capacity(rows, table.capacity, spare)

@@ -14,7 +14,8 @@ import functools
 import math
 import mmap
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -30,6 +31,18 @@ from ps.index import SLOT_BYTES, KeyIndex, capacity_for
 from ps.initializers import InitSpec, init_rows
 from ps.locks import RWLock
 from ps.optim import Optimizer, compute_dtype, make_optimizer
+from ps.row_policy import (
+    SKETCH_DEPTH,
+    SKETCH_WIDTH,
+    AdmitRule,
+    CountMinSketch,
+    EvictRule,
+    admitted_by_probability,
+    expired,
+    hash_keys,
+    least_recent,
+    parse_admit,
+)
 from ps.rows import first_nonfinite as rows_first_nonfinite
 from ps.rows import gather as rows_gather
 from ps.rows import scatter_ as rows_scatter_
@@ -39,11 +52,17 @@ AnyOptimizer = Optimizer[Any]
 TableKind = Literal["dense", "sparse"]
 
 # First allocation of a sparse table's storage, in rows; it doubles from there.
-_INITIAL_SPARSE_ROWS = 1024
+INITIAL_SPARSE_ROWS = 1024
 # A dense table's step counter: one int64.
 _STEP_BYTES = 8
 # Sparse storage blocks from this size on are mapped on their own (see _storage).
 _MAPPED_BYTES = 4 << 20
+# What an evicting table keeps per row slot: its key, last clock and last second touched.
+_STAMP_BYTES = 8 + 8 + 8
+# Bits remembering evicted ids (hashed), to count those that come back (readmitted).
+_EVICTED_BITS = 1 << 20
+# Row slots one eviction step looks at: the bound on a step's work, whatever the table's size.
+EVICT_SCAN_ROWS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -75,10 +94,34 @@ class TableSpec:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     allow_non_finite: bool = False
     mode: modes.Mode | None = None  # None: the server's default mode
+    # Sparse only: when an id gets a row (ps.row_policy grammar), what a pull of an id
+    # without one returns (every element), and when rows are evicted (0: never).
+    admit: str = "always"
+    admit_default: float = 0.0
+    ttl_clocks: int = 0
+    ttl_s: float = 0.0
+    max_rows: int = 0
 
     def __post_init__(self) -> None:
         if not self.name:
             raise InvalidArgumentError("a table needs a non-empty name")
+        # Kept in normal form, so that equal rules make equal specs.
+        object.__setattr__(self, "admit", str(parse_admit(self.admit, self.name)))
+        try:
+            evict = self.evict_rule
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"table {self.name!r}: {exc}") from exc
+        if not math.isfinite(self.admit_default):
+            raise InvalidArgumentError(
+                f"table {self.name!r}: admit_default must be finite, got {self.admit_default}"
+            )
+        if self.kind == "dense" and (
+            self.admit != "always" or self.admit_default or evict.active
+        ):
+            raise InvalidArgumentError(
+                f"table {self.name!r} is dense: admission (admit={self.admit!r}) and eviction "
+                "(ttl_clocks, ttl_s, max_rows) apply to sparse tables only"
+            )
         if self.dtype not in FLOAT_DTYPES:
             raise InvalidArgumentError(
                 f"table {self.name!r}: dtype {self.dtype} is not a floating type; "
@@ -105,22 +148,37 @@ class TableSpec:
     def itemsize(self) -> int:
         return self.dtype.itemsize
 
+    @property
+    def admit_rule(self) -> AdmitRule:
+        return parse_admit(self.admit, self.name)
+
+    @property
+    def evict_rule(self) -> EvictRule:
+        return EvictRule(self.ttl_clocks, self.ttl_s, self.max_rows)
+
     def to_dict(self) -> dict[str, object]:
         """A JSON-ready form, for checkpoints. The mode is kept in the user's grammar
-        ("ssp:2"; "" for the server's default), as checkpoints have always stored it."""
+        ("ssp:2"; "" for the server's default), as checkpoints have always stored it.
+        Admission and eviction options appear only when set, so a table without them is
+        stored as before they existed (and older builds read it)."""
+        extra = {k: v for k, v in [
+            ("admit", self.admit), ("admit_default", self.admit_default),
+            ("ttl_clocks", self.ttl_clocks), ("ttl_s", self.ttl_s), ("max_rows", self.max_rows),
+        ] if v not in ("always", 0, 0.0)}
         return {
             "name": self.name, "kind": self.kind, "dtype": _name(self.dtype),
             "shape": list(self.shape), "dim": self.dim,
             "init": [self.init.kind, self.init.a, self.init.b], "seed": self.seed,
             "optimizer": [self.optimizer.name, [list(p) for p in self.optimizer.params]],
             "allow_non_finite": self.allow_non_finite,
-            "mode": "" if self.mode is None else str(self.mode),
+            "mode": "" if self.mode is None else str(self.mode), **extra,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TableSpec:
         """The spec `to_dict` made. InvalidArgumentError naming the table for a stored mode
-        this build does not know."""
+        this build does not know. Specs stored before admission and eviction existed read as
+        admit="always" without eviction."""
         init = d["init"]
         name, params = d["optimizer"]
         try:
@@ -134,6 +192,9 @@ class TableSpec:
             shape=tuple(d["shape"]), dim=d["dim"], init=InitSpec(init[0], init[1], init[2]),
             seed=d["seed"], optimizer=OptimizerConfig(name, tuple((k, v) for k, v in params)),
             allow_non_finite=d["allow_non_finite"], mode=mode,
+            admit=d.get("admit", "always"), admit_default=d.get("admit_default", 0.0),
+            ttl_clocks=d.get("ttl_clocks", 0), ttl_s=d.get("ttl_s", 0.0),
+            max_rows=d.get("max_rows", 0),
         )
 
     def describe(self) -> str:
@@ -142,7 +203,9 @@ class TableSpec:
             f"{self.kind} {what} dtype={str(self.dtype).removeprefix('torch.')} "
             f"init={self.init.kind}({self.init.a:g},{self.init.b:g}) seed={self.seed} "
             f"optimizer={self.optimizer.describe()} allow_non_finite={self.allow_non_finite} "
-            f"mode={self.mode or 'job default'}"
+            f"mode={self.mode or 'job default'} admit={self.admit} "
+            f"admit_default={self.admit_default:g} ttl_clocks={self.ttl_clocks} "
+            f"ttl_s={self.ttl_s:g} max_rows={self.max_rows}"
         )
 
 
@@ -159,6 +222,10 @@ class TableCounters:
     pushes_dropped: int = 0
     gradients_aggregated: int = 0
     pushes_kept: int = 0  # assigns with if_absent that found the block written
+    admitted: int = 0  # ids given a row (every row created)
+    refused_by_admission: int = 0  # keys of pulls (served the default) and pushes (dropped)
+    evicted: int = 0  # rows evicted (TTL or max_rows)
+    readmitted: int = 0  # rows created for ids evicted before (estimated: hashed bits)
 
 
 @dataclass(frozen=True)
@@ -176,6 +243,8 @@ class TableStats:
     # What the table holds, as the server's --memory-budget counts it: values and optimizer
     # state at their reserved capacity, and the key index's slots.
     memory_bytes: int = 0
+    # Admission and eviction bookkeeping: the sketch, row stamps, evicted-id bits.
+    metadata_bytes: int = 0
 
 
 @functools.cache
@@ -419,10 +488,13 @@ class DenseTable(_Counted):
 
 
 class SparseTable(_Counted):
-    """Rows keyed by int64, created on first touch and initialised from (seed, key)."""
+    """Rows keyed by int64, created on first touch (or once admitted) and initialised from
+    (seed, key); under an eviction rule, rows untouched too long or past max_rows go, and
+    their slots (values and optimizer state) serve new ids."""
 
     def __init__(
-        self, spec: TableSpec, shard: int, num_shards: int, hogwild: bool = False
+        self, spec: TableSpec, shard: int, num_shards: int, hogwild: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__()
         self.spec = spec
@@ -435,35 +507,64 @@ class SparseTable(_Counted):
         self.value = torch.empty((0, spec.dim), dtype=spec.dtype)
         self.state: dict[str, torch.Tensor] = {}
         self.step: torch.Tensor | None = None
-        # Guards the index and row creation: lookup, insert, growth and initialisation.
+        self._admit: AdmitRule = spec.admit_rule
+        self._evict: EvictRule = spec.evict_rule
+        self._sketch = (CountMinSketch(spec.seed) if self._admit.kind == "count" else None)
+        # What a pull of an id without a row returns.
+        self._default = torch.full((spec.dim,), spec.admit_default, dtype=spec.dtype)
+        # Evicting tables only, per row slot: its key, the clock and second it was last
+        # touched (clock -1: a free slot), and the free slots, a stack of _free_len.
+        self._slot_key = np.zeros(0, dtype=np.int64)
+        self._touched_clock = np.zeros(0, dtype=np.int64)
+        self._touched_s = np.zeros(0, dtype=np.float64)
+        self._free = np.zeros(0, dtype=np.int64)
+        self._free_len = 0
+        self._evicted_bits = np.zeros(
+            _EVICTED_BITS // 8 if self._evict.active else 0, dtype=np.uint8
+        )
+        self._time = clock
+        self._clock_now = 0  # the latest worker clock seen (observe_clock)
+        self._ttl_cursor = 0  # where the next TTL scan starts
+        self._lru_cursor = 0  # where the next max_rows window starts, past EVICT_SCAN_ROWS
+        # Guards the index, row creation and eviction: lookup, insert, delete, growth,
+        # initialisation, the sketch and the per-slot arrays above.
         self._index_lock = threading.Lock()
         # Shared by every read and update of rows; exclusive while storage is reallocated.
         self._storage = RWLock()
         self._update_lock = _update_guard(hogwild)
-        self._grow(_INITIAL_SPARSE_ROWS)
+        self._grow(INITIAL_SPARSE_ROWS)
 
     # ---- memory --------------------------------------------------------------------------
 
     @staticmethod
     def row_bytes(spec: TableSpec) -> int:
-        """What one row of storage takes: its values, one row per optimizer slot, and its
-        step counter where the optimizer keeps one. Pure."""
+        """What one row of storage takes: its values, one row per optimizer slot, its step
+        counter where the optimizer keeps one, and under eviction its key, stamps and free
+        list entry. Pure."""
         optimizer = spec.optimizer.build()
         return (spec.dim * spec.itemsize
                 + optimizer.slot_width(spec.dim) * _state_itemsize(spec)
-                + (_STEP_BYTES if optimizer.uses_step else 0))
+                + (_STEP_BYTES if optimizer.uses_step else 0)
+                + (_STAMP_BYTES if spec.evict_rule.active else 0))
+
+    @staticmethod
+    def fixed_bytes(spec: TableSpec) -> int:
+        """What the table holds whatever its rows: the admission sketch and the bits that
+        remember evicted ids. Pure."""
+        sketch = SKETCH_DEPTH * SKETCH_WIDTH if spec.admit_rule.kind == "count" else 0
+        return sketch + (_EVICTED_BITS // 8 if spec.evict_rule.active else 0)
 
     @classmethod
-    def bytes_for(cls, spec: TableSpec, capacity: int = _INITIAL_SPARSE_ROWS,
+    def bytes_for(cls, spec: TableSpec, capacity: int = INITIAL_SPARSE_ROWS,
                   index_slots: int = 0) -> int:
         """What a table of `spec` takes with storage for `capacity` rows and an index of
         `index_slots` slots (at least an empty index's). Pure: with the defaults, a newly
         declared table, checked against the memory budget before it is created."""
-        return _sparse_bytes(cls.row_bytes(spec), capacity, index_slots)
+        return _sparse_bytes(cls.row_bytes(spec), capacity, index_slots) + cls.fixed_bytes(spec)
 
     @property
     def rows(self) -> int:
-        """Rows created so far (a moment's value: other requests may be creating more)."""
+        """Rows held now (a moment's value: other requests may be creating more)."""
         return len(self.index)
 
     @property
@@ -477,7 +578,8 @@ class SparseTable(_Counted):
         return self._row_bytes
 
     def memory_bytes(self) -> int:
-        """What the table holds now: storage at its reserved capacity and the index's slots.
+        """What the table holds now: storage at its reserved capacity, the index's slots and
+        the admission and eviction bookkeeping.
 
         Reserved capacity, not rows created, because that is what the table may fill without
         asking for more; it bounds resident memory from above (fresh pages are not resident
@@ -489,8 +591,9 @@ class SparseTable(_Counted):
         """What the table would take with `rows` rows in storage for `capacity` (capacity
         never shrinks, and the index grows as ps/_index.c does). Pure arithmetic on a moment's
         sizes; thread-safe."""
-        return _sparse_bytes(self._row_bytes, max(capacity, self._capacity),
-                             max(self.index.capacity, capacity_for(rows)))
+        return (_sparse_bytes(self._row_bytes, max(capacity, self._capacity),
+                              max(self.index.capacity, capacity_for(rows)))
+                + self.fixed_bytes(self.spec))
 
     def reserve(self, rows: int, capacity: int) -> None:
         """Grows the index to room for `rows` keys and the storage to `capacity` rows,
@@ -511,6 +614,26 @@ class SparseTable(_Counted):
         with self._index_lock:
             rows = self.index.lookup(keys)
         return keys[rows < 0]
+
+    def admissible(self, keys: np.ndarray) -> np.ndarray:
+        """Of `keys` without rows, those the admission rule would give a row if named now
+        (under count:K, those whose next sight is the K-th or later): what the memory budget
+        counts as new rows. Changes nothing; thread-safe."""
+        rule = self._admit
+        if rule.kind == "prob":
+            return keys[admitted_by_probability(keys, self.spec.seed, rule.probability)]
+        if self._sketch is not None and len(keys):
+            with self._index_lock:
+                seen = self._sketch.estimate(keys)
+            return keys[seen.astype(np.int64) + 1 >= rule.count]
+        return keys
+
+    def observe_clock(self, clock: int) -> None:
+        """Tells the table the clock of a request touching it: rows are stamped with the
+        latest one, which TTLs in clocks count from. Thread-safe."""
+        if self._evict.active and clock > self._clock_now:
+            with self._index_lock:
+                self._clock_now = max(self._clock_now, clock)
 
     # ---- validation (changes nothing) -----------------------------------------------------
 
@@ -579,71 +702,145 @@ class SparseTable(_Counted):
     # ---- reads and writes ------------------------------------------------------------------
 
     def pull(self, keys: np.ndarray) -> SparseRows:
-        """The rows of `keys` (created if new), to be gathered in slices by the caller."""
-        rows = self._rows(keys)
+        """The rows of `keys` (created if new and admitted), to be gathered in slices by the
+        caller; an id without a row reads as the table's default row.
+
+        Under eviction the values are copied at once, under the index lock: a row id held
+        past it could be evicted and given to another id before the caller gathers it."""
+        if not self._evict.active:
+            rows = self._rows(keys)
+            self.count(pulls=1, rows_pulled=len(keys))
+            return SparseRows(self, rows)
+        with self._index_lock:
+            rows = self._rows_locked(keys)
+            values = self.gather(rows)
+            self._evict_step()
         self.count(pulls=1, rows_pulled=len(keys))
-        return SparseRows(self, rows)
+        return SparseRows(self, rows, values)
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Copies rows `rows` (row ids from the index) into `out` (default: a new tensor).
-        Thread-safe."""
+        """Copies rows `rows` (row ids from the index; -1: the default row) into `out`
+        (default: a new tensor). Thread-safe."""
         with self._storage.shared():
-            return rows_gather(self.value, rows, out)
+            if self._admit.kind == "always" or not len(rows) or bool((rows >= 0).all()):
+                return rows_gather(self.value, rows, out)
+            if out is None:
+                out = torch.empty((len(rows), self.spec.dim), dtype=self.spec.dtype)
+            held = rows >= 0
+            out[held] = rows_gather(self.value, rows[held])
+            out[~held] = self._default
+            return out
 
     def apply(
         self, keys: np.ndarray, values: torch.Tensor, assign: bool,
         known: np.ndarray | None = None,
     ) -> None:
-        """Runs the optimizer on the rows of unique `keys` (creating new ones first).
+        """Runs the optimizer on the rows of unique `keys` (creating new admitted ones first);
+        the gradients of ids refused a row are dropped (counted in refused_by_admission).
 
-        Input is validated. `known` are row ids from check_unique; row ids never change, so
-        when every key was known they are used as they are.
+        Input is validated. `known` are row ids from check_unique; without eviction row ids
+        never change, so when every key was known they are used as they are.
         """
-        if known is not None and bool((known >= 0).all()):
-            rows = torch.from_numpy(known)
+        if self._evict.active:
+            with self._index_lock:
+                rows = self._rows_locked(keys, unique=True)
+                self._update(rows, values, assign)
+                self._evict_step()
         else:
-            rows = self._rows(keys, unique=True)
+            if known is not None and bool((known >= 0).all()):
+                rows = torch.from_numpy(known)
+            else:
+                rows = self._rows(keys, unique=True)
+            self._update(rows, values, assign)
+        self.count(pushes_applied=1, rows_pushed=len(keys))
+
+    def _update(self, rows: torch.Tensor, values: torch.Tensor, assign: bool) -> None:
+        held = rows >= 0
+        if not bool(held.all()):
+            rows, values = rows[held], values[held]
         with self._storage.shared(), self._update_lock:
             if assign:
                 rows_scatter_(self.value, rows, values)
             else:
                 self.optimizer.apply_rows(self.value, rows, values, self.state, self.step,
                                           trusted=True)
-        self.count(pushes_applied=1, rows_pushed=len(keys))
 
     def _rows(self, keys: np.ndarray, unique: bool = False) -> torch.Tensor:
-        """Row ids of `keys`, creating the rows of new ones; `unique`: no key repeats."""
         with self._index_lock:
-            rows = self.index.lookup(keys)
-            absent = rows < 0
-            if absent.any():
-                # Only the new keys, each once, go to the index: it reserves room for what
-                # it is given, so a read of known keys never grows it and new keys grow it
-                # by what the shard's memory budget counted for them.
-                fresh = keys[absent]
-                where = None
-                if not unique and len(fresh) > 1:
-                    scratch = KeyIndex(len(fresh))
-                    positions, distinct = scratch.lookup_or_insert(fresh)
-                    if distinct < len(fresh):
-                        fresh, where = scratch.keys_by_row(), positions
-                before, slots = len(self.index), self.index.capacity
-                created, _ = self.index.lookup_or_insert(fresh)
-                if self.index.capacity != slots:
+            return self._rows_locked(keys, unique)
+
+    def _rows_locked(self, keys: np.ndarray, unique: bool = False) -> torch.Tensor:
+        """Row ids of `keys`, creating the rows of new ones the admission rule admits (-1 for
+        the others); `unique`: no key repeats. Stamps the rows under eviction. Caller holds
+        the index lock."""
+        rows = self.index.lookup(keys)
+        absent = rows < 0
+        if absent.any():
+            # Only the new keys, each once, go to the index: it reserves room for what it is
+            # given, so a read of known keys never grows it and new keys grow it by what the
+            # shard's memory budget counted for them.
+            fresh = keys[absent]
+            where = None
+            if not unique and len(fresh) > 1:
+                scratch = KeyIndex(len(fresh))
+                positions, distinct = scratch.lookup_or_insert(fresh)
+                if distinct < len(fresh):
+                    fresh, where = scratch.keys_by_row(), positions
+            created = np.full(len(fresh), -1, dtype=np.int64)
+            admitted = self._admitted(fresh)
+            if admitted is not None:
+                refused = len(fresh) - int(admitted.sum())
+                if refused:
+                    self.count(refused_by_admission=refused)
+                fresh_admitted = fresh[admitted]
+            else:
+                fresh_admitted = fresh
+            if len(fresh_admitted):
+                slots = self._take_slots(len(fresh_admitted))
+                before = self.index.capacity
+                self.index.insert_rows(fresh_admitted, slots)
+                if self.index.capacity != before:
                     _return_freed_pages()
-                self._create(fresh, created, before)
-                rows[absent] = created if where is None else created[where]
+                self._init_rows(fresh_admitted, slots)
+                if admitted is None:
+                    created = slots
+                else:
+                    created[admitted] = slots
+            rows[absent] = created if where is None else created[where]
+        if self._evict.active:
+            held = rows[rows >= 0]
+            self._touched_clock[held] = self._clock_now
+            self._touched_s[held] = self._time()
         return torch.from_numpy(rows)
 
-    def _create(self, keys: np.ndarray, rows: np.ndarray, before: int) -> None:
-        """Initialises rows [before, len(index)). Caller holds the index lock."""
-        needed = len(self.index)
+    def _admitted(self, fresh: np.ndarray) -> np.ndarray | None:
+        """Which of `fresh` (distinct keys without rows) get one now; None: all. Counts a
+        sight of each under count:K. Caller holds the index lock."""
+        rule = self._admit
+        if rule.kind == "prob":
+            return admitted_by_probability(fresh, self.spec.seed, rule.probability)
+        if self._sketch is not None:
+            return self._sketch.add(fresh) >= rule.count
+        return None
+
+    def _take_slots(self, n: int) -> np.ndarray:
+        """`n` row slots for new rows: freed ones first, then past the highest ever used.
+        Caller holds the index lock."""
+        reused = min(n, self._free_len)
+        start = self._free_len - reused
+        slots = self._free[start:self._free_len].copy()
+        self._free_len = start
+        top = self.index.row_limit
+        return np.concatenate([slots, np.arange(top, top + n - reused, dtype=np.int64)])
+
+    def _init_rows(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Initialises the new rows `rows` of `keys` (values from the key, fresh optimizer
+        state). Caller holds the index lock."""
+        needed = self.index.row_limit
         if needed > self._capacity:
             self._grow(max(needed, 2 * self._capacity))
-        fresh = rows >= before
-        new_rows = torch.from_numpy(rows[fresh])
-        init = init_rows(keys[fresh], self.spec.dim, self.spec.init, self.spec.seed,
-                         self.spec.dtype)
+        new_rows = torch.from_numpy(rows)
+        init = init_rows(keys, self.spec.dim, self.spec.init, self.spec.seed, self.spec.dtype)
         with self._storage.shared():
             # New rows are invisible to other requests until the index lock is released,
             # so writing them needs no update lock.
@@ -652,12 +849,79 @@ class SparseTable(_Counted):
                 rows_scatter_(slot, new_rows, self.optimizer.init_slot(name, init))
             if self.step is not None:
                 self.step.index_fill_(0, new_rows, 0)
+        readmitted = 0
+        if self._evict.active:
+            self._slot_key[rows] = keys
+            bits = self._evicted_bit(keys)
+            readmitted = int(((self._evicted_bits[bits >> 3] >> (bits & 7)) & 1).sum())
+        self.count(admitted=len(keys), readmitted=readmitted)
+
+    def _evicted_bit(self, keys: np.ndarray) -> np.ndarray:
+        return (hash_keys(keys, self.spec.seed ^ 0x5EED) % _EVICTED_BITS).astype(np.intp)
+
+    # ---- eviction ---------------------------------------------------------------------------
+
+    def _evict_step(self) -> None:
+        """One bounded step of eviction: the expired rows among the next EVICT_SCAN_ROWS
+        slots, and past max_rows the least recently touched rows (of the whole table while it
+        has at most EVICT_SCAN_ROWS slots, else of a window that moves each step: an
+        approximation of LRU that keeps each step's work bounded). Caller holds the index
+        lock."""
+        limit = self.index.row_limit
+        if not limit:
+            return
+        rule = self._evict
+        victims = np.zeros(0, dtype=np.intp)
+        if rule.ttl_clocks or rule.ttl_s:
+            start = self._ttl_cursor if self._ttl_cursor < limit else 0
+            end = min(start + EVICT_SCAN_ROWS, limit)
+            gone = expired(rule, self._touched_clock[start:end], self._touched_s[start:end],
+                           self._clock_now, self._time())
+            victims = start + np.flatnonzero(gone)
+            self._ttl_cursor = end if end < limit else 0
+        excess = len(self.index) - len(victims) - rule.max_rows if rule.max_rows else 0
+        if excess > 0:
+            start = self._lru_cursor if self._lru_cursor < limit else 0
+            end = min(start + EVICT_SCAN_ROWS, limit)
+            touched = self._touched_clock[start:end].copy()
+            touched[victims[(victims >= start) & (victims < end)] - start] = -1
+            chosen = start + least_recent(touched, self._touched_s[start:end], excess)
+            victims = np.concatenate([victims, chosen])
+            self._lru_cursor = 0 if end >= limit else end
+        if len(victims):
+            self._evict_slots(victims.astype(np.int64))
+
+    def _evict_slots(self, slots: np.ndarray) -> None:
+        """Removes the rows in `slots` and frees the slots. Caller holds the index lock."""
+        keys = self._slot_key[slots]
+        self.index.delete(keys)
+        self._touched_clock[slots] = -1
+        need = self._free_len + len(slots)
+        if need > len(self._free):
+            free = np.empty(max(need, 2 * len(self._free)), dtype=np.int64)
+            free[:self._free_len] = self._free[:self._free_len]
+            self._free = free
+        self._free[self._free_len:need] = slots
+        self._free_len = need
+        bits = self._evicted_bit(keys)
+        np.bitwise_or.at(self._evicted_bits, bits >> 3, (1 << (bits & 7)).astype(np.uint8))
+        self.count(evicted=len(slots))
+
+    def evict(self) -> int:
+        """Runs one bounded eviction step now (exchanges run one each); returns the rows
+        evicted. Blocking under the table's index lock; thread-safe."""
+        if not self._evict.active:
+            return 0
+        with self._index_lock:
+            before = len(self.index)
+            self._evict_step()
+            return before - len(self.index)
 
     def _grow(self, capacity: int) -> None:
         """Reallocates storage for `capacity` rows. Caller holds the index lock (or __init__)."""
         dim, dtype = self.spec.dim, self.spec.dtype
         # Rows past the old capacity are being created by the caller; only older ones move.
-        used = min(len(self.index), self._capacity)
+        used = min(self.index.row_limit, self._capacity)
         with self._storage.exclusive():
             value = _storage((capacity, dim), dtype)
             value[:used].copy_(self.value[:used])
@@ -673,38 +937,88 @@ class SparseTable(_Counted):
                 if self.step is not None:
                     step[:used].copy_(self.step[:used])
                 self.step = step
+            if self._evict.active:
+                self._slot_key = _resized(self._slot_key, capacity, used, 0)
+                self._touched_clock = _resized(self._touched_clock, capacity, used, -1)
+                self._touched_s = _resized(self._touched_s, capacity, used, 0.0)
             self._capacity = capacity
 
+    # ---- checkpoints ------------------------------------------------------------------------
+
     def snapshot(self) -> dict[str, torch.Tensor]:
-        """Copies of the keys (by row), values, optimizer state and steps of every row."""
+        """Copies of the keys, values, optimizer state and steps of every row held (rows in
+        slot order; an evicted row is not there), the clock each was last touched and the
+        evicted-id bits (under eviction) and the admission sketch (under count:K)."""
         with self._index_lock, self._storage.shared(), self._update_lock:
-            rows = len(self.index)
-            out = {"keys": torch.from_numpy(self.index.keys_by_row()),
-                   "value": self.value[:rows].clone()}
-            out.update({f"state.{k}": v[:rows].clone() for k, v in self.state.items()})
-            if self.step is not None:
-                out["step"] = self.step[:rows].clone()
+            if self.index.row_limit == len(self.index):  # no holes: rows 0..n-1
+                rows = len(self.index)
+                out = {"keys": torch.from_numpy(self.index.keys_by_row()),
+                       "value": self.value[:rows].clone()}
+                out.update({f"state.{k}": v[:rows].clone() for k, v in self.state.items()})
+                if self.step is not None:
+                    out["step"] = self.step[:rows].clone()
+                held = np.arange(rows, dtype=np.int64)
+            else:
+                keys, held = self.index.items()
+                order = np.argsort(held)
+                keys, held = keys[order], held[order]
+                at = torch.from_numpy(held)
+                out = {"keys": torch.from_numpy(keys), "value": self.value.index_select(0, at)}
+                out.update({f"state.{k}": v.index_select(0, at) for k, v in self.state.items()})
+                if self.step is not None:
+                    out["step"] = self.step.index_select(0, at)
+            if self._evict.active:
+                out["touched"] = torch.from_numpy(self._touched_clock[held].copy())
+                out["evicted_bits"] = torch.from_numpy(self._evicted_bits.copy())
+            if self._sketch is not None:
+                out["sketch"] = torch.from_numpy(self._sketch.counters.copy())
         return out
 
     def restore(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Replaces every row with what `snapshot` made."""
-        keys = tensors["keys"].numpy()
+        """Replaces every row with what `snapshot` made (or a snapshot from before admission
+        and eviction existed). Under max_rows, keeps the most recently touched rows."""
+        keys = np.ascontiguousarray(tensors["keys"].numpy())
+        n = len(keys)
         with self._index_lock:
             self.index.clear()
-            rows, _ = self.index.lookup_or_insert(keys)
-            if not np.array_equal(rows, np.arange(len(keys))):
+            try:
+                self.index.insert_rows(keys, np.arange(n, dtype=np.int64))
+            except ValueError as exc:
                 raise FailedPreconditionError(
                     f"checkpoint of table {self.spec.name!r} repeats keys; it cannot be restored"
-                )
-            if len(keys) > self._capacity:
-                self._grow(len(keys))
+                ) from exc
+            if n > self._capacity:
+                self._grow(n)
             with self._storage.shared(), self._update_lock:
-                n = len(keys)
                 self.value[:n].copy_(tensors["value"])
                 for k, v in self.state.items():
                     v[:n].copy_(tensors[f"state.{k}"])
                 if self.step is not None:
                     self.step[:n].copy_(tensors["step"])
+            if self._sketch is not None:
+                sketch = tensors.get("sketch")
+                self._sketch.counters[...] = 0
+                if sketch is not None:
+                    self._sketch.load(sketch.numpy())
+            if self._evict.active:
+                self._free_len = self._ttl_cursor = self._lru_cursor = 0
+                touched = tensors.get("touched")
+                bits = tensors.get("evicted_bits")
+                self._evicted_bits[:] = 0
+                if bits is not None and bits.numel() == len(self._evicted_bits):
+                    self._evicted_bits[:] = bits.numpy()
+                self._slot_key[:n] = keys
+                self._touched_clock[:] = -1
+                self._touched_clock[:n] = (self._clock_now if touched is None
+                                           else touched.numpy())
+                self._clock_now = max(self._clock_now, int(self._touched_clock[:n].max(
+                    initial=0)))
+                self._touched_s[:n] = self._time()
+                excess = n - self._evict.max_rows if self._evict.max_rows else 0
+                if excess > 0:
+                    self._evict_slots(least_recent(
+                        self._touched_clock[:n], self._touched_s[:n], excess
+                    ).astype(np.int64))
 
     def stats(self) -> TableStats:
         rows = len(self.index)
@@ -713,10 +1027,19 @@ class SparseTable(_Counted):
             self.spec)
         if self.step is not None:
             state_bytes += rows * self.step.element_size()
+        metadata = self.fixed_bytes(self.spec) + (
+            rows * _STAMP_BYTES if self._evict.active else 0)
         return TableStats(
             self.spec.name, "sparse", self.spec.optimizer.describe(), rows, rows * row_bytes,
             state_bytes, self.index.nbytes, self.counters(), memory_bytes=self.memory_bytes(),
+            metadata_bytes=metadata,
         )
+
+
+def _resized(array: np.ndarray, capacity: int, used: int, fill: float) -> np.ndarray:
+    out = np.full(capacity, fill, dtype=array.dtype)
+    out[:used] = array[:used]
+    return out
 
 
 @dataclass(frozen=True)
@@ -724,11 +1047,13 @@ class SparseRows:
     """The answer to a sparse pull: row ids resolved, values gathered slice by slice.
 
     Gathering a slice at a time keeps each copy small enough to stay in cache on its way to
-    the wire, instead of building one large intermediate tensor.
+    the wire, instead of building one large intermediate tensor. A table that evicts copies
+    the values at once (`values`), as its row ids may change hands after the pull.
     """
 
     table: SparseTable
     rows: torch.Tensor
+    values: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -743,7 +1068,10 @@ class SparseRows:
 
     def gather(self, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Values of answer rows [start, end), in key order (into `out` when given)."""
-        return self.table.gather(self.rows[start:end], out)
+        if self.values is None:
+            return self.table.gather(self.rows[start:end], out)
+        part = self.values[start:end]
+        return part if out is None else out.copy_(part)
 
 
 Table = DenseTable | SparseTable

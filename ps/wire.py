@@ -67,6 +67,12 @@ def spec_from_proto(msg: pb.TableSpec) -> TableSpec:
         optimizer=optimizer,
         allow_non_finite=msg.allow_non_finite,
         mode=mode,
+        # A dense spec reads the defaults here (an unset message's fields).
+        admit=msg.sparse.admit or "always",
+        admit_default=msg.sparse.admit_default,
+        ttl_clocks=msg.sparse.ttl_clocks,
+        ttl_s=msg.sparse.ttl_s,
+        max_rows=msg.sparse.max_rows,
     )
 
 
@@ -155,7 +161,9 @@ def stats_to_proto(s: TableStats, mode: modes.Mode) -> pb.TableStats:
         rows_pushed=c.rows_pushed, row_start=s.row_start, row_end=s.row_end,
         consistency=consistency, staleness=staleness or 0,
         pushes_dropped=c.pushes_dropped, gradients_aggregated=c.gradients_aggregated,
-        pushes_kept=c.pushes_kept, memory_bytes=s.memory_bytes,
+        pushes_kept=c.pushes_kept, memory_bytes=s.memory_bytes, admitted=c.admitted,
+        refused_by_admission=c.refused_by_admission, evicted=c.evicted,
+        readmitted=c.readmitted, metadata_bytes=s.metadata_bytes,
     )
 
 

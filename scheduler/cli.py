@@ -119,6 +119,8 @@ def _parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("export", help="turn a checkpoint into a model served without servers "
                                   "(see pstrain export --help)", add_help=False)
+    sub.add_parser("plan", help="memory per server of sparse tables, before a job (see "
+                                "pstrain plan --help)", add_help=False)
 
     w = sub.add_parser("worker", help="run a training script as a worker of a job")
     _redis_flags(w)
@@ -218,18 +220,21 @@ def _transport_env(a: argparse.Namespace) -> dict[str, str]:
     return {ENV_TRANSPORT: choice.name}
 
 
+# Subcommands that are server-side code (DESIGN.md: the CLI imports only protos and
+# scheduler), and the module each runs as.
+_SERVER_SIDE = {"server": "ps", "export": "ps.export", "plan": "ps.plan"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     parser = _parser()
     if not args:
         parser.print_help()
         return 2
-    if args[0] == "server":
-        # Replace this process so signals, exit status and pid belong to the server itself.
-        os.execv(sys.executable, [sys.executable, "-m", "ps", *args[1:]])
-    if args[0] == "export":
-        # Reading checkpoints is server-side code: it runs as `python -m ps.export`.
-        os.execv(sys.executable, [sys.executable, "-m", "ps.export", *args[1:]])
+    if args[0] in _SERVER_SIDE:
+        # Server-side code runs as its own process (`python -m ps`, `ps.export`, `ps.plan`);
+        # exec replaces this one, so signals, exit status and pid belong to it.
+        os.execv(sys.executable, [sys.executable, "-m", _SERVER_SIDE[args[0]], *args[1:]])
     a = parser.parse_args(args)
     logging.basicConfig(level=os.environ.get("PSTRAIN_LOG_LEVEL", "INFO").upper(),
                         format=f"%(asctime)s %(levelname)s {a.command} %(name)s: %(message)s")
@@ -320,6 +325,10 @@ def _scheduler(a: argparse.Namespace) -> int:
     return 0
 
 
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
 def _status(store: JobStore, as_json: bool) -> int:
     status = status_of(store)
     if status["spec"] is None:
@@ -338,6 +347,15 @@ def _status(store: JobStore, as_json: bool) -> int:
         print(f"{p['role']:<8}{p['id']:>3} {p['pid'] or '-':>8} {p['host'] or '-'!s:<14}"
               f"{p['address'] or '-'!s:<22}{p['incarnation'] or '-':>18}{age:>8}"
               f"{p['clock'] if p['clock'] is not None else '-':>7}")
+    tables = [(p["id"], name, t) for p in status["processes"] if p["role"] == "server"
+              for name, t in sorted((p.get("tables") or {}).items())]
+    if tables:
+        print(f"sparse tables:\n{'server':>8} {'table':<16}{'rows':>12}{'memory':>11}"
+              f"{'admitted':>11}{'refused':>11}{'evicted':>11}{'readmitted':>11}")
+        for server, name, t in tables:
+            print(f"{server:>8} {name:<16}{t['rows']:>12}{_mib(t['memory_bytes']):>11}"
+                  f"{t['admitted']:>11}{t['refused_by_admission']:>11}{t['evicted']:>11}"
+                  f"{t['readmitted']:>11}")
     print("recent events:")
     for e in status["events"]:
         when = time.strftime("%H:%M:%S", time.localtime(e["time"]))

@@ -536,6 +536,7 @@ def status_of(store: JobStore, events: int = 20) -> dict[str, Any]:
                 "alive": beats.get(ident) is not None,
                 # Its heartbeat lapsed but it was not seen to exit: it keeps its place.
                 "suspect": (role, ident) in suspects,
+                **({"tables": info.get("table_stats") or {}} if role == "server" else {}),
             })
     out["events"] = [{**e.detail, "id": e.id, "time": e.time_s, "type": e.type,
                       "role": e.role, "member": e.member} for e in store.recent_events(events)]

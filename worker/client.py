@@ -314,17 +314,25 @@ class PSClient:
         self, name: str, dim: int, *, dtype: torch.dtype = torch.float32,
         optimizer: str = "sgd", init: tuple[str, float, float] = ("uniform", -0.05, 0.05),
         seed: int = 0, allow_non_finite: bool = False, mode: str | modes.Mode | None = "",
-        **hyper: float,
+        admit: str = "always", admit_default: float = 0.0, ttl_clocks: int = 0,
+        ttl_s: float = 0.0, max_rows: int = 0, **hyper: float,
     ) -> None:
         """Declares a sparse table of rows of width `dim`, created on first touch. Idempotent.
 
-        `mode` and `hyper` as in declare_dense.
+        `admit` says when an id gets a row: "always", "count:K" (on its K-th pull or push) or
+        "prob:P" (a fixed share P of ids, chosen by hash); until then its pulls read
+        `admit_default` and its gradients are dropped. Rows untouched for `ttl_clocks`
+        clocks or `ttl_s` seconds are evicted, and past `max_rows` rows per server the least
+        recently touched (0: off). The servers refuse bad values (PSClientError naming
+        them). `mode` and `hyper` as in declare_dense.
         """
         spec = pb.TableSpec(
             name=name,
             sparse=pb.SparseSpec(
                 dim=dim, dtype=wire_dtype(dtype),
                 init=pb.Initializer(kind=init[0], a=init[1], b=init[2]), seed=seed,
+                admit=admit, admit_default=admit_default, ttl_clocks=ttl_clocks, ttl_s=ttl_s,
+                max_rows=max_rows,
             ),
             optimizer=_optimizer(optimizer, hyper), allow_non_finite=allow_non_finite,
             **_consistency(mode),

@@ -152,6 +152,20 @@ class PSModule(nn.Module):
         raise NotImplementedError
 
 
+_COMPACT = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class _RowOptions:
+    """A sparse table's admission and eviction options, as declare_sparse takes them."""
+
+    admit: str = "always"
+    admit_default: float = 0.0
+    ttl_clocks: int = 0
+    ttl_s: float = 0.0
+    max_rows: int = 0
+
+
 class _SparseLookup(PSModule):
     """Shared by PSEmbedding and PSEmbeddingBag: pulls, prefetches, pending gradients."""
 
@@ -161,6 +175,7 @@ class _SparseLookup(PSModule):
         self, client: PSClient, name: str, embedding_dim: int, *, optimizer: str, lr: float,
         init: Init, seed: int, mode: str, dtype: torch.dtype,
         device: torch.device | str | None, hyper: dict[str, float],
+        rows: _RowOptions = _RowOptions(),
     ) -> None:
         super().__init__(client, name, mode)
         _check_hyper(hyper)
@@ -170,7 +185,9 @@ class _SparseLookup(PSModule):
         self.dtype = dtype
         client.declare_sparse(
             name, embedding_dim, dtype=dtype, optimizer=optimizer, init=init, seed=seed,
-            mode=self.consistency, lr=lr, **_kwargs(hyper),
+            mode=self.consistency, admit=rows.admit, admit_default=rows.admit_default,
+            ttl_clocks=rows.ttl_clocks, ttl_s=rows.ttl_s, max_rows=rows.max_rows, lr=lr,
+            **_kwargs(hyper),
         )
         # No parameters to carry the device, so an empty buffer does: model.to(device)
         # moves it, and outputs follow it.
@@ -239,7 +256,9 @@ class _SparseLookup(PSModule):
         if pipeline is not None and torch.is_grad_enabled() and pulled.keys.numel():
             rows.requires_grad_(True)
             self._pending.append(_Lookup(self.table, pulled.keys, rows))
-        return inverse, rows
+        # Compact rows compute in float32, as the servers' optimizers do; the cast is part
+        # of the graph, so the gradient reaches the rows (and the servers) in their dtype.
+        return inverse, rows.float() if rows.dtype in _COMPACT else rows
 
     def ps_gradients(self) -> list[Gradient]:
         pending, self._pending = self._pending, []
@@ -270,6 +289,15 @@ class PSEmbedding(_SparseLookup):
     for anything else); it is not called `mode` because PSEmbeddingBag's `mode` is its
     pooling, as in nn.EmbeddingBag.
 
+    A float16 or bfloat16 table (`dtype`) stores compact rows; outputs are float32 all the
+    same. Which ids get a row and which rows stay: `admit` ("always", "count:K": on the
+    K-th pull or push of the id, "prob:P": a fixed share P of ids chosen by hash; until
+    then the id reads `admit_default` in every element and its gradients are dropped),
+    `ttl_clocks` / `ttl_s` (rows untouched that many clocks / seconds are evicted; 0: never)
+    and `max_rows` (per server; past it the least recently touched rows are evicted; 0: no
+    limit). An evicted id that comes back starts from its initial row. The servers refuse
+    bad values (PSClientError naming them).
+
     Construction declares the table (blocks on every shard; declaring the same table again,
     from any worker, is harmless). A forward blocks on its pull unless the rows were
     prefetched. Gradients are recorded only when a PSOptimizer owns the module and grad
@@ -280,11 +308,14 @@ class PSEmbedding(_SparseLookup):
         self, client: PSClient, name: str, embedding_dim: int, *, optimizer: str = "adagrad",
         lr: float = 0.01, init: Init = ("uniform", -0.05, 0.05), seed: int = 0,
         consistency: str = "", dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None, **hyper: float,
+        device: torch.device | str | None = None, admit: str = "always",
+        admit_default: float = 0.0, ttl_clocks: int = 0, ttl_s: float = 0.0,
+        max_rows: int = 0, **hyper: float,
     ) -> None:
         super().__init__(
             client, name, embedding_dim, optimizer=optimizer, lr=lr, init=init, seed=seed,
             mode=consistency, dtype=dtype, device=device, hyper=hyper,
+            rows=_RowOptions(admit, admit_default, ttl_clocks, ttl_s, max_rows),
         )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -309,13 +340,16 @@ class PSEmbeddingBag(_SparseLookup):
         self, client: PSClient, name: str, embedding_dim: int, mode: str = "mean", *,
         optimizer: str = "adagrad", lr: float = 0.01, init: Init = ("uniform", -0.05, 0.05),
         seed: int = 0, consistency: str = "", dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None, **hyper: float,
+        device: torch.device | str | None = None, admit: str = "always",
+        admit_default: float = 0.0, ttl_clocks: int = 0, ttl_s: float = 0.0,
+        max_rows: int = 0, **hyper: float,
     ) -> None:
         if mode not in _BAG_MODES:
             raise PSModuleError(f"PSEmbeddingBag mode must be one of {_BAG_MODES}, got {mode!r}")
         super().__init__(
             client, name, embedding_dim, optimizer=optimizer, lr=lr, init=init, seed=seed,
             mode=consistency, dtype=dtype, device=device, hyper=hyper,
+            rows=_RowOptions(admit, admit_default, ttl_clocks, ttl_s, max_rows),
         )
         self.pooling = mode
 

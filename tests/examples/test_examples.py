@@ -213,3 +213,15 @@ def test_synthetic_ctr_grows_the_table_and_learns(procs: Procs) -> None:
     assert 0.55 < result["test_auc"] < result["best_auc"], result
     local = run(procs, [SYNTHETIC, "--local", "--local-buckets", "65536", *args], "ctr-local")
     assert local["mode"] == "local" and 0.55 < local["test_auc"] < local["best_auc"], local
+
+
+def test_synthetic_ctr_within_a_row_budget_still_learns(procs: Procs) -> None:
+    server = procs.server(0, 1, ["--mode", "async"])
+    args = ["--steps", "20", "--batch", "1024", "--eval-samples", "5000", "--log-every", "10",
+            "--admit", "count:2", "--max-rows", "15000", "--ttl-clocks", "10"]
+    proc = procs.spawn([sys.executable, SYNTHETIC, "--servers", server.address, *args], "ctr")
+    assert proc.popen.wait(timeout=60) == 0, proc.log()
+    result = last_json(proc.log())
+    # Without the budget the same run holds over 20,000 rows (the test above).
+    assert result["rows"] <= 15_000, result
+    assert 0.55 < result["test_auc"] < result["best_auc"], result

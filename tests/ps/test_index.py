@@ -342,3 +342,95 @@ def test_capacity_for_is_the_capacity_the_index_takes(n: int) -> None:
 )
 def test_count_distinct(keys: list[int], distinct: int) -> None:
     assert count_distinct(np.array(keys, dtype=np.int64)) == distinct
+
+
+# ---- deletion and explicit rows (tables that evict) ------------------------------------------
+
+
+def check_items(index: KeyIndex, expected: dict[int, int]) -> None:
+    """Asserts that ``index`` holds exactly ``expected``, through lookup and items."""
+    assert len(index) == len(expected)
+    keys, rows = index.items()
+    assert dict(zip(keys.tolist(), rows.tolist(), strict=True)) == expected
+    if expected:
+        probe = np.fromiter(expected, dtype=np.int64, count=len(expected))
+        np.testing.assert_array_equal(index.lookup(probe), list(expected.values()))
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_random_deletes_and_reinserts_match_a_dict(seed: int) -> None:
+    # Small key space and small table: long probe runs that wrap around, so backward-shift
+    # deletion must keep every key reachable.
+    rng = np.random.default_rng(seed)
+    index = KeyIndex(0, seed)
+    expected: dict[int, int] = {}
+    free: list[int] = []
+    for _ in range(300):
+        batch = np.unique(rng.integers(-40, 40, size=int(rng.integers(1, 12)))).astype(np.int64)
+        if rng.random() < 0.5:
+            rows = index.delete(batch)
+            assert rows.tolist() == [expected.get(int(k), -1) for k in batch]
+            for k in batch.tolist():
+                if k in expected:
+                    free.append(expected.pop(k))
+        else:
+            fresh = np.array([k for k in batch.tolist() if k not in expected], dtype=np.int64)
+            take = [free.pop() if free else index.row_limit + i for i in range(len(fresh))]
+            # Fresh rows past the limit are numbered in order; reused ones come first.
+            top = index.row_limit
+            take = [r if r < top else top + j for j, r in enumerate(take)]
+            index.insert_rows(fresh, np.array(take, dtype=np.int64))
+            expected.update(zip(fresh.tolist(), take, strict=True))
+        check_items(index, expected)
+        absent = np.arange(-60, -41, dtype=np.int64)
+        assert (index.lookup(absent) == -1).all()
+
+
+def test_delete_absent_and_repeated_keys_removes_once() -> None:
+    index = KeyIndex()
+    index.lookup_or_insert(np.array([5, 6, 7], dtype=np.int64))
+    rows = index.delete(np.array([6, 9, 6], dtype=np.int64))
+    assert rows.tolist() == [1, -1, -1]
+    check_items(index, {5: 0, 7: 2})
+    assert index.row_limit == 3
+
+
+def test_lookup_or_insert_after_delete_continues_past_row_limit() -> None:
+    index = KeyIndex()
+    index.lookup_or_insert(np.array([1, 2, 3], dtype=np.int64))
+    index.delete(np.array([3], dtype=np.int64))
+    rows, created = index.lookup_or_insert(np.array([4, 1], dtype=np.int64))
+    assert (rows.tolist(), created) == ([3, 0], 1)
+    check_items(index, {1: 0, 2: 1, 4: 3})
+
+
+def test_keys_by_row_refuses_an_index_with_holes() -> None:
+    index = KeyIndex()
+    index.lookup_or_insert(np.array([1, 2], dtype=np.int64))
+    index.delete(np.array([1], dtype=np.int64))
+    with pytest.raises(ValueError, match="use items"):
+        index.keys_by_row()
+
+
+def test_insert_rows_is_all_or_nothing() -> None:
+    index = KeyIndex()
+    index.lookup_or_insert(np.array([10, 11], dtype=np.int64))
+    with pytest.raises(ValueError, match="key 11 at position 2 is already in the index"):
+        index.insert_rows(np.array([20, 21, 11], dtype=np.int64),
+                          np.array([5, 6, 7], dtype=np.int64))
+    check_items(index, {10: 0, 11: 1})
+    with pytest.raises(ValueError, match="row -3 at position 0 is negative"):
+        index.insert_rows(np.array([20], dtype=np.int64), np.array([-3], dtype=np.int64))
+    check_items(index, {10: 0, 11: 1})
+    assert index.row_limit == 2
+
+
+def test_delete_then_reinsert_keeps_capacity() -> None:
+    # Deleting leaves no tombstones: cycles of insert/delete never grow the slot array.
+    index = KeyIndex(100)
+    slots = index.capacity
+    for cycle in range(50):
+        keys = np.arange(cycle * 100, cycle * 100 + 60, dtype=np.int64)
+        index.insert_rows(keys, np.arange(60, dtype=np.int64))
+        assert (index.delete(keys) >= 0).all()
+    assert (len(index), index.capacity) == (0, slots)

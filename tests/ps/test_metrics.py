@@ -43,6 +43,9 @@ def test_server_and_worker_metrics(procs: Procs) -> None:
         text = scrape(server_port)
         assert value(text, "pstrain_table_rows", table="emb") == 100
         assert value(text, "pstrain_table_pushes_applied_total", table="emb") == 3
+        assert value(text, "pstrain_table_admitted_total", table="emb") == 100
+        assert value(text, "pstrain_table_evicted_total", table="emb") == 0
+        assert value(text, "pstrain_table_part_bytes", table="emb", part="value") == 100 * 8 * 4
         # Every pull, push and end of iteration is an exchange (over the lane, where shm
         # works, timed alike).
         assert value(text, "pstrain_request_seconds_count", method="Exchange") == 9

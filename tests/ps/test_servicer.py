@@ -659,8 +659,8 @@ def test_a_server_at_its_memory_budget_refuses_new_rows_and_stays_within_it(
     assert refused.details.startswith(f"table 'emb': creating {BATCH} new rows would take "
                                       "this server to ")
     assert "over its --memory-budget of 64 MiB (it holds " in refused.details
-    assert refused.details.endswith("raise the budget, add servers, or send fewer new keys "
-                                    "(rows are not evicted)")
+    assert refused.details.endswith("raise the budget, add servers, send fewer new keys, or "
+                                    "declare the table with max_rows or a TTL to evict rows")
 
     channel = grpc.insecure_channel(server.address)
     exchange = channel.unary_unary(_PATHS["Exchange"])

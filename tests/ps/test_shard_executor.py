@@ -25,6 +25,7 @@ from ps.clocks import Quorum
 from ps.errors import ClockWaitTimeoutError, InvalidArgumentError, ResourceExhaustedError
 from ps.index import capacity_for
 from ps.initializers import InitSpec
+from ps.row_policy import admitted_by_probability
 from ps.shard import (
     DensePush,
     Exchange,
@@ -486,8 +487,8 @@ def test_new_rows_past_the_memory_budget_are_refused_whole_and_change_nothing() 
     assert str(err.value) == (
         f"table 'emb': creating 6 new rows would take this server to "
         f"{format_size(budget + 6 * 8)}, over its --memory-budget of {format_size(budget)} "
-        f"(it holds {format_size(budget)} now); raise the budget, add servers, or send fewer "
-        "new keys (rows are not evicted)"
+        f"(it holds {format_size(budget)} now); raise the budget, add servers, send fewer "
+        "new keys, or declare the table with max_rows or a TTL to evict rows"
     )
     assert (values(shard), held(shard), shard.clock_state()) == (before, stats, clocks)
     # A pull alone of one new key is refused too.
@@ -580,3 +581,24 @@ def test_a_declare_past_the_budget_is_refused_whole() -> None:
     assert set(held(shard)) == {"w", "emb"}
     shard.declare([small])
     assert set(held(shard)) == {"w", "emb", "small"}
+
+
+@pytest.mark.parametrize("admit", ["prob:0.25", "count:2"])
+def test_ids_the_admission_rule_refuses_take_no_room_in_the_budget(admit: str) -> None:
+    """A table under a budget for its admitted rows only serves pulls of four times as
+    many ids: refused ids make no row, so the budget does not count them."""
+    spec = TableSpec("adm", "sparse", F32, dim=2, init=ONES, optimizer=SGD_1, admit=admit)
+    keys = span(0, 4000)
+    admitted = (int(admitted_by_probability(keys, 0, 0.25).sum()) if admit.startswith("prob")
+                else 1000)
+    budget = SparseTable.bytes_for(spec, 1024, capacity_for(admitted))
+    shard = Shard(ShardConfig(0, 1, limits=Limits(memory_budget_bytes=budget)),
+                  clock=FakeClock())
+    shard.declare([spec])
+    if admit.startswith("count"):
+        pull_sparse(shard, "adm", 1, 0, span(0, 1000))  # first sight: no rows
+        pull_sparse(shard, "adm", 1, 0, np.concatenate([span(0, 1000), span(5000, 8000)]))
+    else:
+        pull_sparse(shard, "adm", 1, 0, keys)
+    stats = next(s for s, _ in shard.stats() if s.name == "adm")
+    assert stats.rows == admitted and shard.memory_bytes() <= budget

@@ -19,6 +19,7 @@ from protos import modes
 from protos.partition import RowRange, shard_of_keys
 from ps.errors import FailedPreconditionError, InvalidArgumentError
 from ps.initializers import InitSpec, init_rows
+from ps.row_policy import admitted_by_probability
 from ps.tables import (
     DenseTable,
     OptimizerConfig,
@@ -672,3 +673,225 @@ def test_absent_names_the_new_keys_and_changes_nothing() -> None:
     before = image(table)
     np.testing.assert_array_equal(table.absent(keys(3, 77, -5, 77, 8)), [77, 77, 8])
     assert image(table) == before
+
+
+# ---- admission and eviction -------------------------------------------------------------------
+
+
+class FakeTime:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def initial(table: SparseTable, *ids: int) -> torch.Tensor:
+    return init_rows(keys(*ids), table.spec.dim, table.spec.init, table.spec.seed,
+                     table.spec.dtype)
+
+
+def pulled(table: SparseTable, *ids: int) -> torch.Tensor:
+    rows = table.pull(keys(*ids))
+    return rows.gather(0, len(rows))
+
+
+def held_keys(table: SparseTable) -> set[int]:
+    return set(table.snapshot()["keys"].tolist())
+
+
+def test_an_id_below_its_admission_count_has_no_row_and_reads_the_default() -> None:
+    table = SparseTable(sparse_spec(admit="count:3", admit_default=0.5), 0, 1)
+    for sight in (1, 2):
+        assert torch.equal(pulled(table, 10, 11), torch.full((2, 4), 0.5))
+        assert table.rows == 0, f"a row after {sight} sights"
+    # A push is a sight too; its gradient is dropped while the id has no row.
+    table.apply(keys(11), torch.ones(1, 4), assign=False)
+    assert table.rows == 1 and held_keys(table) == {11}
+    assert torch.equal(pulled(table, 11), initial(table, 11) - 0.5)
+    table.apply(keys(10), torch.ones(1, 4), assign=False)  # the third sight: admitted now
+    assert torch.equal(pulled(table, 10), initial(table, 10) - 0.5)
+    c = table.counters()
+    assert (c.admitted, c.refused_by_admission) == (2, 4)
+    assert table.stats().metadata_bytes == SparseTable.fixed_bytes(table.spec) > 0
+
+
+def test_a_pull_mixing_admitted_and_refused_ids_keeps_key_order() -> None:
+    table = SparseTable(sparse_spec(admit="count:2"), 0, 1)
+    pulled(table, 1)
+    out = torch.empty(3, 4)
+    rows = table.pull(keys(2, 1, 2))
+    rows.gather(0, 3, out)
+    np.testing.assert_array_equal(out[[0, 2]].numpy(), np.zeros((2, 4)))
+    assert torch.equal(out[1], initial(table, 1)[0])
+
+
+def test_probability_admission_gives_rows_to_the_same_ids_every_time() -> None:
+    ids = np.arange(2000, dtype=np.int64)
+    expected = set(ids[admitted_by_probability(ids, 7, 0.2)].tolist())
+    for _ in range(2):
+        table = SparseTable(sparse_spec(admit="prob:0.2"), 0, 1)
+        table.pull(ids)
+        assert held_keys(table) == expected
+    assert 300 < len(expected) < 500
+
+
+def test_admission_counts_survive_a_snapshot() -> None:
+    spec = sparse_spec(admit="count:3")
+    table = SparseTable(spec, 0, 1)
+    pulled(table, 5)
+    pulled(table, 5)
+    restored = SparseTable(spec, 0, 1)
+    restored.restore(table.snapshot())
+    assert restored.rows == 0
+    pulled(restored, 5)
+    assert held_keys(restored) == {5}
+    # A snapshot from before admission existed (no sketch) starts the counts at zero.
+    old = {k: v for k, v in table.snapshot().items() if k != "sketch"}
+    fresh = SparseTable(spec, 0, 1)
+    fresh.restore(old)
+    pulled(fresh, 5)
+    assert fresh.rows == 0
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: sparse_spec(admit="count:0"), "table 'emb': admit 'count:0' is not a valid"),
+        (lambda: sparse_spec(admit="prob:2"), "table 'emb': admit 'prob:2' is not a valid"),
+        (lambda: sparse_spec(ttl_clocks=-2), "table 'emb': ttl_clocks must be >= 0 .* got -2"),
+        (lambda: sparse_spec(ttl_s=-1.0), "table 'emb': ttl_s must be finite .* got -1.0"),
+        (lambda: sparse_spec(max_rows=-3), "table 'emb': max_rows must be >= 0 .* got -3"),
+        (lambda: sparse_spec(admit_default=float("nan")), "admit_default must be finite, got nan"),
+        (lambda: dense_spec(max_rows=5), "table 'w' is dense: admission .* sparse tables only"),
+    ],
+)
+def test_bad_admission_and_eviction_options_are_refused_naming_the_value(
+    make: Any, message: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        make()
+
+
+def test_admission_and_eviction_options_survive_the_dict_form() -> None:
+    spec = sparse_spec(admit="prob:0.5", admit_default=-1.0, ttl_clocks=3, ttl_s=2.5,
+                       max_rows=10)
+    assert TableSpec.from_dict(spec.to_dict()) == spec
+    assert TableSpec.from_dict(sparse_spec().to_dict()).admit == "always"
+    assert "admit" not in sparse_spec().to_dict()  # stored as before the options existed
+
+
+def test_ttl_in_clocks_evicts_the_rows_untouched_that_long() -> None:
+    table = SparseTable(sparse_spec(ttl_clocks=2), 0, 1)
+    table.observe_clock(1)
+    pulled(table, 1, 2, 3)
+    table.observe_clock(2)
+    pulled(table, 2)
+    table.observe_clock(3)
+    assert table.evict() == 2  # 1 and 3, last touched at clock 1
+    assert held_keys(table) == {2}
+    assert table.counters().evicted == 2
+
+
+def test_ttl_in_seconds_evicts_the_rows_untouched_that_long() -> None:
+    now = FakeTime()
+    table = SparseTable(sparse_spec(ttl_s=10.0), 0, 1, clock=now)
+    pulled(table, 1, 2)
+    now.now += 6
+    pulled(table, 2, 3)
+    now.now += 6
+    pulled(table, 3)  # each exchange runs an eviction step: 1 goes
+    assert held_keys(table) == {2, 3}
+    now.now += 30
+    assert table.evict() == 2 and table.rows == 0
+
+
+def test_max_rows_evicts_the_least_recently_touched() -> None:
+    now = FakeTime()
+    table = SparseTable(sparse_spec(max_rows=3), 0, 1, clock=now)
+    for key in (1, 2, 3):
+        pulled(table, key)
+        now.now += 1
+    pulled(table, 1)  # 2 is now the oldest
+    now.now += 1
+    pulled(table, 4)
+    assert held_keys(table) == {1, 3, 4}
+    table.apply(keys(5, 6), torch.zeros(2, 4), assign=False)
+    assert held_keys(table) == {4, 5, 6}
+    assert table.counters().evicted == 3
+
+
+def test_an_evicted_id_comes_back_with_its_initial_row_and_fresh_state() -> None:
+    now = FakeTime()
+    table = SparseTable(sparse_spec(optimizer=ADAM, max_rows=1), 0, 1, clock=now)
+    table.apply(keys(7), torch.ones(1, 4), assign=False)
+    trained = pulled(table, 7)
+    assert not torch.equal(trained, initial(table, 7))
+    now.now += 1
+    pulled(table, 8)  # 7 is evicted; 8 takes its slot
+    now.now += 1
+    assert torch.equal(pulled(table, 7), initial(table, 7))
+    table.apply(keys(7), torch.ones(1, 4), assign=False)
+    assert torch.equal(pulled(table, 7), trained)  # first Adam step again: state was fresh
+    c = table.counters()
+    assert (c.admitted, c.evicted, c.readmitted) == (3, 2, 1)
+
+
+def test_freed_slots_are_reused_so_storage_stops_growing() -> None:
+    now = FakeTime()
+    table = SparseTable(sparse_spec(optimizer=ADAM, max_rows=500), 0, 1, clock=now)
+    for cycle in range(40):
+        table.pull(np.arange(cycle * 200, cycle * 200 + 200, dtype=np.int64))
+        now.now += 1
+    assert table.rows == 500
+    assert table.index.row_limit <= 700  # slots in use plus one batch, never 8000
+    assert table.capacity == 1024 and table.counters().evicted == 7500
+
+
+def test_a_snapshot_after_eviction_holds_only_the_rows_left() -> None:
+    now = FakeTime()
+    spec = sparse_spec(optimizer=ADAM, max_rows=3)
+    table = SparseTable(spec, 0, 1, clock=now)
+    for key in (1, 2, 3, 4, 5):
+        table.apply(keys(key), torch.full((1, 4), float(key)), assign=False)
+        now.now += 1
+    snap = table.snapshot()
+    assert sorted(snap["keys"].tolist()) == [3, 4, 5]
+    restored = SparseTable(spec, 0, 1)
+    restored.restore(snap)
+    for key in (3, 4, 5):
+        assert torch.equal(pulled(restored, key), pulled(table, key))
+    # A restored table respects max_rows: the rows touched last stay.
+    smaller = dataclasses.replace(spec, max_rows=2)
+    snap["touched"] = torch.tensor([5, 9, 7])
+    kept = SparseTable(smaller, 0, 1)
+    kept.restore(snap)
+    order = snap["keys"].tolist()
+    assert held_keys(kept) == {order[1], order[2]}
+
+
+@pytest.mark.parametrize("hogwild", [False, True])
+def test_racing_pulls_and_pushes_on_an_evicting_table_see_only_their_own_rows(
+        hogwild: bool) -> None:
+    # Each thread owns its ids and assigns each row its own id: a pull that read a slot
+    # given to another id in between would see another thread's value.
+    table = SparseTable(sparse_spec(max_rows=300, ttl_clocks=3), 0, 1, hogwild)
+
+    def work(k: int) -> None:
+        rng = np.random.default_rng(k)
+        for step in range(150):
+            ids = np.unique(rng.integers(0, 200, size=40)) + 1000 * (k + 1)
+            table.observe_clock(step)
+            table.apply(ids, torch.from_numpy(ids).float()[:, None].repeat(1, 4), assign=True)
+            got = pulled(table, *ids.tolist())
+            written = got[:, 0] == torch.from_numpy(ids).float()
+            # A row evicted between the push and the pull reads its initial values.
+            fresh = (got == initial(table, *ids.tolist())).all(dim=1)
+            assert bool((written | fresh).all()), (k, step)
+
+    run_in_threads(work, 4)
+    assert table.rows <= 300 + 4 * 40
+    _, rows = table.index.items()
+    assert len(np.unique(rows)) == len(rows) and (rows < table.capacity).all()

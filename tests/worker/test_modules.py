@@ -495,3 +495,35 @@ def test_ids_may_be_numpy_backed_int32(client: PSClient) -> None:
     emb = PSEmbedding(client, fresh("i32"), 2)
     ids32 = torch.from_numpy(np.array([5, 6, 5], dtype=np.int32))
     torch.testing.assert_close(emb(ids32), emb(ids32.long()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_a_compact_table_gives_float32_outputs_and_trains(
+        client: PSClient, dtype: torch.dtype) -> None:
+    emb = PSEmbedding(client, fresh("half"), 4, optimizer="sgd", lr=1.0, dtype=dtype)
+    bag = PSEmbeddingBag(client, fresh("halfbag"), 4, mode="sum", optimizer="sgd", lr=1.0,
+                         dtype=dtype)
+    ids = torch.tensor([3, 9, 3])
+    before = client.pull_sparse(emb.table, torch.tensor([3, 9]))
+    ps = PSOptimizer(nn.ModuleList([emb, bag]), overlap=False)
+    out = emb(ids)
+    pooled = bag(ids.view(1, 3))
+    assert (out.dtype, pooled.dtype) == (torch.float32, torch.float32)
+    torch.testing.assert_close(out, before[[0, 1, 0]].float())
+    ps.zero_grad()
+    (out.sum() + pooled.sum()).backward()
+    ps.step()  # the gradient reaches the servers in the table's dtype
+    after = client.pull_sparse(emb.table, torch.tensor([3, 9]))
+    assert after.dtype == dtype
+    torch.testing.assert_close(after, (before.float() - torch.tensor([[2.0], [1.0]])).to(dtype))
+    ps.close()
+
+
+def test_an_embedding_declares_admission_and_eviction(client: PSClient) -> None:
+    emb = PSEmbedding(client, fresh("admit"), 3, optimizer="sgd", lr=1.0, admit="count:2",
+                      admit_default=0.25, max_rows=100, ttl_clocks=5)
+    ids = torch.tensor([11, 12])
+    torch.testing.assert_close(emb(ids), torch.full((2, 3), 0.25))  # first sight: no rows
+    assert not torch.equal(emb(ids), torch.full((2, 3), 0.25))  # second sight: rows
+    with pytest.raises(Exception, match="admit 'count:-1' is not a valid count"):
+        PSEmbeddingBag(client, fresh("admit"), 3, admit="count:-1")

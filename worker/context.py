@@ -32,7 +32,7 @@ from protos.runtime import tune_malloc
 from protos.security import Security, SecurityError
 from scheduler.finishing import barrier_missing
 from scheduler.heartbeat import Heartbeat
-from scheduler.spec import RESTART_EXIT_CODE, JobSpec
+from scheduler.spec import RESTART_EXIT_CODE, STOPPED_EXIT_CODE, JobSpec
 from scheduler.store import JobStore, ride_out
 from worker.bulk import TransportSettings
 from worker.client import PSClient, RetryPolicy
@@ -337,15 +337,29 @@ def init(*, timeout_s: float = 120.0, env: Mapping[str, str] | None = None) -> W
         # this process was declared dead (the job went on without it; it never rejoins as
         # itself). Its supervisor (pstrain up, pstrain worker, systemd) starts it again and
         # the new incarnation rejoins: at the checkpoint's clock, or at the open clock.
+        if ctx.finished:
+            # Its training is done and out of the membership: running it again would train
+            # the rank twice. It takes the new generation, to pull (evaluate) what is there.
+            client.generation = max(client.generation,
+                                    ride_out("generation", store.generation, 0))
+            log.warning("worker %d of job %r finished before the job rolled back; it stays "
+                        "finished (generation %d)", rank, job, client.generation)
+            return
         log.warning("worker %d (incarnation %d) of job %r: %s; exiting to be restarted", rank,
                     incarnation, job, why)
         os._exit(RESTART_EXIT_CODE)
 
     def watch_rollback() -> None:
-        if spec.mode == "sync" and ride_out("generation", store.generation, 0) > generation:
+        stopped = ride_out("stopped", store.stopped, None)
+        if stopped is not None:
+            log.error("worker %d of job %r: the job was stopped: %s", rank, job, stopped)
+            os._exit(STOPPED_EXIT_CODE)
+        if spec.mode == "sync" and ride_out("generation", store.generation, 0) > (
+                client.generation):
             restart("the job rolled back")
         # Declared dead while it was paused: found here even if it makes no request.
-        if ride_out("fenced", lambda: store.fenced_incarnation(rank), -1) >= incarnation:
+        if not ctx.finished and ride_out("fenced", lambda: store.fenced_incarnation(rank),
+                                         -1) >= incarnation:
             restart("this process was declared dead (silent too long) and the job went on "
                     "without it")
 

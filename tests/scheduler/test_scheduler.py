@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -498,3 +499,107 @@ def test_a_failing_checkpoint_is_an_event_that_status_shows(procs: Procs) -> Non
                            timeout=60, check=False)
     assert "checkpoint_failed server" in shown.stdout, shown
     assert "clock-0000000020" in shown.stdout, shown
+
+
+# ---- bad checkpoints: marked, skipped, and a job that stops when none verifies -------------
+
+
+def corrupt(path: Path) -> None:
+    """Flips the last bytes (tensor data: only the digest tells)."""
+    data = bytearray(path.read_bytes())
+    data[-8:] = bytes(b ^ 0xFF for b in data[-8:])
+    path.write_bytes(data)
+
+
+def events_of(store: JobStore, kind: str) -> list[Any]:
+    return [e for e in store.events() if e.type == kind]
+
+
+def status_text(redis: str, job: str) -> str:
+    shown = subprocess.run([sys.executable, "-m", "scheduler.cli", "status", "--redis", redis,
+                            "--job", job], capture_output=True, text=True, cwd=REPO,
+                           timeout=60, check=False)
+    assert shown.returncode == 0, shown
+    return shown.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_corrupt_on_the_live_shard_is_marked_bad_and_never_tried_again(
+    procs: Procs,
+) -> None:
+    # Shard 0 restarts; the newest checkpoint's file of shard 1 (the live one) is corrupt, so
+    # the rollback's Restore fails on shard 1: logged once with the reason, marked bad in
+    # Redis and on disk, and the job falls back to the one before. A second recovery (shard
+    # 1 restarts) passes over the mark without trying the checkpoint again.
+    steps = 250
+    redis = procs.redis().address
+    store = JobStore.connect(redis, "badmark")
+    up = up_sync_job(procs, redis, "badmark", steps=steps, restart=True)
+    wait_until(lambda: len(store.complete_checkpoints(2)) >= 2 and worker_clock(store, 0) >= 45,
+               60, "two checkpoints")
+    victim = server_pid(store, 0)
+    assert victim is not None
+    os.kill(victim, signal.SIGSTOP)  # sync: no clock closes, so no newer checkpoint completes
+    (newest, _), (older, _) = sorted(store.complete_checkpoints(2), key=lambda c: -c[1])[:2]
+    damaged = procs.workdir / "ckpt" / "badmark" / newest / "shard-1-of-2.safetensors"
+    corrupt(damaged)
+    os.kill(victim, signal.SIGKILL)  # restarted by pstrain up: shard 0's file of it is fine
+    rollback = wait_until(lambda: next(iter(events_of(store, "rollback")), None), 60,
+                          "the rollback")
+    assert rollback.detail["checkpoint"] == older, rollback
+    # Before any clock closes again (the workers restart first), shard 1 restarts too.
+    other = server_pid(store, 1)
+    assert other is not None
+    os.kill(other, signal.SIGKILL)
+    wait_until(lambda: len(events_of(store, "rollback")) >= 2, 60, "the second rollback")
+    assert events_of(store, "rollback")[1].detail["checkpoint"] == older
+    bad = store.bad_checkpoints()
+    assert list(bad) == [newest] and bad[newest]["shard"] == 1, bad
+    assert str(damaged) in bad[newest]["reason"] and "sha256" in bad[newest]["reason"]
+    marker = damaged.parent / "BAD"
+    assert marker.is_file() and str(damaged) in marker.read_text()
+    assert "bad checkpoint " + newest in status_text(redis, "badmark")
+    assert up.popen.wait(timeout=90) == 0, up.log()[-5000:]
+    logs = procs.workdir / "logs"
+    scheduler_log = (logs / "scheduler.log").read_text(errors="replace")
+    assert scheduler_log.count(f"cannot restore checkpoint {newest!r}") == 1, scheduler_log
+    server1_log = (logs / "server1.log").read_text(errors="replace")
+    assert f"cannot restore checkpoint {newest!r}" not in server1_log  # passed over unread
+    assert f"passing over checkpoint {newest!r}, marked bad" in server1_log
+    assert not events_of(store, "stopped")
+
+
+@pytest.mark.timeout(120)
+def test_when_no_checkpoint_verifies_the_job_stops_with_one_message_naming_the_files(
+    procs: Procs,
+) -> None:
+    steps = 250
+    redis = procs.redis().address
+    store = JobStore.connect(redis, "nowayback")
+    up = up_sync_job(procs, redis, "nowayback", steps=steps, restart=True)
+    wait_until(lambda: len(store.complete_checkpoints(2)) >= 2 and worker_clock(store, 0) >= 45,
+               60, "two checkpoints")
+    victim = server_pid(store, 0)
+    assert victim is not None
+    os.kill(victim, signal.SIGSTOP)
+    damaged = [procs.workdir / "ckpt" / "nowayback" / c / "shard-0-of-2.safetensors"
+               for c, _ in store.complete_checkpoints(2)]
+    for path in damaged:
+        corrupt(path)
+    os.kill(victim, signal.SIGKILL)  # restarted by pstrain up: nothing of shard 0 verifies
+    assert up.popen.wait(timeout=60) == 76, up.log()[-5000:]
+    out = up.log()
+    message = [line for line in out.splitlines() if "stopped: " in line and "pstrain up" in line]
+    assert len(message) == 1, out[-5000:]
+    assert "recovery has no way back" in message[0]
+    for path in damaged:
+        assert str(path) in message[0], (path, message[0])
+    assert '"stopped": "' in out  # the final JSON line
+    scheduler_log = (procs.workdir / "logs" / "scheduler.log").read_text(errors="replace")
+    assert scheduler_log.count("stopped: server 0: recovery has no way back") == 1
+    assert len(events_of(store, "stopped")) == 1
+    shown = status_text(redis, "nowayback")
+    assert "STOPPED: server 0: recovery has no way back" in shown
+    assert "stopped " in shown and str(damaged[0]) in shown
+    assert "exited with 2; restarting it" not in out  # no crash loop
+    assert not events_of(store, "rollback")

@@ -457,27 +457,66 @@ def test_a_rollback_skips_checkpoint_entries_not_signed_with_the_job_secret(
     assert len(warned) == 1, scheduler_log[-5000:]
 
 
+def up_run(procs: Procs, redis: str, name: str, steps: int, *flags: str) -> Proc:
+    """`pstrain up` of job "reused" in one checkpoint directory, its results in out-NAME."""
+    return procs.pstrain([
+        "up", "--redis", redis, "--job", "reused", "--servers", "2", "--workers", "2",
+        "--mode", "sync", "--checkpoint-dir", str(procs.workdir / "ckpt"),
+        "--checkpoint-every-clocks", "20", "--no-view", *flags, JOB_WORKER, "--", "--steps",
+        str(steps), "--out", str(procs.workdir / f"out-{name}")], f"up-{name}")
+
+
+def run_id_of(up: Proc) -> str:
+    """The run id `pstrain up` printed at start."""
+    line = next(x for x in up.log().splitlines() if x.startswith("pstrain up: job 'reused' run "))
+    return line.split(" run ", 1)[1].split(",")[0].strip()
+
+
+def assert_result(procs: Procs, name: str, steps: int) -> None:
+    expected = local_sync_run(2, steps)
+    for r in range(2):
+        result = json.loads((procs.workdir / f"out-{name}" / f"worker{r}.json").read_text())
+        assert result["clock"] == steps
+        torch.testing.assert_close(torch.tensor(result["w"]), expected, atol=1e-6, rtol=0)
+
+
 @pytest.mark.timeout(240)
 def test_a_finished_job_s_name_reused_without_resume_starts_fresh(procs: Procs) -> None:
+    # Runs of one job in one checkpoint directory: each gets a run id, its checkpoints are
+    # recorded under it, and a restore picks the current run's unless asked otherwise.
     redis = procs.redis().address
-    first = procs.pstrain([
-        "up", "--redis", redis, "--job", "reused", "--servers", "2", "--workers", "2",
-        "--mode", "sync", "--checkpoint-dir", str(procs.workdir / "ckpt-1"),
-        "--checkpoint-every-clocks", "20", "--no-view", JOB_WORKER, "--", "--steps", "100",
-        "--out", str(procs.workdir / "out-1")], "up-1")
+    store = JobStore.connect(redis, "reused")
+    first = up_run(procs, redis, "1", 100)
     assert first.popen.wait(timeout=120) == 0, first.log()[-3000:]
-    assert JobStore.connect(redis, "reused").checkpoint_ids()  # the first run checkpointed
-    second = procs.pstrain([
-        "up", "--redis", redis, "--job", "reused", "--servers", "2", "--workers", "2",
-        "--mode", "sync", "--checkpoint-dir", str(procs.workdir / "ckpt-2"), "--no-view",
-        JOB_WORKER, "--", "--steps", "60", "--out", str(procs.workdir / "out-2")], "up-2")
+    run1 = run_id_of(first)
+    assert store.run() == {"id": run1, "started": store.spec().created_s,  # type: ignore[union-attr]
+                           "previous": "", "resumed_from": ""}
+    assert {e["run"] for c in store.checkpoint_ids() for e in store.checkpoint(c).values()} \
+        == {run1}  # the first run checkpointed, under its id
+    # Without --resume: a new run from fresh rows, saying so in one line. Its 60 clocks
+    # write clock-20..60 again (under its own id); clock-80 and clock-100 stay run 1's.
+    second = up_run(procs, redis, "2", 60)
     assert second.popen.wait(timeout=120) == 0, second.log()[-3000:]
-    expected = local_sync_run(2, 60)  # from fresh rows, not from the first run's clock 100
-    for r in range(2):
-        result = json.loads((procs.workdir / "out-2" / f"worker{r}.json").read_text())
-        assert result["clock"] == 60
-        torch.testing.assert_close(torch.tensor(result["w"]), expected, atol=1e-6, rtol=0)
-    assert "a new run under the name of an earlier one" in second.log()
+    run2 = run_id_of(second)
+    assert run2 != run1
+    assert_result(procs, "2", 60)  # from fresh rows, not from the first run's clock 100
+    said = [x for x in second.log().splitlines() if "under the name of an earlier one" in x]
+    assert len(said) == 1 and f"new run {run2}" in said[0] and f"(run {run1})" in said[0]
+    assert f"--resume-from {run1}" in said[0]
+    assert store.run()["previous"] == run1  # type: ignore[index]
+    assert f"run {run2} (previous run {run1})" in status_text(redis, "reused")
+    # --resume-from the first run: its newest checkpoint (clock 100), though run 2 wrote
+    # checkpoints since; the batches follow the clock, so 120 clocks end as one run of 120.
+    third = up_run(procs, redis, "3", 120, "--resume-from", run1)
+    assert third.popen.wait(timeout=120) == 0, third.log()[-3000:]
+    assert_result(procs, "3", 120)
+    assert {m["restored"] for m in store.members("server").values()} == {"clock-0000000100"}
+    assert store.run()["resumed_from"] == run1  # type: ignore[index]
+    assert "under the name of an earlier one" not in third.log()
+    # An id that names no checkpoint and no run is refused, naming it.
+    fourth = up_run(procs, redis, "4", 120, "--resume-from", "no-such-run")
+    assert fourth.popen.wait(timeout=120) == 2, fourth.log()[-3000:]
+    assert "--resume-from 'no-such-run': no complete checkpoint" in fourth.log()
 
 
 @pytest.mark.timeout(180)

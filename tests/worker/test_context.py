@@ -132,6 +132,8 @@ def test_a_worker_of_up_that_returns_is_recorded_finished_not_dead(procs: Procs)
                "rank 1's finished event")
     assert up.popen.wait(timeout=120) == 0, up.log()[-3000:]
     assert worker_events(store, "dead") == []
+    # Its last heartbeat outlived the process until `up` recorded the exit status.
+    assert not [e for e in worker_events(store, "suspect") if e.member == "1"]
     assert "worker1 finished" in up.log()
 
 

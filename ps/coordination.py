@@ -213,8 +213,9 @@ def find_checkpoint(
     A checkpoint marked bad (in Redis or its directory) is passed over. One whose file of
     this shard cannot be read or fails its digest is skipped with a warning for the next
     older one; a file that fails verification marks the checkpoint bad, in its directory
-    and in Redis, so no scheduler or server tries it again. When every one fails, the
-    newest one's CheckpointError is raised.
+    and in Redis, so no scheduler or server tries it again. When every one fails, a
+    CheckpointError of the newest one's kind is raised, naming every checkpoint tried and
+    what failed in it (`no_checkpoint_verifies`).
 
     With the job's `secret`, an entry of this shard that is not signed with it
     (`entry_signed`) is skipped the same way (CheckpointUnsignedError), and entries found on

@@ -17,6 +17,7 @@ from typing import Any
 
 from protos import modes, security
 from protos.transport import PREFERENCE
+from ps.checkpoint import CheckpointError, CheckpointNotFoundError
 from ps.concurrency import RESERVED_THREADS
 from ps.coordination import ServerCoordinator, advertised, find_checkpoint, new_incarnation
 from ps.errors import InvalidArgumentError, PSError
@@ -71,6 +72,9 @@ def parser() -> argparse.ArgumentParser:
                    help="auto: restore the newest checkpoint Redis lists for the job (a "
                         "restarted server); latest: also search --checkpoint-dir on disk "
                         "(resuming a job); none: start empty")
+    p.add_argument("--resume-from", default="", metavar="ID",
+                   help="restore the checkpoint of this id, or the newest of the run of this "
+                        "id, from the checkpoint directory (an unknown one is refused)")
     p.add_argument("--checkpoint-dir", default=env.get("PSTRAIN_CHECKPOINT_DIR", ""),
                    help="standalone: where --restore latest looks (env PSTRAIN_CHECKPOINT_DIR); "
                         "in a job, the job's directory")
@@ -177,14 +181,26 @@ def build(argv: list[str]) -> Built:
         directory = a.checkpoint_dir
     credentials = security.from_flags(a)
     found = None
-    if a.restore != "none":
-        found = find_checkpoint(store, spec, a.shard, num_shards, a.job, directory,
-                                from_disk=a.restore == "latest", secret=credentials.secret)
+    restore_failed = ""
+    if a.restore != "none" or a.resume_from:
+        try:
+            found = find_checkpoint(store, spec, a.shard, num_shards, a.job, directory,
+                                    from_disk=a.restore == "latest", secret=credentials.secret,
+                                    resume_from=a.resume_from)
+        except CheckpointNotFoundError:
+            raise
+        except CheckpointError as exc:
+            if store is None:
+                raise
+            # Inside a job no crash loop: the server starts empty and says why in its
+            # registration, and the job's scheduler stops the job with that message.
+            restore_failed = str(exc)
+            log.error("shard %d: no checkpoint can be restored: %s", a.shard, exc)
     restored = found[0] if found is not None else None
     if store is not None and spec is not None:
         attach = _attacher(store, spec, a.bind, a.advertise,
                            restored.checkpoint_id if restored else "",
-                           found[1] if found is not None else {})
+                           found[1] if found is not None else {}, restore_failed)
     config = ServerConfig(
         bind=a.bind, shard=a.shard, num_shards=num_shards, job=a.job,
         incarnation=new_incarnation(), mode=mode or modes.ASYNC, staleness=staleness or 0,
@@ -234,11 +250,12 @@ def _mode_flags(text: str | None, staleness: int | None) -> tuple[modes.Mode | N
 
 def _attacher(
     store: JobStore, spec: JobSpec, bind: str, advertise: str, restored: str,
-    entries: dict[int, dict[str, Any]],
+    entries: dict[int, dict[str, Any]], restore_failed: str = "",
 ) -> Callable[[ParameterServer], Callable[[], None]]:
     def attach(server: ParameterServer) -> Callable[[], None]:
         address = advertised(bind.rpartition(":")[0], server.port, advertise)
-        coordinator = ServerCoordinator(store, spec, server, address, restored, entries)
+        coordinator = ServerCoordinator(store, spec, server, address, restored, entries,
+                                        restore_failed)
         coordinator.start()
         return coordinator.stop
 

@@ -41,7 +41,14 @@ id, because ids of different kinds ("c000042", "t1732170000") do not sort agains
 
 Integrity: each entry records the sha256 and size of its shard file. `read_manifest` checks
 that every recorded file exists with its recorded size (cheap; catches truncation and
-deletion); `read_shard(path, sha256)` checks the digest, computed while reading.
+deletion); `read_shard(path, sha256)` checks the digest, computed while reading. A checkpoint
+whose file fails that check when a server restores it is marked bad: ``<checkpoint_id>/BAD``
+holds the reason (written atomically, by `load_checkpoint`), and `list_checkpoints` and
+`latest_complete` pass over it from then on. Writing a shard into the directory again (a new
+checkpoint under the same id) removes the mark.
+
+Runs: each entry records the run of the job that wrote it (``run``; "" before run ids), so a
+restore picks checkpoints of the current run only, unless the user resumes another.
 """
 
 from __future__ import annotations
@@ -81,6 +88,8 @@ FORMAT_VERSION: Final = 1
 ENTRY_FORMAT: Final = "pstrain.manifest-entry"
 MANIFEST_FORMAT: Final = "pstrain.manifest"
 MANIFEST_NAME: Final = "manifest.json"
+# The marker of a checkpoint that failed verification: its content is the reason.
+BAD_NAME: Final = "BAD"
 
 # safetensors readers refuse headers larger than this (its MAX_HEADER_SIZE).
 MAX_HEADER_BYTES: Final = 100_000_000
@@ -130,6 +139,10 @@ class CheckpointError(PSError):
 
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint file on disk is truncated, malformed, or fails its checksum."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """No checkpoint has the id (or run id) that was asked for."""
 
 
 class CheckpointUnsignedError(CheckpointError):
@@ -191,6 +204,7 @@ class Manifest:
     complete: bool
     directory: Path
     written_at_ns: int
+    run: str = ""  # the run of the job that wrote it ("" before run ids)
 
 
 # ---- public API -----------------------------------------------------------------------------
@@ -247,6 +261,44 @@ def read_checkpoint(directory: StrPath, job: str, checkpoint_id: str, shard: int
             f"{checkpoint_id!r} of {job!r}"
         )
     return state
+
+
+def load_checkpoint(directory: StrPath, job: str, checkpoint_id: str, shard: int,
+                    num_shards: int, sha256: str) -> ShardState:
+    """`read_checkpoint` for a restore: a file that fails verification (truncated, malformed,
+    or not matching its digest) also marks the checkpoint bad on disk (`mark_bad`) before
+    the CheckpointCorruptError goes on, so no later restore tries it again. Blocks on file
+    I/O."""
+    try:
+        return read_checkpoint(directory, job, checkpoint_id, shard, num_shards, sha256)
+    except CheckpointCorruptError as exc:
+        mark_bad(directory, job, checkpoint_id, f"shard {shard}: {exc}")
+        raise
+
+
+def mark_bad(directory: StrPath, job: str, checkpoint_id: str, reason: str) -> None:
+    """Writes ``<directory>/<job>/<checkpoint_id>/BAD`` with `reason`, atomically: the
+    checkpoint failed verification and restores pass over it. Best effort (a directory that
+    is gone or read-only is logged, not raised): the mark in Redis does the same job inside
+    a running job. Thread-safe."""
+    try:
+        ckpt_dir = checkpoint_dir(directory, job, checkpoint_id)
+        if not ckpt_dir.is_dir():
+            return
+        _atomic_write_bytes(ckpt_dir / BAD_NAME, (reason.strip() + "\n").encode("utf-8"))
+    except CheckpointError as exc:
+        log.warning("job %s: cannot mark checkpoint %s bad on disk: %s", job, checkpoint_id, exc)
+        return
+    log.warning("job %s: marked checkpoint %s bad (%s)", job, checkpoint_id, ckpt_dir / BAD_NAME)
+
+
+def bad_reason(directory: StrPath, job: str, checkpoint_id: str) -> str | None:
+    """The reason checkpoint `checkpoint_id` was marked bad on disk, or None if it was not."""
+    try:
+        path = checkpoint_dir(directory, job, checkpoint_id) / BAD_NAME
+        return path.read_text(encoding="utf-8", errors="replace").strip() or "marked bad"
+    except (CheckpointError, OSError):
+        return None
 
 
 def write_shard(directory: StrPath, state: ShardState) -> ShardFile:
@@ -369,6 +421,7 @@ def write_manifest(
     num_shards: int,
     *,
     now_ns: Callable[[], int] = time.time_ns,
+    run: str = "",
 ) -> Path:
     """Records `shards` (written by `write_shard`) in the manifest of checkpoint `checkpoint_id`.
 
@@ -377,7 +430,9 @@ def write_manifest(
     one checkpoint (see the module docstring): no entry is lost. When every shard is then
     recorded, also writes the ``manifest.json`` summary. Returns the path of
     ``manifest.json``, which `read_manifest` accepts whether or not the summary exists yet.
-    `now_ns` is the wall clock stamped on the entries (injectable for tests).
+    `now_ns` is the wall clock stamped on the entries (injectable for tests); `run` the
+    job's run id, recorded in them. A bad mark (`mark_bad`) left by an earlier checkpoint
+    under this id is removed: the checkpoint is being written again.
     Raises CheckpointError on bad input, a shard file that is missing or of another size,
     or an I/O failure.
     """
@@ -415,8 +470,11 @@ def write_manifest(
             "sha256": shard_file.sha256,
             "nbytes": shard_file.nbytes,
             "written_at_ns": stamp,
+            "run": run,
         }
         _atomic_write_bytes(ckpt_dir / f"shard-{shard}.json", _json_bytes(entry), sync_dir=False)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(ckpt_dir / BAD_NAME)
     _fsync_dir(ckpt_dir)
     summary = ckpt_dir / MANIFEST_NAME
     try:
@@ -487,6 +545,7 @@ def read_manifest(path: StrPath) -> Manifest:
         complete=len(shards) == num_shards,
         directory=ckpt_dir,
         written_at_ns=max(_as_int(e["written_at_ns"]) for e in entries),
+        run=str(first.get("run") or ""),
     )
 
 
@@ -494,7 +553,8 @@ def list_checkpoints(directory: StrPath, job: str) -> list[Manifest]:
     """Every checkpoint of `job` under `directory` with at least one entry, oldest first.
 
     Complete and incomplete ones alike (see `Manifest.complete`); corrupt ones are skipped
-    with a warning. Ordered by (time of the newest entry, checkpoint id). Blocks on file I/O;
+    with a warning, and those marked bad (`mark_bad`) at debug level.
+    Ordered by (time of the newest entry, checkpoint id). Blocks on file I/O;
     thread-safe. Raises CheckpointError only for a bad job name or an unreadable job directory.
     """
     _check_name("job", job)
@@ -509,6 +569,9 @@ def list_checkpoints(directory: StrPath, job: str) -> list[Manifest]:
     for name in names:
         ckpt_dir = job_dir / name
         if name.startswith(".") or not ckpt_dir.is_dir():
+            continue
+        if (ckpt_dir / BAD_NAME).exists():
+            log.debug("job %s: skipping checkpoint %s: marked bad", job, name)
             continue
         try:
             manifest = read_manifest(ckpt_dir)

@@ -18,18 +18,21 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ps.checkpoint import (
+    CheckpointCorruptError,
     CheckpointError,
+    CheckpointNotFoundError,
     CheckpointUnsignedError,
     ShardState,
+    bad_reason,
     list_checkpoints,
-    read_checkpoint,
+    load_checkpoint,
     write_manifest,
     write_shard,
 )
 from ps.errors import PSError
 from ps.server import ParameterServer
 from scheduler.heartbeat import Heartbeat
-from scheduler.recovery import entry_signed, sign_entry
+from scheduler.recovery import entry_signed, no_checkpoint_verifies, sign_entry
 from scheduler.spec import JobSpec
 from scheduler.store import JobStore, ride_out
 
@@ -59,9 +62,11 @@ class ServerCoordinator:
     def __init__(
         self, store: JobStore, spec: JobSpec, server: ParameterServer, address: str,
         restored: str = "", entries: Mapping[int, Mapping[str, Any]] | None = None,
+        restore_failed: str = "",
     ) -> None:
         """`restored` names the checkpoint the shard was loaded from and `entries` its
-        listing (shard -> {path, sha256, nbytes, clock[, mac]}), every shard's."""
+        listing (shard -> {path, sha256, nbytes, clock[, run][, mac]}), every shard's;
+        `restore_failed` says why no checkpoint could be restored ("": none failed)."""
         self.store = store
         self.spec = spec
         self.server = server
@@ -70,6 +75,7 @@ class ServerCoordinator:
         self.registration = {
             "address": address, "incarnation": server.config.incarnation, "pid": os.getpid(),
             "host": socket.gethostname(), "restored": restored, "started": time.time(),
+            **({"restore_failed": restore_failed} if restore_failed else {}),
         }
         self.heartbeat = Heartbeat(
             store, "server", shard, interval_s=spec.heartbeat_interval_s,
@@ -150,7 +156,8 @@ class ServerCoordinator:
         try:
             written = write_shard(self.spec.checkpoint_dir, state)
             write_manifest(self.spec.checkpoint_dir, state.checkpoint_id, state.job,
-                           state.clock, {state.shard: written}, state.num_shards)
+                           state.clock, {state.shard: written}, state.num_shards,
+                           run=self.spec.run_id)
         except PSError as exc:
             # One line, and an event in Redis: `pstrain status` shows it to whoever runs the job.
             error = str(exc)[:500]
@@ -163,7 +170,8 @@ class ServerCoordinator:
         entry = sign_entry(
             self.server.config.security.secret, state.job, state.checkpoint_id, state.shard,
             state.num_shards, {"path": written.path, "sha256": written.sha256,
-                               "nbytes": written.nbytes, "clock": state.clock})
+                               "nbytes": written.nbytes, "clock": state.clock,
+                               "run": self.spec.run_id})
         with self._listed_lock:
             if self._listed is not None and self._listed[0] == state.checkpoint_id:
                 self._listed[1][state.shard] = entry
@@ -200,18 +208,25 @@ Found = tuple[ShardState, dict[int, dict[str, Any]]]
 
 def find_checkpoint(
     store: JobStore | None, spec: JobSpec | None, shard: int, num_shards: int, job: str,
-    directory: str, from_disk: bool, secret: bytes = b"",
+    directory: str, from_disk: bool, secret: bytes = b"", resume_from: str = "",
 ) -> Found | None:
     """The newest complete checkpoint this shard can read: its state with the checkpoint's
-    entries (shard -> {path, sha256, nbytes, clock[, mac]}, every shard's), or None when there is
-    none.
+    entries (shard -> {path, sha256, nbytes, clock, run[, mac]}, every shard's), or None
+    when there is none.
 
-    Inside a running job Redis lists the checkpoints. If it lists none (it may have come
-    back empty after an outage) the checkpoint directory is searched for one written since
-    the job was created; with `from_disk` (resuming a job under a fresh Redis) for any. A
-    checkpoint whose file of this shard cannot be read or fails its digest is skipped with a
-    warning for the next older one (a sync job's rollback then goes to the one read); when
-    every one fails, the newest one's CheckpointError is raised.
+    Inside a running job Redis lists the checkpoints of the current run (a new run starts
+    with none listed; the one it resumed from is listed by the servers that restored it). If
+    it lists none (it may have come back empty after an outage) the checkpoint directory is
+    searched for those of the current run (`JobSpec.run_id`); with `from_disk` (resuming a
+    job under a fresh Redis) for any run's, or with `resume_from` for that checkpoint id or
+    the newest of that run id alone (CheckpointError naming it when there is none).
+
+    A checkpoint marked bad (in Redis or its directory) is passed over. One whose file of
+    this shard cannot be read or fails its digest is skipped with a warning for the next
+    older one; a file that fails verification marks the checkpoint bad, in its directory
+    and in Redis, so no scheduler or server tries it again. When every one fails, a
+    CheckpointError of the newest one's kind is raised, naming every checkpoint tried and
+    what failed in it (`no_checkpoint_verifies`).
 
     With the job's `secret`, an entry of this shard that is not signed with it
     (`entry_signed`) is skipped the same way (CheckpointUnsignedError), and entries found on
@@ -219,20 +234,49 @@ def find_checkpoint(
     file I/O.
     """
     first_error: CheckpointError | None = None
+    failures: dict[str, str] = {}
+    bad: dict[str, dict[str, Any]] = {}
+    if store is not None:
+        bad = ride_out("bad", store.bad_checkpoints, bad)
     for checkpoint_id, entries in _candidates(store, spec, num_shards, job, directory,
-                                              from_disk, secret):
+                                              from_disk, secret, resume_from):
+        reason = (bad.get(checkpoint_id) or {}).get("reason") or (
+            bad_reason(directory, job, checkpoint_id) if directory else None)
+        if reason is not None:
+            log.info("shard %d: passing over checkpoint %r, marked bad (%s)", shard,
+                     checkpoint_id, reason)
+            first_error = first_error or CheckpointCorruptError(
+                f"checkpoint {checkpoint_id!r} is marked bad: {reason}")
+            failures[checkpoint_id] = reason
+            continue
         try:
             state = _read_candidate(directory, job, checkpoint_id, shard, num_shards,
                                     entries.get(shard, {}), secret)
         except CheckpointError as exc:
             log.warning("shard %d: cannot restore checkpoint %r (%s); trying an older one",
                         shard, checkpoint_id, exc)
+            if isinstance(exc, CheckpointCorruptError) and store is not None:
+                _mark_bad(store, checkpoint_id, shard, f"shard {shard}: {exc}")
             first_error = first_error or exc
+            failures[checkpoint_id] = f"shard {shard}: {exc}"
             continue
         return state, entries
     if first_error is not None:
-        raise first_error
+        # One message naming every checkpoint tried and what failed in it.
+        raise type(first_error)(no_checkpoint_verifies(failures)) from first_error
+    if resume_from:
+        raise CheckpointNotFoundError(
+            f"--resume-from {resume_from!r}: no complete checkpoint of job {job!r} has that id, "
+            f"and no run of it has that id, in {directory or '(no checkpoint directory)'}; "
+            "`pstrain status` and the checkpoint directory list them")
     return None
+
+
+def _mark_bad(store: JobStore, checkpoint_id: str, shard: int, reason: str) -> None:
+    """Marks a checkpoint bad in Redis, with an event the first time (riding out outages)."""
+    if ride_out("bad", lambda: store.mark_bad(checkpoint_id, reason, shard), False):
+        ride_out("bad", lambda: store.event("bad_checkpoint", "server", shard,
+                                            checkpoint=checkpoint_id, error=reason), None)
 
 
 def _read_candidate(directory: str, job: str, checkpoint_id: str, shard: int, num_shards: int,
@@ -245,16 +289,17 @@ def _read_candidate(directory: str, job: str, checkpoint_id: str, shard: int, nu
             f"the entry of shard {shard} of checkpoint {checkpoint_id!r} in Redis is not "
             "signed with the job's secret: someone changed Redis, or the job's secret changed"
         )
-    return read_checkpoint(directory, job, checkpoint_id, shard, num_shards,
+    return load_checkpoint(directory, job, checkpoint_id, shard, num_shards,
                            str(entry.get("sha256", "")))
 
 
 def _candidates(
     store: JobStore | None, spec: JobSpec | None, num_shards: int, job: str, directory: str,
-    from_disk: bool, secret: bytes,
+    from_disk: bool, secret: bytes, resume_from: str = "",
 ) -> Iterator[tuple[str, dict[int, dict[str, Any]]]]:
     """Complete checkpoints, newest first, read as they are asked for: those Redis lists,
-    else those on disk written since the job was created (any, `from_disk`).
+    else those on disk of the current run (any run's: `from_disk`; those `resume_from`
+    names).
 
     Entries from disk are signed with `secret` here: the checkpoint directory is the job's
     own, and the coordinator lists them in Redis again (every shard's), where the other
@@ -263,13 +308,21 @@ def _candidates(
     for found in store.complete(num_shards) if store is not None else ():
         listed = True
         yield found
-    if listed or not directory or not (from_disk or spec is not None):
+    if listed or not directory or not (from_disk or resume_from or spec is not None):
         return
-    created_ns = 0 if from_disk or spec is None else int(spec.created_s * 1e9)
+    run = spec.run_id if spec is not None else ""
+    created_ns = int(spec.created_s * 1e9) if spec is not None else 0
     for manifest in reversed(list_checkpoints(directory, job)):
-        if manifest.complete and manifest.written_at_ns >= created_ns:
-            yield manifest.checkpoint_id, {
-                k: sign_entry(secret, job, manifest.checkpoint_id, k, num_shards,
-                              {"path": f.path, "sha256": f.sha256, "nbytes": f.nbytes,
-                               "clock": manifest.clock})
-                for k, f in manifest.shards.items()}
+        if not manifest.complete:
+            continue
+        if resume_from:
+            if resume_from not in (manifest.checkpoint_id, manifest.run):
+                continue
+        elif not from_disk and not (manifest.run == run if run and manifest.run
+                                    else manifest.written_at_ns >= created_ns):
+            continue
+        yield manifest.checkpoint_id, {
+            k: sign_entry(secret, job, manifest.checkpoint_id, k, num_shards,
+                          {"path": f.path, "sha256": f.sha256, "nbytes": f.nbytes,
+                           "clock": manifest.clock, "run": manifest.run})
+            for k, f in manifest.shards.items()}

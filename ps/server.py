@@ -23,7 +23,7 @@ from protos.security import Security
 from protos.transport import TransportError, parse_choice
 from ps.auth import Gatekeeper
 from ps.bulk import BulkEndpoint
-from ps.checkpoint import read_checkpoint
+from ps.checkpoint import load_checkpoint
 from ps.clocks import Quorum
 from ps.concurrency import CallGate, CallLimits
 from ps.errors import InvalidArgumentError
@@ -128,7 +128,7 @@ class ParameterServer:
             WireLimits(config.chunk_bytes, config.max_message_bytes, config.max_request_bytes,
                        config.stream_idle_s),
             VERSION,
-            lambda checkpoint_id, sha256: read_checkpoint(
+            lambda checkpoint_id, sha256: load_checkpoint(
                 config.checkpoint_dir, config.job, checkpoint_id, config.shard,
                 config.num_shards, sha256),
             self.bulk, CallGate(config.call_limits()), config.security.tls,

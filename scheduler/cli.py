@@ -1,9 +1,9 @@
 """The `pstrain` command line. This is the one place it reads environment variables.
 
 Roles run as their own processes: `pstrain server` replaces itself with `python -m ps`
-(`pstrain export`, which reads checkpoints, with `python -m ps.export`), and
-`pstrain worker --rank R` with the training script; `pstrain worker` without a rank claims
-one in Redis and runs the script as its child (scheduler/runner.py). So the CLI never
+(`pstrain export` with `python -m ps.export`, `pstrain plan` with `python -m ps.plan`);
+`pstrain worker` (claiming a rank in Redis, or given one with --rank) runs the script as its
+child (scheduler/runner.py). So the CLI never
 imports the server or the worker (DESIGN.md: the launcher starts roles through the CLI).
 """
 
@@ -153,7 +153,11 @@ def _parser() -> argparse.ArgumentParser:
     _spec_flags(u, defaults=True)
     u.add_argument("--restart", action="store_true", help="restart crashed processes")
     u.add_argument("--resume", action="store_true",
-                   help="start the servers from the job's newest complete checkpoint")
+                   help="carry on from the job's newest complete checkpoint that verifies "
+                        "(of its newest run)")
+    u.add_argument("--resume-from", default="", metavar="ID",
+                   help="start a new run from checkpoint ID, or from the newest checkpoint of "
+                        "run ID (an unknown ID is refused, naming it)")
     u.add_argument("--no-view", action="store_true", help="no live view")
     u.add_argument("--no-tls", action="store_true",
                    help="no certificates or job secret: every process talks in the clear "
@@ -260,16 +264,13 @@ def _run(a: argparse.Namespace) -> int:
         script_args = a.args[1:] if a.args[:1] == ["--"] else a.args
         # The script (started here or by the worker runner) finds the transport here.
         os.environ.update(_transport_env(a))
-        if a.rank is None:
-            return run_worker(WorkerRunConfig(
-                redis=a.redis, job=a.job, script=a.script, script_args=tuple(script_args),
-                metrics_port=a.metrics_port, spec_wait_s=a.spec_wait_s,
-                rank_wait_s=a.rank_wait_s,
-            ))
-        env = {**os.environ, ENV_REDIS: a.redis, ENV_JOB: a.job, "PSTRAIN_RANK": str(a.rank)}
-        if a.metrics_port:
-            env["PSTRAIN_METRICS_PORT"] = str(a.metrics_port)
-        os.execve(sys.executable, [sys.executable, a.script, *script_args], env)
+        # With or without --rank the script runs as a child of the worker runner, which
+        # records a script that returns as finished and starts it again after a rollback.
+        return run_worker(WorkerRunConfig(
+            redis=a.redis, job=a.job, script=a.script, script_args=tuple(script_args),
+            metrics_port=a.metrics_port, spec_wait_s=a.spec_wait_s,
+            rank_wait_s=a.rank_wait_s, rank=a.rank,
+        ))
     if a.command == "health":
         return _health(a.address, a.service, a.timeout_s, _security(a))
     if a.command == "scheduler":
@@ -278,9 +279,12 @@ def _run(a: argparse.Namespace) -> int:
         script_args = a.args[1:] if a.args[:1] == ["--"] else a.args
         # Servers and workers started by `up` inherit this process's environment.
         os.environ.update(_transport_env(a))
+        if a.resume and a.resume_from:
+            raise ConfigError("give --resume or --resume-from ID, not both")
         return up(UpConfig(
             script=a.script, script_args=tuple(script_args), spec=_spec(a.job, a),
-            redis=a.redis, restart=a.restart, resume=a.resume, view=not a.no_view,
+            redis=a.redis, restart=a.restart, resume=a.resume, resume_from=a.resume_from,
+            view=not a.no_view,
             log_dir=a.log_dir, metrics_base_port=a.metrics_base_port, tls=not a.no_tls,
         ))
     if a.command == "status":
@@ -340,6 +344,13 @@ def _status(store: JobStore, as_json: bool) -> int:
     spec = status["spec"]
     print(f"job {status['job']}: {spec['mode']}, {spec['servers']} servers, {spec['workers']} "
           f"workers ({spec['backups']} backups), leader {status['leader'] or 'none'}")
+    run = status.get("run") or {}
+    if run:
+        print(f"run {run.get('id') or '-'}"
+              + (f", resumed from {run['resumed_from']}" if run.get("resumed_from") else "")
+              + (f" (previous run {run['previous']})" if run.get("previous") else ""))
+    if status.get("stopped"):
+        print(f"STOPPED: {status['stopped']}")
     print(f"{'role':<8}{'id':>3} {'pid':>8} {'host':<14}{'address':<22}{'incarnation':>18}"
           f"{'hb age':>8}{'clock':>7}")
     for p in status["processes"]:
@@ -373,6 +384,8 @@ def _status(store: JobStore, as_json: bool) -> int:
         + f"; gradients dropped: {status.get('pushes_dropped', 0)}")
     latest = status["latest_checkpoint"]
     print(f"latest checkpoint: {latest['id'] if latest else 'none'}")
+    for checkpoint_id, bad in sorted(status.get("bad_checkpoints", {}).items()):
+        print(f"bad checkpoint {checkpoint_id}: {bad.get('reason', '')}")
     return 0
 
 

@@ -54,15 +54,17 @@ class Heartbeat:
         self.beat()
         self._thread.start()
 
-    def beat(self) -> None:
-        """One beat now (also used at start so the process is visible at once)."""
-        payload = {**self._payload(), "time": self._wall_clock()}
+    def beat(self, ttl_s: float | None = None, **extra: Any) -> None:
+        """One beat now (also used at start so the process is visible at once), living
+        `ttl_s` (default: the heartbeat's), its payload with `extra` added."""
+        payload = {**self._payload(), **extra, "time": self._wall_clock()}
+        ttl_s = self.ttl_s if ttl_s is None else ttl_s
         registration = dict(self._registration)
         name = connection_name(self.store.keys.job, self.role, self.ident,
                                int(registration.get("incarnation", 0)))
         ride_out(
             "heartbeat",
-            lambda: self.store.beat(self.role, self.ident, payload, self.ttl_s,
+            lambda: self.store.beat(self.role, self.ident, payload, ttl_s,
                                     registration, name=name),
             None,
         )
@@ -78,6 +80,13 @@ class Heartbeat:
                     self._on_beat()
             except Exception:  # a bug in a hook must not stop the heartbeat
                 log.exception("%s %d: heartbeat hook failed", self.role, self.ident)
+
+    def linger(self, ttl_s: float) -> None:
+        """Stops beating, leaving one last beat (marked "exiting") that lives `ttl_s`: the
+        process exits on purpose, and its supervisor says how (a script that returned is
+        recorded finished) before the beat lapses. Blocks for one Redis call at most."""
+        self.stop(forget=False)
+        self.beat(ttl_s, exiting=True)
 
     def stop(self, forget: bool = True) -> None:
         """Stops beating; with `forget`, deletes the key and hangs up the connections the

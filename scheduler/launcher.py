@@ -33,7 +33,7 @@ from typing import Any
 
 from protos.security import Security
 from scheduler.errors import ConfigError, CoordinationError
-from scheduler.spec import RESTART_EXIT_CODE, JobSpec
+from scheduler.spec import RESTART_EXIT_CODE, STOPPED_EXIT_CODE, JobSpec
 from scheduler.store import JobStore, ride_out
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class UpConfig:
     redis: str = ""
     restart: bool = False
     resume: bool = False
+    resume_from: str = ""  # a checkpoint id or a run id to start from
     view: bool = True
     log_dir: str = ""
     host: str = "127.0.0.1"
@@ -137,6 +138,7 @@ class Cluster:
         self.credentials: dict[str, dict[str, str]] = {}
         self._stopping = False
         self._last_view = 0.0
+        self._last_stop_check = 0.0
 
     # ---- starting --------------------------------------------------------------------------
 
@@ -167,8 +169,13 @@ class Cluster:
         if not self.redis_url:
             self._start_redis()
         self.store = JobStore.connect(self.redis_url, self.spec.job)
-        # A new job refuses a live one of the same name; --resume adopts it.
-        self.spec = self.store.create_job(self.spec, adopt=self.config.resume)
+        # A new job refuses a live one of the same name; --resume adopts it (the same run
+        # carries on), --resume-from starts a new run from the checkpoint it names.
+        self.spec = self.store.create_job(self.spec, adopt=self.config.resume,
+                                          resumed_from=self.config.resume_from)
+        how = (f", resuming from {self.config.resume_from}" if self.config.resume_from else
+               ", resuming from the newest checkpoint" if self.config.resume else "")
+        print(f"pstrain up: job {self.spec.job!r} run {self.spec.run_id}{how}", flush=True)
         if self.config.tls:
             self.credentials = _credentials(self.tmp / "certs", self.spec.job,
                                             self.spec.workers)
@@ -188,6 +195,8 @@ class Cluster:
                     f"{self.config.host}:0"]
             if self.config.resume:
                 args += ["--restore", "latest"]
+            if self.config.resume_from:
+                args += ["--resume-from", self.config.resume_from]
             if self.config.metrics_base_port:
                 args += ["--metrics-port", str(self.config.metrics_base_port + k)]
             self._child(f"server{k}", "server", k, args,
@@ -270,6 +279,7 @@ class Cluster:
     def run(self) -> int:
         """Supervises until every worker has finished; returns their exit status."""
         while not self._stopping:
+            self._check_stopped()
             self._reap()
             workers = [c for c in self.children if c.role == "worker"]
             if all(c.state is State.EXITED for c in workers):
@@ -280,6 +290,17 @@ class Cluster:
             time.sleep(0.1)
         return 130
 
+    def _check_stopped(self, now: bool = False) -> None:
+        """_Stopped when the job's scheduler stopped the job (no checkpoint verifies);
+        asks Redis twice a second (or `now`)."""
+        store = self.store
+        if store is None or (not now and time.monotonic() - self._last_stop_check < 0.5):
+            return
+        self._last_stop_check = time.monotonic()
+        reason = ride_out("stopped", store.stopped, None)
+        if reason is not None:
+            raise _Stopped(reason)
+
     def _reap(self) -> None:
         for child in self.children:
             if child.state is not State.RUNNING or child.popen is None:
@@ -288,6 +309,8 @@ class Cluster:
             if code is None:
                 continue
             child.state, child.exit_code = State.EXITED, code
+            if code == STOPPED_EXIT_CODE:
+                self._check_stopped(now=True)
             if child.role == "worker" and code == 0:
                 log.info("%s finished", child.name)
                 # A script that returned without ctx.finish(): its rank is done all the same,
@@ -377,6 +400,14 @@ class Cluster:
                 os.killpg(popen.pid, signal.SIGKILL)
             popen.wait(timeout=10)
         child.state = State.STOPPED
+
+
+class _Stopped(Exception):
+    """The job's scheduler stopped the job: recovery found no checkpoint that verifies."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class _Failed(Exception):
@@ -482,6 +513,12 @@ def up(config: UpConfig) -> int:
         keep_logs = False
         print("pstrain up: interrupted; stopping every process it started", file=sys.stderr)
         return 130
+    except _Stopped as stopped:
+        print(f"pstrain up: job {config.spec.job!r} stopped: {stopped.reason}", file=sys.stderr,
+              flush=True)
+        print(json.dumps({"job": config.spec.job, "exit_status": STOPPED_EXIT_CODE,
+                          "stopped": stopped.reason}), flush=True)
+        return STOPPED_EXIT_CODE
     except _Failed as failed:
         print(f"pstrain up: {failed}; last lines of {failed.child.log_path}:\n"
               f"{_tail(failed.child.log_path)}", file=sys.stderr)
@@ -543,7 +580,11 @@ def status_of(store: JobStore, events: int = 20) -> dict[str, Any]:
     out["finished_ranks"] = sorted(store.finished_ranks())
     if spec is not None:
         out.update(membership_report(store, spec))
-    latest = store.latest_checkpoint(spec.servers) if spec else None
+    out["run"] = store.run() or ({"id": spec.run_id} if spec and spec.run_id else None)
+    out["bad_checkpoints"] = store.bad_checkpoints()
+    out["stopped"] = store.stopped()
+    latest = next((c for c in store.complete(spec.servers) if c[0] not in out["bad_checkpoints"]),
+                  None) if spec else None
     out["latest_checkpoint"] = None if latest is None else {"id": latest[0],
                                                             "shards": latest[1]}
     return out

@@ -9,6 +9,8 @@
 - `next_generation` never repeats a rollback generation, even after Redis lost its count.
 - `rollback_target` picks the newest checkpoint every shard has, or says to wait for the
   one the restarted server restored to be listed again.
+- `choose_rollback` does the same over the checkpoints not marked bad, and says to stop the
+  job when there were checkpoints and none of them verifies.
 - `sign_entry` and `entry_signed` sign a checkpoint's entry in Redis with the job's secret
   and check it, so that a restarting server and a rollback use only entries a holder of the
   secret wrote (here, not in `ps`, because the scheduler checks them too and may not import
@@ -105,6 +107,48 @@ def rollback_target(restored: str, complete: list[tuple[str, int]]) -> str | Non
         if clock > best_clock:
             best_id, best_clock = checkpoint_id, clock
     return best_id
+
+
+@dataclass(frozen=True)
+class RollbackChoice:
+    """What a sync rollback does: go to `checkpoint` ("" the initial state: the job never
+    checkpointed), `wait` for the restarted server's checkpoint to be listed, or `stop` the
+    job (every checkpoint failed verification), `reason` naming them and what failed."""
+
+    checkpoint: str | None = None
+    wait: bool = False
+    stop: bool = False
+    reason: str = ""
+
+
+def choose_rollback(restored: str, complete: list[tuple[str, int]],
+                    bad: Mapping[str, str]) -> RollbackChoice:
+    """The checkpoint a sync job rolls back to. Pure.
+
+    `complete` lists (id, clock) of the checkpoints every shard has written, newest listed
+    first; `bad` maps the ids that failed verification (on any shard) to what failed.
+    The newest that is not bad wins; with none, and some checkpoint written, the job stops
+    (going back to the initial state would silently throw the training away); with none
+    written at all it goes back to the initial state. A `restored` checkpoint not listed
+    (Redis came back empty) is waited for, unless it is bad.
+    """
+    usable = [(c, clock) for c, clock in complete if c not in bad]
+    if restored and restored not in bad and restored not in {c for c, _ in usable}:
+        return RollbackChoice(wait=True)
+    target = rollback_target("", usable)
+    if usable or not (complete or bad):
+        return RollbackChoice(checkpoint=target)
+    failed = sorted(set(bad) | {c for c, _ in complete})
+    return RollbackChoice(stop=True, reason=no_checkpoint_verifies(
+        {c: bad.get(c, "not verified") for c in failed}))
+
+
+def no_checkpoint_verifies(bad: Mapping[str, str]) -> str:
+    """The one message that stops a job: every checkpoint and what failed in it. Pure."""
+    listed = "; ".join(f"{c}: {reason}" for c, reason in sorted(bad.items()))
+    return (f"recovery has no way back: none of the job's {len(bad)} checkpoint(s) verifies "
+            f"({listed}). Restore the files from a backup and start the job with --resume, "
+            "or start it afresh")
 
 
 def entry_mac(secret: bytes, job: str, checkpoint_id: str, shard: int, num_shards: int,

@@ -1,4 +1,5 @@
-"""`pstrain worker` without --rank: claim a rank of the job, run the script, record its end.
+"""`pstrain worker`: claim a rank of the job (or take the one --rank gives), run the script,
+record its end.
 
 A worker that is not told its rank takes the lowest free one from Redis in one atomic step
 (`JobStore.claim_rank`): free means not finished, not claimed by another `pstrain worker`,
@@ -6,7 +7,9 @@ and not heartbeating. It keeps the claim alive while its script runs (the claim 
 a heartbeat when this process dies), runs the script as its child with `PSTRAIN_RANK` set,
 starts the script again at once when it exits to be restarted after a sync rollback, and
 when the script exits with status 0 marks the rank finished, so no later worker trains it
-again. Replicas started without ranks (`docker compose --scale worker=N`, one systemd unit
+again. With --rank R the rank is not claimed, but the script runs, restarts and finishes
+the same way: a script that returns (status 0) is recorded finished, never dead. Replicas
+started without ranks (`docker compose --scale worker=N`, one systemd unit
 per machine) therefore sort themselves out; extra ones wait as spares, take over the rank of
 a worker that dies, and exit with status 0 once every rank has finished.
 """
@@ -49,8 +52,11 @@ class WorkerRunConfig:
     metrics_port: int = 0
     spec_wait_s: float = 60.0  # for the job's scheduler to create the job
     rank_wait_s: float = 0.0  # for a free rank; 0: as long as any rank is unfinished
+    rank: int | None = None  # given with --rank: not claimed
 
     def __post_init__(self) -> None:
+        if self.rank is not None and self.rank < 0:
+            raise ConfigError(f"--rank must be >= 0, got {self.rank}")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         if self.spec_wait_s < 0:
@@ -158,10 +164,30 @@ class RankClaim:
         self.rank = None
 
 
+class GivenRank:
+    """The rank --rank gives: nothing to claim or renew; an end with status 0 records it
+    finished, as `RankClaim.end` does. Same interface as RankClaim for the supervisor."""
+
+    def __init__(self, store: JobStore, spec: JobSpec, rank: int) -> None:
+        self.store = store
+        self.spec = spec
+        self.rank: int | None = rank
+
+    def renew(self) -> bool:
+        return True
+
+    def end(self, *, finished: bool) -> None:
+        rank, store = self.rank, self.store
+        if finished and rank is not None:
+            ride_out("finished", lambda: store.mark_finished(rank), None)
+        self.rank = None
+
+
 class _Supervisor:
     """Runs the script as a child, forwarding signals and renewing the claim meanwhile."""
 
-    def __init__(self, claim: RankClaim, args: list[str], env: Mapping[str, str]) -> None:
+    def __init__(self, claim: RankClaim | GivenRank, args: list[str],
+                 env: Mapping[str, str]) -> None:
         self.claim = claim
         self.args = args
         self.env = dict(env)
@@ -219,13 +245,22 @@ def run_worker(config: WorkerRunConfig, environ: Mapping[str, str] | None = None
     """
     store = JobStore.connect(config.redis, config.job)
     spec = wait_for_spec(store, config.spec_wait_s)
-    claim = RankClaim(store, spec)
-    rank = claim.acquire(config.rank_wait_s)
+    claim: RankClaim | GivenRank
+    if config.rank is not None:
+        if config.rank >= spec.workers:
+            raise ConfigError(f"--rank {config.rank} is outside job {spec.job!r}'s ranks "
+                              f"0..{spec.workers - 1}")
+        claim = GivenRank(store, spec, config.rank)
+        rank: int | None = config.rank
+    else:
+        claim = RankClaim(store, spec)
+        rank = claim.acquire(config.rank_wait_s)
     if rank is None:
         print(f"pstrain worker: every rank (0..{spec.workers - 1}) of job {spec.job!r} has "
               "finished; nothing to run", file=sys.stderr, flush=True)
         return 0
-    log.info("worker: claimed rank %d of %d in job %r", rank, spec.workers, spec.job)
+    log.info("worker: %s rank %d of %d in job %r",
+             "claimed" if config.rank is None else "runs", rank, spec.workers, spec.job)
     env = {**(os.environ if environ is None else environ), "PSTRAIN_REDIS": config.redis,
            "PSTRAIN_JOB": config.job, "PSTRAIN_RANK": str(rank),
            "PSTRAIN_WORLD_SIZE": str(spec.workers)}

@@ -30,10 +30,10 @@ from scheduler.finishing import Departures
 from scheduler.membership import MembershipTracker, Transition
 from scheduler.recovery import (
     RedisWatch,
+    choose_rollback,
     entry_signed,
     next_generation,
     restarted,
-    rollback_target,
 )
 from scheduler.spec import JobSpec
 from scheduler.store import REDIS_DOWN, JobStore, ride_out
@@ -97,6 +97,8 @@ class Scheduler:
         self.departures = Departures()
         self._departed: set[int] = set()
         self._live_said: tuple[tuple[int, ...], float] = ((), float("-inf"))
+        # The job stopped (no checkpoint verifies): nothing more to drive.
+        self._stopped = False
 
     def run(self, stop: threading.Event) -> None:
         log.info("scheduler %s for job %r started", self.ident, self.spec.job)
@@ -178,6 +180,9 @@ class Scheduler:
 
     def step(self) -> None:
         started = self._now()
+        if self._stopped or self.store.stopped() is not None:
+            self._stopped = True
+            return
         if self.store.spec() is None:
             # Redis came back empty: the leader's memory rebuilds the job.
             self._redis.emptied(self._now())
@@ -221,6 +226,12 @@ class Scheduler:
             self._announce("server", t)
             if t.kind == "dead":
                 continue
+            failed = str((server_beats.get(t.member) or {}).get("restore_failed", ""))
+            if failed:
+                # It found no checkpoint that verifies (every one it tried is marked bad):
+                # no rollback can help, and training on would throw the job's work away.
+                self._stop(f"server {t.member}: {failed}")
+                return
             last_seen = self._incarnations.get(t.member)
             self._incarnations[t.member] = t.incarnation
             if restarted(last_seen, t.incarnation) and self.spec.mode == "sync":
@@ -413,12 +424,19 @@ class Scheduler:
         if rollback is None:
             return
         if rollback.target is None:
-            listed = self._signed_checkpoints(rollback.unreadable)
-            complete = [(c, min(int(e.get("clock", 0)) for e in entries.values()))
-                        for c, entries in listed.items()]
-            restored = "" if rollback.restored in rollback.unreadable else rollback.restored
-            target = rollback_target(restored, complete)
-            if target is None:
+            bad = {c: str(v.get("reason", "marked bad"))
+                   for c, v in self.store.bad_checkpoints().items()}
+            skip = set(bad) | set(rollback.unreadable)
+            listed, complete = self._signed_checkpoints(skip)
+            for checkpoint_id in skip - set(bad):
+                reason = rollback.unreadable.setdefault(
+                    checkpoint_id, "an entry in Redis is not signed with the job's secret")
+                bad[checkpoint_id] = reason
+            choice = choose_rollback(rollback.restored, complete, bad)
+            if choice.stop:
+                self._stop(choice.reason)
+                return
+            if choice.wait or choice.checkpoint is None:
                 if not rollback.waiting:
                     rollback.waiting = True
                     log.warning("scheduler: checkpoint %r (restored by server %d) is not "
@@ -426,7 +444,7 @@ class Scheduler:
                                 rollback.restored, rollback.shard)
                 return
             # The entries checked above, not read again: what is restored is what was checked.
-            rollback.target, rollback.entries = target, listed.get(target, {})
+            rollback.target, rollback.entries = choice.checkpoint, listed.get(choice.checkpoint, {})
         checkpoint_id, done, entries = rollback.target, rollback.done, rollback.entries
         for shard, beat in sorted(beats.items()):
             if shard in done or beat is None:
@@ -438,10 +456,16 @@ class Scheduler:
                 done.add(shard)
             except grpc.RpcError as exc:
                 if marks.CHECKPOINT_UNREADABLE in marks.marks_of(exc.trailing_metadata()):
-                    log.warning("scheduler: shard %d cannot restore checkpoint %r (%s); "
-                                "rolling back to an older checkpoint", shard, checkpoint_id,
-                                exc.details())
-                    rollback.unreadable.add(checkpoint_id)
+                    # Marked bad in Redis: no later rollback, standby or restarting server
+                    # tries it again (the server marked its directory too).
+                    reason = f"shard {shard}: {exc.details()}"
+                    self.store.mark_bad(checkpoint_id, reason, shard)
+                    self.store.event("bad_checkpoint", "server", shard,
+                                     checkpoint=checkpoint_id, error=reason)
+                    log.warning("scheduler: shard %d cannot restore checkpoint %r (%s); marked "
+                                "it bad, rolling back to an older checkpoint", shard,
+                                checkpoint_id, exc.details())
+                    rollback.unreadable[checkpoint_id] = reason
                     rollback.target, rollback.done = None, set()
                     return
                 log.warning("scheduler: restoring shard %d to checkpoint %r failed (%s: %s); "
@@ -460,14 +484,18 @@ class Scheduler:
         self._rollback = None
         self._pushed.clear()
 
-    def _signed_checkpoints(self, skip: set[str]) -> dict[str, dict[int, dict[str, Any]]]:
-        """The checkpoints every shard has written, as Redis lists them (id -> entries,
-        newest listed first), less those in `skip`. With the job's secret, one with an entry
-        not signed with it is left out too, like an unreadable one: added to `skip` with a
-        warning."""
+    def _signed_checkpoints(self, skip: set[str]) -> tuple[
+            dict[str, dict[int, dict[str, Any]]], list[tuple[str, int]]]:
+        """The checkpoints every shard has written, as Redis lists them: (id -> entries of
+        those usable, less those in `skip`; (id, clock) of all of them, newest listed
+        first). With the job's secret, one with an entry not signed with it is left out
+        too, like an unreadable one: added to `skip` with a warning."""
         secret, job, servers = self.admin.security.secret, self.spec.job, self.spec.servers
         found: dict[str, dict[int, dict[str, Any]]] = {}
+        complete: list[tuple[str, int]] = []
         for checkpoint_id, entries in self.store.complete(servers):
+            complete.append((checkpoint_id, min(int(e.get("clock", 0))
+                                                for e in entries.values())))
             if checkpoint_id in skip:
                 continue
             unsigned = [s for s in range(servers) if not entry_signed(
@@ -480,7 +508,15 @@ class Scheduler:
                 skip.add(checkpoint_id)
                 continue
             found[checkpoint_id] = entries
-        return found
+        return found, complete
+
+    def _stop(self, reason: str) -> None:
+        """No checkpoint verifies: the job ends, with one message saying why."""
+        self._rollback = None
+        self._stopped = True
+        self.store.stop_job(reason)
+        self.store.event("stopped", "scheduler", self.ident, error=reason)
+        log.error("job %r stopped: %s", self.spec.job, reason)
 
     def _checkpoints(self, beats: dict[int, dict[str, Any] | None]) -> None:
         # Sync jobs need no requests: every shard snapshots at multiples of the period.
@@ -507,7 +543,7 @@ class _Rollback:
     waiting: bool = False  # the wait for `restored` to be listed was logged
     # Checkpoints some shard could not read or verify, or with an entry not signed with the
     # job's secret: the rollback goes to an older one.
-    unreadable: set[str] = field(default_factory=set)
+    unreadable: dict[str, str] = field(default_factory=dict)  # id -> what failed
     # The chosen checkpoint's entries (shard -> {path, sha256, nbytes, clock, mac}).
     entries: dict[int, dict[str, Any]] = field(default_factory=dict)
 

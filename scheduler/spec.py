@@ -11,6 +11,9 @@ from scheduler.errors import SpecError, SpecMismatchError
 
 # A worker exits with this status to be started again at once: its job rolled back.
 RESTART_EXIT_CODE = 75
+# A worker, and `pstrain up`, exit with this status when the job was stopped because
+# recovery found no checkpoint that verifies (the reason is in Redis, `pstrain status`).
+STOPPED_EXIT_CODE = 76
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -34,6 +37,7 @@ class JobSpec:
     checkpoint_every_s: float = 0.0  # async and ssp: 0 turns periodic checkpoints off
     checkpoint_every_clocks: int = 0  # sync: 0 turns periodic checkpoints off
     created_s: float = 0.0  # when the job was created (set by JobStore.create_job)
+    run_id: str = ""  # this run of the job (set by JobStore.create_job; see store.new_run_id)
 
     def __post_init__(self) -> None:
         if not _JOB_NAME.match(self.job):

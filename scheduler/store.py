@@ -23,6 +23,9 @@ Every key of a job lives under the prefix ``pstrain:{job}:``:
 | ``suspects`` | hash | "{role}:{id}" -> JSON {incarnation, since, clock} of each silent process |
 | ``suspicions`` | hash | "{role}:{id}" -> how many times the process was suspect |
 | ``membership`` | list | JSON {time, clock, worker, change, incarnation} per change of workers |
+| ``run`` | string | JSON {id, started, previous, resumed_from} of the job's current run |
+| ``bad`` | hash | checkpoint id -> JSON {reason, shard, time}: failed verification; not retried |
+| ``stopped`` | string | JSON {reason, time}: no checkpoint verifies, so the job ends |
 
 Blocking calls with a socket timeout; thread-safe (redis-py pools connections).
 """
@@ -247,6 +250,15 @@ class Keys:
     def barrier(self, name: str, round_: int) -> str:
         return f"{self.prefix}barrier:{name}:{round_}"
 
+    def run(self) -> str:
+        return self.prefix + "run"
+
+    def bad(self) -> str:
+        return self.prefix + "bad"
+
+    def stopped(self) -> str:
+        return self.prefix + "stopped"
+
 
 @dataclass(frozen=True)
 class Event:
@@ -321,13 +333,16 @@ class JobStore:
         self.redis.set(self.keys.spec(), spec.to_json())
 
     def create_job(
-        self, spec: JobSpec, *, adopt: bool, given: Mapping[str, object] | None = None
+        self, spec: JobSpec, *, adopt: bool, given: Mapping[str, object] | None = None,
+        resumed_from: str = "",
     ) -> JobSpec:
         """Stores `spec` as the job's, or checks it against the stored one.
 
         With adopt=False (a new job) a job of that name that is live (a leader holds its
         lease, or a process heartbeats) is refused. With adopt=True an existing spec must
         agree with the values in `given` (the flags a user set); the stored one is returned.
+        A new job is a new run: it gets a run id (`JobSpec.run_id`, recorded under ``run``
+        with the run before it and `resumed_from`, the checkpoint a resumed run starts from).
         """
         held = self.spec()
         if held is not None and adopt:
@@ -338,8 +353,11 @@ class JobStore:
                 f"job {spec.job!r} is running (its scheduler or processes still heartbeat in "
                 f"Redis at {redact(self.url)}); choose another --job, or stop it first"
             )
+        previous = self.run()
         if not spec.created_s:
             spec = dataclasses.replace(spec, created_s=time.time())
+        if not spec.run_id:
+            spec = dataclasses.replace(spec, run_id=new_run_id(spec.created_s))
         # A new job under an old name starts fresh: with every rank still to run, without the
         # earlier run's checkpoints (their files stay; --resume carries on from them), and
         # without its members, which a scheduler taking over would declare dead (a sync
@@ -355,14 +373,26 @@ class JobStore:
                     self.keys.members("server"), self.keys.checkpoint_request(),
                     self.keys.left(), self.keys.live())
         pipe.delete(self.keys.fenced(), self.keys.suspects(), self.keys.suspicions(),
-                    self.keys.membership())
+                    self.keys.membership(), self.keys.bad(), self.keys.stopped())
+        pipe.set(self.keys.run(), json.dumps({
+            "id": spec.run_id, "started": spec.created_s,
+            "previous": "" if previous is None else previous.get("id", ""),
+            "resumed_from": resumed_from}))
         pipe.execute()
-        if forgotten:
-            log.warning("job %r: a new run under the name of an earlier one; it starts from "
-                        "fresh rows, not from that run's %d checkpoint(s) (--resume carries on "
-                        "from them)", spec.job, len(forgotten))
+        if held is not None and not resumed_from:
+            before = "" if previous is None else f" (run {previous.get('id', '?')})"
+            resume = "--resume" + (f" or --resume-from {previous['id']}"
+                                   if previous and previous.get("id") else "")
+            log.warning("job %r: new run %s under the name of an earlier one%s; it starts from "
+                        "fresh rows, not from that run's %d checkpoint(s) (%s carries on from "
+                        "them)", spec.job, spec.run_id, before, len(forgotten), resume)
         self.put_spec(spec)
         return spec
+
+    def run(self) -> dict[str, Any] | None:
+        """{id, started, previous, resumed_from} of the job's current run, None if unknown."""
+        raw = self.redis.get(self.keys.run())
+        return None if raw is None else dict(json.loads(raw))
 
     def is_live(self) -> bool:
         if self.redis.exists(self.keys.leader()):
@@ -639,7 +669,10 @@ class JobStore:
         return None if raw is None else dict(json.loads(raw))
 
     def record_checkpoint(self, checkpoint_id: str, shard: int, entry: Mapping[str, Any]) -> None:
+        """Lists shard `shard`'s entry of a checkpoint just written; a bad mark of an earlier
+        checkpoint under the same id (written again after a rollback) goes."""
         pipe = self.redis.pipeline(transaction=False)
+        pipe.hdel(self.keys.bad(), checkpoint_id)
         pipe.hset(self.keys.checkpoint(checkpoint_id), str(shard), json.dumps(dict(entry)))
         pipe.zadd(self.keys.checkpoints(), {checkpoint_id: time.time()}, nx=True)
         pipe.execute()
@@ -653,6 +686,28 @@ class JobStore:
             pipe.hsetnx(self.keys.checkpoint(checkpoint_id), str(shard), json.dumps(dict(entry)))
         pipe.zadd(self.keys.checkpoints(), {checkpoint_id: time.time()}, nx=True)
         pipe.execute()
+
+    def mark_bad(self, checkpoint_id: str, reason: str, shard: int = -1) -> bool:
+        """Records that checkpoint `checkpoint_id` failed verification (on `shard`, -1: not
+        known): every scheduler and restarting server passes over it from then on. True when
+        this call made the mark (the first reason is kept)."""
+        return bool(self.redis.hsetnx(self.keys.bad(), checkpoint_id, json.dumps(
+            {"reason": reason, "shard": shard, "time": time.time()})))
+
+    def bad_checkpoints(self) -> dict[str, dict[str, Any]]:
+        """Checkpoint id -> {reason, shard, time} of each checkpoint marked bad."""
+        raw = self.redis.hgetall(self.keys.bad())
+        return {_text(k): dict(json.loads(v)) for k, v in raw.items()}
+
+    def stop_job(self, reason: str) -> None:
+        """Records that the job cannot go on (no checkpoint verifies): `pstrain up` and the
+        workers end on reading it."""
+        self.redis.set(self.keys.stopped(), json.dumps({"reason": reason, "time": time.time()}))
+
+    def stopped(self) -> str | None:
+        """Why the job was stopped, or None while it may go on."""
+        raw = self.redis.get(self.keys.stopped())
+        return None if raw is None else str(json.loads(raw).get("reason", "stopped"))
 
     def checkpoint(self, checkpoint_id: str) -> dict[int, dict[str, Any]]:
         raw = self.redis.hgetall(self.keys.checkpoint(checkpoint_id))
@@ -679,6 +734,13 @@ class JobStore:
         the clock is the smallest its shards recorded."""
         return [(checkpoint_id, min(int(e.get("clock", 0)) for e in entries.values()))
                 for checkpoint_id, entries in self.complete(num_shards)]
+
+
+def new_run_id(started_s: float) -> str:
+    """A run id: the start time (UTC, to the second) and 6 random hex digits, e.g.
+    ``20261126-081500-3fa2c1``; sorts by start time and names a directory safely."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(started_s))
+    return f"{stamp}-{os.urandom(3).hex()}"
 
 
 def _event(eid: object, fields: object) -> Event:

@@ -35,7 +35,7 @@ from protos.runtime import tune_malloc
 from protos.security import Security
 from protos.transport import TransportError, parse_choice
 from worker.bulk import BulkClient
-from worker.errors import PSClientError
+from worker.errors import PSClientError, RolledBackError
 from worker.link import Link, Reach, RetryPolicy
 from worker.plan import ExchangePlan, Pull, Push, table_lookup, wire_dtype
 from worker.routing import KeysLike, TableInfo
@@ -451,6 +451,24 @@ class PSClient:
         pull_clock: int | None = None, follow_open_clock: bool = True,
     ) -> tuple[list[torch.Tensor], list[pb.ExchangeResponse]]:
         """As `exchange`; also returns each involved shard's answer, in shard order."""
+        generation = self.generation
+        try:
+            return self._exchange_once(what, pushes, end_iteration, pulls, push_clock,
+                                       pull_clock, follow_open_clock)
+        except RolledBackError:
+            # A read-only exchange of a worker whose rollback hook took the new generation
+            # instead of restarting (it had finished) is asked again under it; a worker that
+            # pushes must restart.
+            if pushes or end_iteration or self.generation == generation:
+                raise
+            return self._exchange_once(what, pushes, end_iteration, pulls, push_clock,
+                                       pull_clock, follow_open_clock)
+
+    def _exchange_once(
+        self, what: str, pushes: Sequence[Push], end_iteration: bool,
+        pulls: Sequence[Pull], push_clock: int | None, pull_clock: int | None,
+        follow_open_clock: bool,
+    ) -> tuple[list[torch.Tensor], list[pb.ExchangeResponse]]:
         push_clock = self.clock if push_clock is None else push_clock
         if pull_clock is None:
             pull_clock = push_clock + 1 if end_iteration else self.clock

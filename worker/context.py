@@ -6,8 +6,11 @@ returns a context holding the client and the clock. Standalone, PSTRAIN_SERVERS 
 separated list in shard order) is enough.
 
 A worker that has done its steps leaves the job with `ctx.finish()` (also done by `close()`
-and by the end of a `with worker.init() as ctx:` block without an exception), so workers with
-more steps to go never wait for it; `ctx.barrier(name)` waits for every live worker.
+and by the end of a `with worker.init() as ctx:` block without an exception), so workers
+with more steps to go never wait for it; `ctx.barrier(name)` waits for every live worker. A
+script that returns without either leaves a last heartbeat at exit that outlives its process
+until its supervisor (`pstrain up`, `pstrain worker`) records the exit status 0 as a finish,
+so it is never taken for dead.
 
 Environment: PSTRAIN_REDIS, PSTRAIN_JOB, PSTRAIN_RANK (claimed if unset),
 PSTRAIN_WORLD_SIZE, PSTRAIN_SERVERS (standalone only), PSTRAIN_TORCH_THREADS.
@@ -15,10 +18,12 @@ PSTRAIN_WORLD_SIZE, PSTRAIN_SERVERS (standalone only), PSTRAIN_TORCH_THREADS.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -32,7 +37,7 @@ from protos.runtime import tune_malloc
 from protos.security import Security, SecurityError
 from scheduler.finishing import barrier_missing
 from scheduler.heartbeat import Heartbeat
-from scheduler.spec import RESTART_EXIT_CODE, JobSpec
+from scheduler.spec import RESTART_EXIT_CODE, STOPPED_EXIT_CODE, JobSpec
 from scheduler.store import JobStore, ride_out
 from worker.bulk import TransportSettings
 from worker.client import PSClient, RetryPolicy
@@ -48,6 +53,10 @@ RECOVERY_RETRY = RetryPolicy(attempts=90, initial_backoff_s=0.05, max_backoff_s=
 # at a barrier costs Redis little.
 POLL_FIRST_S = 0.05
 POLL_MAX_S = 0.5
+# How long the last heartbeat of a script that exits without finishing (and without an
+# uncaught exception) lives: its process's teardown and its supervisor's record of the exit
+# status fit in it. A script that exits with another status is declared dead after it.
+EXIT_GRACE_S = 5.0
 # A barrier round's record outlives its latest arrival this long: a worker restarted later
 # finds the rounds the others passed.
 BARRIER_TTL_S = 7 * 24 * 3600.0
@@ -337,15 +346,29 @@ def init(*, timeout_s: float = 120.0, env: Mapping[str, str] | None = None) -> W
         # this process was declared dead (the job went on without it; it never rejoins as
         # itself). Its supervisor (pstrain up, pstrain worker, systemd) starts it again and
         # the new incarnation rejoins: at the checkpoint's clock, or at the open clock.
+        if ctx.finished:
+            # Its training is done and out of the membership: running it again would train
+            # the rank twice. It takes the new generation, to pull (evaluate) what is there.
+            client.generation = max(client.generation,
+                                    ride_out("generation", store.generation, 0))
+            log.warning("worker %d of job %r finished before the job rolled back; it stays "
+                        "finished (generation %d)", rank, job, client.generation)
+            return
         log.warning("worker %d (incarnation %d) of job %r: %s; exiting to be restarted", rank,
                     incarnation, job, why)
         os._exit(RESTART_EXIT_CODE)
 
     def watch_rollback() -> None:
-        if spec.mode == "sync" and ride_out("generation", store.generation, 0) > generation:
+        stopped = ride_out("stopped", store.stopped, None)
+        if stopped is not None:
+            log.error("worker %d of job %r: the job was stopped: %s", rank, job, stopped)
+            os._exit(STOPPED_EXIT_CODE)
+        if spec.mode == "sync" and ride_out("generation", store.generation, 0) > (
+                client.generation):
             restart("the job rolled back")
         # Declared dead while it was paused: found here even if it makes no request.
-        if ride_out("fenced", lambda: store.fenced_incarnation(rank), -1) >= incarnation:
+        if not ctx.finished and ride_out("fenced", lambda: store.fenced_incarnation(rank),
+                                         -1) >= incarnation:
             restart("this process was declared dead (silent too long) and the job went on "
                     "without it")
 
@@ -368,9 +391,23 @@ def init(*, timeout_s: float = 120.0, env: Mapping[str, str] | None = None) -> W
         # joining again takes that clock, so its first push is not a late one.
         client.join()
     _serve_metrics(ctx, env)
+    atexit.register(_linger_at_exit, ctx)
     log.info("worker %d of job %r joined at clock %d (incarnation %d)", rank, job,
              client.clock, incarnation)
     return ctx
+
+
+def _linger_at_exit(ctx: WorkerContext) -> None:
+    """At the interpreter's exit of a script that did not finish or close its context: its
+    heartbeat stops with a last beat that outlives the process by EXIT_GRACE_S, so the
+    supervisor's record of the exit status (0: finished) comes first. Not after an uncaught
+    exception (a crash: dead at once), nor after os._exit (a restart), which skips exit
+    handlers."""
+    crashed = getattr(sys, "last_value", None) or getattr(sys, "last_exc", None)
+    heartbeat = ctx.heartbeat
+    if crashed is not None or ctx.finished or ctx.closed or heartbeat is None:
+        return
+    heartbeat.linger(EXIT_GRACE_S)
 
 
 def _security(env: Mapping[str, str]) -> Security:

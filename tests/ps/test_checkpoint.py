@@ -28,8 +28,10 @@ from ps.checkpoint import (
     ShardFile,
     ShardState,
     TableState,
+    bad_reason,
     latest_complete,
     list_checkpoints,
+    load_checkpoint,
     read_checkpoint,
     read_manifest,
     read_shard,
@@ -272,6 +274,31 @@ def test_a_checkpoint_is_read_by_id_inside_the_directory_and_checked(tmp_path: P
         read_checkpoint(tmp_path, JOB, "c8", 0, 1, written.sha256)  # no such checkpoint
     with pytest.raises(CheckpointError, match="cannot open"):
         read_checkpoint(tmp_path, JOB, "c7", 1, 2, written.sha256)  # nor such a shard
+
+
+def test_a_restore_that_fails_verification_marks_the_checkpoint_bad_until_rewritten(
+    tmp_path: Path,
+) -> None:
+    for checkpoint_id in ("c1", "c2"):
+        written = write_shard(tmp_path, _state(checkpoint_id))
+        write_manifest(tmp_path, checkpoint_id, JOB, 42, {0: written}, 1, run="r1")
+    assert [m.run for m in list_checkpoints(tmp_path, JOB)] == ["r1", "r1"]
+    with pytest.raises(CheckpointError, match="cannot open"):  # not a verification failure
+        load_checkpoint(tmp_path, JOB, "c2", 1, 2, written.sha256)
+    assert bad_reason(tmp_path, JOB, "c2") is None
+    with pytest.raises(CheckpointCorruptError, match="sha256"):
+        load_checkpoint(tmp_path, JOB, "c2", 0, 1, "0" * 64)
+    reason = bad_reason(tmp_path, JOB, "c2")
+    assert reason is not None and "shard 0" in reason and "shard-0-of-1.safetensors" in reason
+    assert (tmp_path / JOB / "c2" / "BAD").is_file()
+    assert [m.checkpoint_id for m in list_checkpoints(tmp_path, JOB)] == ["c1"]
+    latest = latest_complete(tmp_path, JOB)
+    assert latest is not None and latest.checkpoint_id == "c1"
+    # The same id written again (a new run) is a new checkpoint: the mark goes.
+    written = write_shard(tmp_path, _state("c2"))
+    write_manifest(tmp_path, "c2", JOB, 43, {0: written}, 1, run="r2")
+    assert bad_reason(tmp_path, JOB, "c2") is None
+    assert [m.checkpoint_id for m in list_checkpoints(tmp_path, JOB)] == ["c1", "c2"]
 
 
 @pytest.mark.parametrize(("directory", "job", "checkpoint_id", "sha256", "message"), [

@@ -13,6 +13,8 @@ import pytest
 from protos.security import Security
 from scheduler.recovery import (
     RedisWatch,
+    RollbackChoice,
+    choose_rollback,
     entry_mac,
     entry_signed,
     next_generation,
@@ -91,6 +93,46 @@ def test_next_generation_never_repeats(known: list[int], expected: int) -> None:
 def test_rollback_target(restored: str, complete: list[tuple[str, int]],
                          expected: str | None) -> None:
     assert rollback_target(restored, complete) == expected
+
+
+C60, C40, C20 = ("clock-60", 60), ("clock-40", 40), ("clock-20", 20)
+
+
+@pytest.mark.parametrize(("restored", "complete", "bad", "expected"), [
+    # Nothing bad: as rollback_target.
+    ("", [], {}, RollbackChoice(checkpoint="")),
+    ("clock-40", [C60, C40], {}, RollbackChoice(checkpoint="clock-60")),
+    ("clock-40", [], {}, RollbackChoice(wait=True)),
+    # The newest is bad (on any shard): the newest that is not, for every shard together.
+    ("clock-60", [C60, C40, C20], {"clock-60": "shard 1: sha256"},
+     RollbackChoice(checkpoint="clock-40")),
+    ("", [C60, C40, C20], {"clock-60": "x", "clock-40": "y"},
+     RollbackChoice(checkpoint="clock-20")),
+    # The restarted server's own checkpoint is bad: no waiting for it to be listed.
+    ("clock-60", [C40], {"clock-60": "x"}, RollbackChoice(checkpoint="clock-40")),
+    # A bad mark of a checkpoint no longer listed changes nothing about the others.
+    ("clock-40", [C40], {"clock-60": "x"}, RollbackChoice(checkpoint="clock-40")),
+])
+def test_choose_rollback_takes_the_newest_checkpoint_not_marked_bad(
+    restored: str, complete: list[tuple[str, int]], bad: dict[str, str],
+    expected: RollbackChoice,
+) -> None:
+    assert choose_rollback(restored, complete, bad) == expected
+
+
+@pytest.mark.parametrize(("restored", "complete", "bad"), [
+    ("clock-60", [C60, C40], {"clock-60": "shard 0: truncated", "clock-40": "shard 1: sha"}),
+    ("", [C40], {"clock-40": "shard 1: sha"}),
+    ("", [], {"clock-40": "shard 1: sha"}),  # marked, and no longer listed
+])
+def test_choose_rollback_stops_when_no_checkpoint_verifies(
+    restored: str, complete: list[tuple[str, int]], bad: dict[str, str],
+) -> None:
+    choice = choose_rollback(restored, complete, bad)
+    assert choice.stop and choice.checkpoint is None and not choice.wait
+    assert choice.reason.startswith("recovery has no way back: none of the job's")
+    for checkpoint_id, reason in bad.items():
+        assert f"{checkpoint_id}: {reason}" in choice.reason
 
 
 # ---- checkpoint entries signed with the job's secret -----------------------------------------

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -410,8 +411,16 @@ def test_a_corrupt_newest_checkpoint_rolls_back_to_the_one_before(
     assert rollback.detail["checkpoint"] == older, rollback  # type: ignore[attr-defined]
     assert worker_clock(store, 0) < steps, "the job ended too soon: raise steps"
     assert_uninterrupted_result(procs, up, steps)
+    # The restarted server found it unreadable and marked it bad, so the scheduler passed
+    # over it without asking any shard to restore it (the mark went when training wrote a
+    # checkpoint under that id again).
+    marked = [(e.member, e.detail["checkpoint"]) for e in store.events()
+              if e.type == "bad_checkpoint"]
+    assert marked == [("0", newest)], marked
+    server_log = (procs.workdir / "logs" / "server0.log").read_text(errors="replace")
+    assert f"cannot restore checkpoint {newest!r}" in server_log
     scheduler_log = (procs.workdir / "logs" / "scheduler.log").read_text(errors="replace")
-    assert f"cannot restore checkpoint {newest!r}" in scheduler_log
+    assert f"cannot restore checkpoint {newest!r}" not in scheduler_log
 
 
 @pytest.mark.timeout(240)
@@ -456,27 +465,66 @@ def test_a_rollback_skips_checkpoint_entries_not_signed_with_the_job_secret(
     assert len(warned) == 1, scheduler_log[-5000:]
 
 
+def up_run(procs: Procs, redis: str, name: str, steps: int, *flags: str) -> Proc:
+    """`pstrain up` of job "reused" in one checkpoint directory, its results in out-NAME."""
+    return procs.pstrain([
+        "up", "--redis", redis, "--job", "reused", "--servers", "2", "--workers", "2",
+        "--mode", "sync", "--checkpoint-dir", str(procs.workdir / "ckpt"),
+        "--checkpoint-every-clocks", "20", "--no-view", *flags, JOB_WORKER, "--", "--steps",
+        str(steps), "--out", str(procs.workdir / f"out-{name}")], f"up-{name}")
+
+
+def run_id_of(up: Proc) -> str:
+    """The run id `pstrain up` printed at start."""
+    line = next(x for x in up.log().splitlines() if x.startswith("pstrain up: job 'reused' run "))
+    return line.split(" run ", 1)[1].split(",")[0].strip()
+
+
+def assert_result(procs: Procs, name: str, steps: int) -> None:
+    expected = local_sync_run(2, steps)
+    for r in range(2):
+        result = json.loads((procs.workdir / f"out-{name}" / f"worker{r}.json").read_text())
+        assert result["clock"] == steps
+        torch.testing.assert_close(torch.tensor(result["w"]), expected, atol=1e-6, rtol=0)
+
+
 @pytest.mark.timeout(240)
 def test_a_finished_job_s_name_reused_without_resume_starts_fresh(procs: Procs) -> None:
+    # Runs of one job in one checkpoint directory: each gets a run id, its checkpoints are
+    # recorded under it, and a restore picks the current run's unless asked otherwise.
     redis = procs.redis().address
-    first = procs.pstrain([
-        "up", "--redis", redis, "--job", "reused", "--servers", "2", "--workers", "2",
-        "--mode", "sync", "--checkpoint-dir", str(procs.workdir / "ckpt-1"),
-        "--checkpoint-every-clocks", "20", "--no-view", JOB_WORKER, "--", "--steps", "100",
-        "--out", str(procs.workdir / "out-1")], "up-1")
+    store = JobStore.connect(redis, "reused")
+    first = up_run(procs, redis, "1", 100)
     assert first.popen.wait(timeout=120) == 0, first.log()[-3000:]
-    assert JobStore.connect(redis, "reused").checkpoint_ids()  # the first run checkpointed
-    second = procs.pstrain([
-        "up", "--redis", redis, "--job", "reused", "--servers", "2", "--workers", "2",
-        "--mode", "sync", "--checkpoint-dir", str(procs.workdir / "ckpt-2"), "--no-view",
-        JOB_WORKER, "--", "--steps", "60", "--out", str(procs.workdir / "out-2")], "up-2")
+    run1 = run_id_of(first)
+    assert store.run() == {"id": run1, "started": store.spec().created_s,  # type: ignore[union-attr]
+                           "previous": "", "resumed_from": ""}
+    assert {e["run"] for c in store.checkpoint_ids() for e in store.checkpoint(c).values()} \
+        == {run1}  # the first run checkpointed, under its id
+    # Without --resume: a new run from fresh rows, saying so in one line. Its 60 clocks
+    # write clock-20..60 again (under its own id); clock-80 and clock-100 stay run 1's.
+    second = up_run(procs, redis, "2", 60)
     assert second.popen.wait(timeout=120) == 0, second.log()[-3000:]
-    expected = local_sync_run(2, 60)  # from fresh rows, not from the first run's clock 100
-    for r in range(2):
-        result = json.loads((procs.workdir / "out-2" / f"worker{r}.json").read_text())
-        assert result["clock"] == 60
-        torch.testing.assert_close(torch.tensor(result["w"]), expected, atol=1e-6, rtol=0)
-    assert "a new run under the name of an earlier one" in second.log()
+    run2 = run_id_of(second)
+    assert run2 != run1
+    assert_result(procs, "2", 60)  # from fresh rows, not from the first run's clock 100
+    said = [x for x in second.log().splitlines() if "under the name of an earlier one" in x]
+    assert len(said) == 1 and f"new run {run2}" in said[0] and f"(run {run1})" in said[0]
+    assert f"--resume-from {run1}" in said[0]
+    assert store.run()["previous"] == run1  # type: ignore[index]
+    assert f"run {run2} (previous run {run1})" in status_text(redis, "reused")
+    # --resume-from the first run: its newest checkpoint (clock 100), though run 2 wrote
+    # checkpoints since; the batches follow the clock, so 120 clocks end as one run of 120.
+    third = up_run(procs, redis, "3", 120, "--resume-from", run1)
+    assert third.popen.wait(timeout=120) == 0, third.log()[-3000:]
+    assert_result(procs, "3", 120)
+    assert {m["restored"] for m in store.members("server").values()} == {"clock-0000000100"}
+    assert store.run()["resumed_from"] == run1  # type: ignore[index]
+    assert "under the name of an earlier one" not in third.log()
+    # An id that names no checkpoint and no run is refused, naming it.
+    fourth = up_run(procs, redis, "4", 120, "--resume-from", "no-such-run")
+    assert fourth.popen.wait(timeout=120) == 2, fourth.log()[-3000:]
+    assert "--resume-from 'no-such-run': no complete checkpoint" in fourth.log()
 
 
 @pytest.mark.timeout(180)
@@ -498,3 +546,107 @@ def test_a_failing_checkpoint_is_an_event_that_status_shows(procs: Procs) -> Non
                            timeout=60, check=False)
     assert "checkpoint_failed server" in shown.stdout, shown
     assert "clock-0000000020" in shown.stdout, shown
+
+
+# ---- bad checkpoints: marked, skipped, and a job that stops when none verifies -------------
+
+
+def corrupt(path: Path) -> None:
+    """Flips the last bytes (tensor data: only the digest tells)."""
+    data = bytearray(path.read_bytes())
+    data[-8:] = bytes(b ^ 0xFF for b in data[-8:])
+    path.write_bytes(data)
+
+
+def events_of(store: JobStore, kind: str) -> list[Any]:
+    return [e for e in store.events() if e.type == kind]
+
+
+def status_text(redis: str, job: str) -> str:
+    shown = subprocess.run([sys.executable, "-m", "scheduler.cli", "status", "--redis", redis,
+                            "--job", job], capture_output=True, text=True, cwd=REPO,
+                           timeout=60, check=False)
+    assert shown.returncode == 0, shown
+    return shown.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_corrupt_on_the_live_shard_is_marked_bad_and_never_tried_again(
+    procs: Procs,
+) -> None:
+    # Shard 0 restarts; the newest checkpoint's file of shard 1 (the live one) is corrupt, so
+    # the rollback's Restore fails on shard 1: logged once with the reason, marked bad in
+    # Redis and on disk, and the job falls back to the one before. A second recovery (shard
+    # 1 restarts) passes over the mark without trying the checkpoint again.
+    steps = 250
+    redis = procs.redis().address
+    store = JobStore.connect(redis, "badmark")
+    up = up_sync_job(procs, redis, "badmark", steps=steps, restart=True)
+    wait_until(lambda: len(store.complete_checkpoints(2)) >= 2 and worker_clock(store, 0) >= 45,
+               60, "two checkpoints")
+    victim = server_pid(store, 0)
+    assert victim is not None
+    os.kill(victim, signal.SIGSTOP)  # sync: no clock closes, so no newer checkpoint completes
+    (newest, _), (older, _) = sorted(store.complete_checkpoints(2), key=lambda c: -c[1])[:2]
+    damaged = procs.workdir / "ckpt" / "badmark" / newest / "shard-1-of-2.safetensors"
+    corrupt(damaged)
+    os.kill(victim, signal.SIGKILL)  # restarted by pstrain up: shard 0's file of it is fine
+    rollback = wait_until(lambda: next(iter(events_of(store, "rollback")), None), 60,
+                          "the rollback")
+    assert rollback.detail["checkpoint"] == older, rollback
+    # Before any clock closes again (the workers restart first), shard 1 restarts too.
+    other = server_pid(store, 1)
+    assert other is not None
+    os.kill(other, signal.SIGKILL)
+    wait_until(lambda: len(events_of(store, "rollback")) >= 2, 60, "the second rollback")
+    assert events_of(store, "rollback")[1].detail["checkpoint"] == older
+    bad = store.bad_checkpoints()
+    assert list(bad) == [newest] and bad[newest]["shard"] == 1, bad
+    assert str(damaged) in bad[newest]["reason"] and "sha256" in bad[newest]["reason"]
+    marker = damaged.parent / "BAD"
+    assert marker.is_file() and str(damaged) in marker.read_text()
+    assert "bad checkpoint " + newest in status_text(redis, "badmark")
+    assert up.popen.wait(timeout=90) == 0, up.log()[-5000:]
+    logs = procs.workdir / "logs"
+    scheduler_log = (logs / "scheduler.log").read_text(errors="replace")
+    assert scheduler_log.count(f"cannot restore checkpoint {newest!r}") == 1, scheduler_log
+    server1_log = (logs / "server1.log").read_text(errors="replace")
+    assert f"cannot restore checkpoint {newest!r}" not in server1_log  # passed over unread
+    assert f"passing over checkpoint {newest!r}, marked bad" in server1_log
+    assert not events_of(store, "stopped")
+
+
+@pytest.mark.timeout(120)
+def test_when_no_checkpoint_verifies_the_job_stops_with_one_message_naming_the_files(
+    procs: Procs,
+) -> None:
+    steps = 250
+    redis = procs.redis().address
+    store = JobStore.connect(redis, "nowayback")
+    up = up_sync_job(procs, redis, "nowayback", steps=steps, restart=True)
+    wait_until(lambda: len(store.complete_checkpoints(2)) >= 2 and worker_clock(store, 0) >= 45,
+               60, "two checkpoints")
+    victim = server_pid(store, 0)
+    assert victim is not None
+    os.kill(victim, signal.SIGSTOP)
+    damaged = [procs.workdir / "ckpt" / "nowayback" / c / "shard-0-of-2.safetensors"
+               for c, _ in store.complete_checkpoints(2)]
+    for path in damaged:
+        corrupt(path)
+    os.kill(victim, signal.SIGKILL)  # restarted by pstrain up: nothing of shard 0 verifies
+    assert up.popen.wait(timeout=60) == 76, up.log()[-5000:]
+    out = up.log()
+    message = [line for line in out.splitlines() if "stopped: " in line and "pstrain up" in line]
+    assert len(message) == 1, out[-5000:]
+    assert "recovery has no way back" in message[0]
+    for path in damaged:
+        assert str(path) in message[0], (path, message[0])
+    assert '"stopped": "' in out  # the final JSON line
+    scheduler_log = (procs.workdir / "logs" / "scheduler.log").read_text(errors="replace")
+    assert scheduler_log.count("stopped: server 0: recovery has no way back") == 1
+    assert len(events_of(store, "stopped")) == 1
+    shown = status_text(redis, "nowayback")
+    assert "STOPPED: server 0: recovery has no way back" in shown
+    assert "stopped " in shown and str(damaged[0]) in shown
+    assert "exited with 2; restarting it" not in out  # no crash loop
+    assert not events_of(store, "rollback")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import threading
 import time
@@ -11,6 +13,7 @@ from typing import Any, cast
 
 import pytest
 import torch
+from beats import server_pid, worker_clock
 from procs import REPO, Procs, wait_until
 
 from scheduler.store import Event, JobStore
@@ -89,9 +92,11 @@ def test_a_barrier_gives_every_async_worker_the_same_final_model(procs: Procs) -
     assert worker_events(store, "dead") == []
 
 
-def test_a_worker_that_exits_0_is_recorded_finished_not_dead(procs: Procs) -> None:
-    # The script returns without ctx.finish() or close(): `pstrain worker` records the rank
-    # finished when it exits 0, and the scheduler calls the end of its heartbeat a finish.
+@pytest.mark.parametrize("rank", ["claimed", "given"])
+def test_a_worker_that_exits_0_is_recorded_finished_not_dead(procs: Procs, rank: str) -> None:
+    # The script returns without ctx.finish() or close(): `pstrain worker` (claiming a rank,
+    # or given one with --rank) records the rank finished when it exits 0, and the scheduler
+    # calls the end of its heartbeat a finish.
     redis = procs.redis().address
     store = JobStore.connect(redis, "exit0")
     procs.pstrain(["scheduler", "--redis", redis, "--job", "exit0", "--mode", "async",
@@ -99,7 +104,8 @@ def test_a_worker_that_exits_0_is_recorded_finished_not_dead(procs: Procs) -> No
     wait_until(store.leader, 30, "a leader")
     procs.pstrain(["server", "--redis", redis, "--job", "exit0", "--shard", "0", "--bind",
                    "127.0.0.1:0"], "server")
-    workers = [procs.pstrain(["worker", "--redis", redis, "--job", "exit0", JOB_WORKER,
+    workers = [procs.pstrain(["worker", "--redis", redis, "--job", "exit0",
+                              *(["--rank", str(k)] if rank == "given" else []), JOB_WORKER,
                               "--steps", "20", "--end", "return",
                               "--out", str(procs.workdir / "out")], f"worker{k}")
                for k in range(2)]
@@ -109,7 +115,58 @@ def test_a_worker_that_exits_0_is_recorded_finished_not_dead(procs: Procs) -> No
                "both workers' finished events")
     time.sleep(1.0)  # a death would be declared by now too
     assert worker_events(store, "dead") == []
+    # Its last heartbeat outlived the process until the exit status was recorded.
+    assert worker_events(store, "suspect") == []
     assert store.finished_ranks() == {0, 1}
+
+
+def test_a_worker_of_up_that_returns_is_recorded_finished_not_dead(procs: Procs) -> None:
+    # Rank 1's script returns after 5 steps without ctx.finish(); rank 0 trains on.
+    redis = procs.redis().address
+    store = JobStore.connect(redis, "up-exit0")
+    up = procs.pstrain(["up", "--redis", redis, "--job", "up-exit0", "--servers", "1",
+                        "--workers", "2", "--mode", "async", "--no-view", JOB_WORKER, "--",
+                        "--steps", "60", "--steps-of", "1=5", "--sleep-ms", "50",
+                        "--end", "return", "--out", str(procs.workdir / "out")], "up")
+    wait_until(lambda: [e for e in worker_events(store, "finished") if e.member == "1"], 60,
+               "rank 1's finished event")
+    assert up.popen.wait(timeout=120) == 0, up.log()[-3000:]
+    assert worker_events(store, "dead") == []
+    # Its last heartbeat outlived the process until `up` recorded the exit status.
+    assert not [e for e in worker_events(store, "suspect") if e.member == "1"]
+    assert "worker1 finished" in up.log()
+
+
+def test_a_finished_worker_that_a_rollback_catches_stays_finished(procs: Procs) -> None:
+    # Rank 1 finishes after 10 clocks and waits at a barrier (alive, as an evaluating worker
+    # is). Then a server dies and the sync job rolls back: rank 0 restarts, rank 1 is not
+    # restarted, and after the barrier it pulls the model under the new generation.
+    redis = procs.redis().address
+    store = JobStore.connect(redis, "caught")
+    up = procs.pstrain(["up", "--redis", redis, "--job", "caught", "--servers", "2",
+                        "--workers", "2", "--mode", "sync", "--restart", "--no-view",
+                        "--checkpoint-dir", str(procs.workdir / "ckpt"),
+                        "--checkpoint-every-clocks", "20", "--log-dir",
+                        str(procs.workdir / "logs"), JOB_WORKER, "--", "--steps", "250",
+                        "--steps-of", "1=10", "--sleep-ms", "20", "--finish", "--barrier",
+                        "trained", "--out", str(procs.workdir / "out")], "up")
+    wait_until(lambda: worker_events(store, "left") and store.latest_checkpoint(2)
+               and worker_clock(store, 0) >= 45, 60, "rank 1 to leave and a checkpoint")
+    victim = server_pid(store, 0)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)  # restarted by pstrain up; the job rolls back
+    wait_until(lambda: [e for e in store.events() if e.type == "rollback"], 60, "the rollback")
+    assert up.popen.wait(timeout=120) == 0, up.log()[-5000:]
+    result = summary(up.log())
+    assert "worker1" not in result["restarts"], result
+    assert result["restarts"].get("worker0") == 1, result
+    assert "worker1 exited" not in up.log()
+    assert worker_events(store, "dead") == []
+    results = finals(procs, 2)
+    assert [r["clock"] for r in results] == [250, 10]
+    assert results[0]["w"] == results[1]["w"]  # both pulled the end of the rolled-back job
+    worker1_log = (procs.workdir / "logs" / "worker1.log").read_text(errors="replace")
+    assert "finished before the job rolled back; it stays finished" in worker1_log
 
 
 def _context(store: JobStore, rank: int, incarnation: int, world_size: int = 3

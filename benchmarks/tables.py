@@ -1,7 +1,11 @@
 """Sparse tables within a budget (issue #16): admission, eviction and compact rows.
 
-    python benchmarks/tables.py [--quick] [--only stream,quality,index,memory] [--json PATH]
-        [--stream-ids N] [--stream-max-s S] [--max-rows R] [--quality-steps S] ...
+    python benchmarks/tables.py [--quick] [--only index,memory,quality,stream] [--json PATH]
+        [--update] [--stream-ids N] [--stream-max-s S] [--stream-repeats N] [--max-rows R]
+        [--quality-steps S] ...
+
+The full run takes about 15 minutes on 2 cores; `--only` with `--json PATH --update` runs
+sections separately into one file.
 
 Sections (each a figure of the issue, under its key):
 - stream: a worker pushing and pulling batches through 2 real servers, each step one exchange

@@ -19,8 +19,14 @@ import torch
 
 from ps.errors import InvalidArgumentError, PSError
 from ps.index import SLOT_BYTES, capacity_for
-from ps.shard import format_size, grown_capacity
-from ps.tables import INITIAL_SPARSE_ROWS, OptimizerConfig, SparseTable, TableSpec
+from ps.shard import format_size
+from ps.tables import (
+    INITIAL_SPARSE_ROWS,
+    OptimizerConfig,
+    SparseTable,
+    TableSpec,
+    grown_capacity,
+)
 
 __all__ = ["TablePlan", "main", "parse_table", "plan_table"]
 
@@ -78,7 +84,7 @@ def plan_table(spec: TableSpec, ids: int, servers: int) -> TablePlan:
     # Without a budget storage doubles as rows arrive in requests smaller than the table.
     capacity = INITIAL_SPARSE_ROWS
     while capacity < rows:
-        capacity = grown_capacity(capacity + 1, capacity)
+        capacity = grown_capacity(capacity + 1, capacity, max_rows=spec.max_rows)
     return TablePlan(spec, ids, servers, rows, SparseTable.row_bytes(spec), capacity,
                      capacity_for(rows))
 

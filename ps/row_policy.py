@@ -5,7 +5,8 @@ lock and does all the work around them.
 
 Admission, declared per table in one grammar (`parse_admit`):
   ``always``   every id gets a row on first touch (the default);
-  ``count:K``  an id gets a row on its K-th sight (a pull or push naming it), counted in a
+  ``count:K``  an id gets a row on its K-th sight (a pull naming it; a push is no sight, as a
+               training step pushes the ids it pulled), counted in a
                count-min sketch of saturating 8-bit counters, so an id not yet admitted costs
                a few bits of a fixed-size array instead of a row;
   ``prob:P``   an id gets a row iff hash(seed, id) < P: the same ids in every run.
@@ -220,5 +221,13 @@ def least_recent(
         return np.zeros(0, dtype=np.intp)
     if n >= len(live):
         return live
-    order = np.lexsort((touched_s[live], touched_clock[live]))
-    return np.sort(live[order[:n]])
+    # A partial selection, not a sort: O(live) whatever n is. The n-th oldest clock splits
+    # the rows; those tied at it go by their seconds.
+    clocks = touched_clock[live]
+    cut = np.partition(clocks, n - 1)[n - 1]
+    older = live[clocks < cut]
+    tied = live[clocks == cut]
+    need = n - len(older)
+    if need < len(tied):
+        tied = tied[np.argpartition(touched_s[tied], need - 1)[:need]]
+    return np.sort(np.concatenate([older, tied]))

@@ -51,6 +51,7 @@ from ps.tables import (
     TableStats,
     check_finite,
     check_same_spec,
+    grown_capacity,
 )
 
 log = logging.getLogger(__name__)
@@ -129,22 +130,6 @@ def format_size(nbytes: int) -> str:
     while abs(value) >= 1024 and step < len(units) - 1:
         value, step = value / 1024, step + 1
     return f"{value:.2f}".rstrip("0").rstrip(".") + f" {units[step]}"
-
-
-def grown_capacity(rows: int, capacity: int, spare_rows: int | None = None) -> int:
-    """The capacity, in rows, a sparse table's storage takes on to hold `rows` rows.
-
-    Its own when they fit. Else double (at least `rows`): few moves of the whole table as it
-    grows. Under a memory budget that leaves `spare_rows` rows of room beyond `rows`, at most
-    `rows` plus half of them, so one table near the budget does not take the room every other
-    table may need. Pure.
-    """
-    if rows <= capacity:
-        return capacity
-    doubled = max(rows, 2 * capacity)
-    if spare_rows is None:
-        return doubled
-    return max(rows, min(doubled, rows + spare_rows // 2))
 
 
 # Whether the caller still waits for the answer (gRPC's context.is_active); None: always.
@@ -629,7 +614,7 @@ class Shard:
         for table, keys, known, unique in touches:
             absent = table.absent(keys) if known is None else keys[known < 0]
             # Ids the table's admission rule refuses make no row, so take no room.
-            absent = table.admissible(absent)
+            absent = table.admissible(absent, sight=not unique)  # pulls: keys may repeat
             if len(absent):
                 fresh.setdefault(table, []).append((absent, unique))
         new = {
@@ -667,7 +652,7 @@ class Shard:
                         "with max_rows or a TTL to evict rows"
                     )
                 spare = (budget - least) // table.bytes_per_row
-                capacity = grown_capacity(rows, table.capacity, spare)
+                capacity = grown_capacity(rows, table.capacity, spare, table.spec.max_rows)
                 projected += table.bytes_at(rows, capacity) - now
                 plan.append((table, rows, capacity))
             taken: dict[SparseTable, int] = {}

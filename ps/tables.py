@@ -59,8 +59,12 @@ _STEP_BYTES = 8
 _MAPPED_BYTES = 4 << 20
 # What an evicting table keeps per row slot: its key, last clock and last second touched.
 _STAMP_BYTES = 8 + 8 + 8
-# Bits remembering evicted ids (hashed), to count those that come back (readmitted).
+# Bits remembering evicted ids (hashed), to count those that come back (readmitted). They
+# are cleared after _EVICTED_BITS // 8 evictions, which keeps the share of bits set, and so
+# the overcount, under about 12% (1 - e^-1/8): readmitted counts ids evicted within that
+# window, not ever.
 _EVICTED_BITS = 1 << 20
+_EVICTED_WINDOW = _EVICTED_BITS // 8
 # Row slots one eviction step looks at: the bound on a step's work, whatever the table's size.
 EVICT_SCAN_ROWS = 1 << 16
 
@@ -245,6 +249,27 @@ class TableStats:
     memory_bytes: int = 0
     # Admission and eviction bookkeeping: the sketch, row stamps, evicted-id bits.
     metadata_bytes: int = 0
+
+
+def grown_capacity(rows: int, capacity: int, spare_rows: int | None = None,
+                   max_rows: int = 0) -> int:
+    """The capacity, in rows, a sparse table's storage takes on to hold `rows` rows.
+
+    Its own when they fit. Else double (at least `rows`): few moves of the whole table as it
+    grows. Under a memory budget that leaves `spare_rows` rows of room beyond `rows`, at most
+    `rows` plus half of them, so one table near the budget does not take the room every other
+    table may need. A table with `max_rows` doubles to at most max_rows and an eighth (its
+    rows pass max_rows by a request's new ones until eviction frees their slots for reuse),
+    so a bounded table's storage stays near its bound. Pure.
+    """
+    if rows <= capacity:
+        return capacity
+    doubled = max(rows, 2 * capacity)
+    if max_rows:
+        doubled = max(rows, min(doubled, max_rows + max_rows // 8))
+    if spare_rows is None:
+        return doubled
+    return max(rows, min(doubled, rows + spare_rows // 2))
 
 
 @functools.cache
@@ -522,6 +547,7 @@ class SparseTable(_Counted):
         self._evicted_bits = np.zeros(
             _EVICTED_BITS // 8 if self._evict.active else 0, dtype=np.uint8
         )
+        self._evicted_in_window = 0  # evictions since the bits were last cleared
         self._time = clock
         self._clock_now = 0  # the latest worker clock seen (observe_clock)
         self._ttl_cursor = 0  # where the next TTL scan starts
@@ -615,17 +641,18 @@ class SparseTable(_Counted):
             rows = self.index.lookup(keys)
         return keys[rows < 0]
 
-    def admissible(self, keys: np.ndarray) -> np.ndarray:
-        """Of `keys` without rows, those the admission rule would give a row if named now
-        (under count:K, those whose next sight is the K-th or later): what the memory budget
-        counts as new rows. Changes nothing; thread-safe."""
+    def admissible(self, keys: np.ndarray, sight: bool) -> np.ndarray:
+        """Of `keys` without rows, those the admission rule would give a row if named now by
+        a pull (`sight`) or a push (under count:K, those whose next sight is the K-th or
+        later, or already seen K times): what the memory budget counts as new rows. Changes
+        nothing; thread-safe."""
         rule = self._admit
         if rule.kind == "prob":
             return keys[admitted_by_probability(keys, self.spec.seed, rule.probability)]
         if self._sketch is not None and len(keys):
             with self._index_lock:
                 seen = self._sketch.estimate(keys)
-            return keys[seen.astype(np.int64) + 1 >= rule.count]
+            return keys[seen.astype(np.int64) + int(sight) >= rule.count]
         return keys
 
     def observe_clock(self, clock: int) -> None:
@@ -708,11 +735,11 @@ class SparseTable(_Counted):
         Under eviction the values are copied at once, under the index lock: a row id held
         past it could be evicted and given to another id before the caller gathers it."""
         if not self._evict.active:
-            rows = self._rows(keys)
+            rows = self._rows(keys, sight=True)
             self.count(pulls=1, rows_pulled=len(keys))
             return SparseRows(self, rows)
         with self._index_lock:
-            rows = self._rows_locked(keys)
+            rows = self._rows_locked(keys, sight=True)
             values = self.gather(rows)
             self._evict_step()
         self.count(pulls=1, rows_pulled=len(keys))
@@ -765,14 +792,16 @@ class SparseTable(_Counted):
                 self.optimizer.apply_rows(self.value, rows, values, self.state, self.step,
                                           trusted=True)
 
-    def _rows(self, keys: np.ndarray, unique: bool = False) -> torch.Tensor:
+    def _rows(self, keys: np.ndarray, unique: bool = False, sight: bool = False) -> torch.Tensor:
         with self._index_lock:
-            return self._rows_locked(keys, unique)
+            return self._rows_locked(keys, unique, sight)
 
-    def _rows_locked(self, keys: np.ndarray, unique: bool = False) -> torch.Tensor:
+    def _rows_locked(self, keys: np.ndarray, unique: bool = False,
+                     sight: bool = False) -> torch.Tensor:
         """Row ids of `keys`, creating the rows of new ones the admission rule admits (-1 for
-        the others); `unique`: no key repeats. Stamps the rows under eviction. Caller holds
-        the index lock."""
+        the others); `unique`: no key repeats; `sight`: a pull, which counts towards count:K
+        (a push does not: a training step pushes the ids it pulled, and one example must not
+        count twice). Stamps the rows under eviction. Caller holds the index lock."""
         rows = self.index.lookup(keys)
         absent = rows < 0
         if absent.any():
@@ -787,7 +816,7 @@ class SparseTable(_Counted):
                 if distinct < len(fresh):
                     fresh, where = scratch.keys_by_row(), positions
             created = np.full(len(fresh), -1, dtype=np.int64)
-            admitted = self._admitted(fresh)
+            admitted = self._admitted(fresh, sight)
             if admitted is not None:
                 refused = len(fresh) - int(admitted.sum())
                 if refused:
@@ -813,14 +842,15 @@ class SparseTable(_Counted):
             self._touched_s[held] = self._time()
         return torch.from_numpy(rows)
 
-    def _admitted(self, fresh: np.ndarray) -> np.ndarray | None:
-        """Which of `fresh` (distinct keys without rows) get one now; None: all. Counts a
-        sight of each under count:K. Caller holds the index lock."""
+    def _admitted(self, fresh: np.ndarray, sight: bool) -> np.ndarray | None:
+        """Which of `fresh` (distinct keys without rows) get one now; None: all. Under
+        count:K, a `sight` (a pull) counts one for each. Caller holds the index lock."""
         rule = self._admit
         if rule.kind == "prob":
             return admitted_by_probability(fresh, self.spec.seed, rule.probability)
         if self._sketch is not None:
-            return self._sketch.add(fresh) >= rule.count
+            seen = self._sketch.add(fresh) if sight else self._sketch.estimate(fresh)
+            return seen >= rule.count
         return None
 
     def _take_slots(self, n: int) -> np.ndarray:
@@ -838,7 +868,7 @@ class SparseTable(_Counted):
         state). Caller holds the index lock."""
         needed = self.index.row_limit
         if needed > self._capacity:
-            self._grow(max(needed, 2 * self._capacity))
+            self._grow(grown_capacity(needed, self._capacity, max_rows=self._evict.max_rows))
         new_rows = torch.from_numpy(rows)
         init = init_rows(keys, self.spec.dim, self.spec.init, self.spec.seed, self.spec.dtype)
         with self._storage.shared():
@@ -903,6 +933,10 @@ class SparseTable(_Counted):
             self._free = free
         self._free[self._free_len:need] = slots
         self._free_len = need
+        self._evicted_in_window += len(slots)
+        if self._evicted_in_window > _EVICTED_WINDOW:
+            self._evicted_bits[:] = 0
+            self._evicted_in_window = len(slots)
         bits = self._evicted_bit(keys)
         np.bitwise_or.at(self._evicted_bits, bits >> 3, (1 << (bits & 7)).astype(np.uint8))
         self.count(evicted=len(slots))

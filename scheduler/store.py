@@ -571,8 +571,14 @@ class JobStore:
         pipe.execute()
 
     def mark_finished(self, rank: int) -> None:
-        """Records that rank `rank`'s script exited with status 0 (the process is gone)."""
-        self.redis.sadd(self.keys.finished(), str(rank))
+        """Records that rank `rank`'s script exited with status 0 (the process is gone), and
+        drops the last beat it left at exit: the scheduler announces the finish at its next
+        poll instead of when that beat lapses (a job may end before then). A finished rank is
+        never claimed again, so the beat can only be the exited process's."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.sadd(self.keys.finished(), str(rank))
+        pipe.delete(self.keys.heartbeat("worker", rank))
+        pipe.execute()
 
     def left_workers(self) -> dict[int, dict[str, Any]]:
         """Rank -> {incarnation, clock, time} of each worker that called `ctx.finish()`."""

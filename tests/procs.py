@@ -30,6 +30,7 @@ class Proc:
     log_path: Path
     address: str = ""
     info: dict[str, object] = field(default_factory=dict)
+    ready_file: Path | None = None  # where a server writes its address once it serves
 
     @property
     def pid(self) -> int:
@@ -71,18 +72,30 @@ class Procs:
         timeout_s: float = 60.0,
     ) -> Proc:
         """Starts `python -m ps` on a free loopback port and waits until it serves."""
+        return self._ready(self._start_server(shard, num_shards, extra), timeout_s)
+
+    def servers(self, n: int, extra: list[str] | None = None) -> list[Proc]:
+        """Starts the `n` shards of a job at once (their start-ups overlap), then waits for
+        each to serve."""
+        return [self._ready(p, 60.0) for p in
+                [self._start_server(k, n, extra) for k in range(n)]]
+
+    def _start_server(self, shard: int, num_shards: int, extra: list[str] | None) -> Proc:
         ready = self.workdir / f"server-{shard}-{self._count + 1}.ready"
         proc = self.spawn(
             [sys.executable, "-m", "ps", "--bind", "127.0.0.1:0", "--shard", str(shard),
              "--num-shards", str(num_shards), "--ready-file", str(ready), *(extra or [])],
             f"server{shard}",
         )
-        proc.info = wait_ready(proc, ready, timeout_s)
-        proc.address = str(proc.info["address"])
+        proc.ready_file = ready
         return proc
 
-    def servers(self, n: int, extra: list[str] | None = None) -> list[Proc]:
-        return [self.server(k, n, extra) for k in range(n)]
+    @staticmethod
+    def _ready(proc: Proc, timeout_s: float) -> Proc:
+        assert proc.ready_file is not None
+        proc.info = wait_ready(proc, proc.ready_file, timeout_s)
+        proc.address = str(proc.info["address"])
+        return proc
 
     def redis(self, port: int = 0, password: str = "") -> Proc:
         """Starts a private redis-server on a free loopback port; its URL is `.address`."""

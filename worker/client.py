@@ -319,7 +319,7 @@ class PSClient:
     ) -> None:
         """Declares a sparse table of rows of width `dim`, created on first touch. Idempotent.
 
-        `admit` says when an id gets a row: "always", "count:K" (on its K-th pull or push) or
+        `admit` says when an id gets a row: "always", "count:K" (on its K-th pull) or
         "prob:P" (a fixed share P of ids, chosen by hash); until then its pulls read
         `admit_default` and its gradients are dropped. Rows untouched for `ttl_clocks`
         clocks or `ttl_s` seconds are evicted, and past `max_rows` rows per server the least

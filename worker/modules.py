@@ -291,7 +291,7 @@ class PSEmbedding(_SparseLookup):
 
     A float16 or bfloat16 table (`dtype`) stores compact rows; outputs are float32 all the
     same. Which ids get a row and which rows stay: `admit` ("always", "count:K": on the
-    K-th pull or push of the id, "prob:P": a fixed share P of ids chosen by hash; until
+    K-th pull of the id, "prob:P": a fixed share P of ids chosen by hash; until
     then the id reads `admit_default` in every element and its gradients are dropped),
     `ttl_clocks` / `ttl_s` (rows untouched that many clocks / seconds are evicted; 0: never)
     and `max_rows` (per server; past it the least recently touched rows are evicted; 0: no

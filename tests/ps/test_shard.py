@@ -9,7 +9,7 @@ import re
 import pytest
 
 from ps.errors import InvalidArgumentError
-from ps.shard import Limits, format_size, grown_capacity, parse_size
+from ps.shard import Limits, format_size, parse_size
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -70,23 +70,6 @@ def test_a_bad_size_is_refused_naming_it_and_the_flag(text: str) -> None:
 )
 def test_format_size(nbytes: int, text: str) -> None:
     assert format_size(nbytes) == text
-
-
-@pytest.mark.parametrize(
-    ("rows", "capacity", "spare", "grown"),
-    [
-        (10, 1024, None, 1024),  # fits: unchanged
-        (1024, 1024, 0, 1024),
-        (1025, 1024, None, 2048),  # doubles
-        (5000, 1024, None, 5000),  # at least what is asked
-        (1025, 1024, 10_000, 2048),  # room to spare: doubles as without a budget
-        (1025, 1024, 1000, 1525),  # near the budget: half the room left
-        (1025, 1024, 0, 1025),  # at the budget: exactly what is asked
-        (1025, 1024, 1, 1025),
-    ],
-)
-def test_grown_capacity(rows: int, capacity: int, spare: int | None, grown: int) -> None:
-    assert grown_capacity(rows, capacity, spare) == grown
 
 
 @pytest.mark.parametrize(

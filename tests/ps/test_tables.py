@@ -27,6 +27,7 @@ from ps.tables import (
     TableSpec,
     check_finite,
     check_same_spec,
+    grown_capacity,
 )
 
 SGD_HALF = OptimizerConfig("sgd", (("lr", 0.5),))
@@ -707,14 +708,17 @@ def test_an_id_below_its_admission_count_has_no_row_and_reads_the_default() -> N
     for sight in (1, 2):
         assert torch.equal(pulled(table, 10, 11), torch.full((2, 4), 0.5))
         assert table.rows == 0, f"a row after {sight} sights"
-    # A push is a sight too; its gradient is dropped while the id has no row.
+    # A push is no sight (a training step pushes what it pulled): its gradient is dropped
+    # while the id has no row.
     table.apply(keys(11), torch.ones(1, 4), assign=False)
-    assert table.rows == 1 and held_keys(table) == {11}
+    assert table.rows == 0
+    # The third pull admits both: fresh initial rows, then gradients apply.
+    assert torch.equal(pulled(table, 10, 11), initial(table, 10, 11))
+    assert table.rows == 2 and held_keys(table) == {10, 11}
+    table.apply(keys(11), torch.ones(1, 4), assign=False)
     assert torch.equal(pulled(table, 11), initial(table, 11) - 0.5)
-    table.apply(keys(10), torch.ones(1, 4), assign=False)  # the third sight: admitted now
-    assert torch.equal(pulled(table, 10), initial(table, 10) - 0.5)
     c = table.counters()
-    assert (c.admitted, c.refused_by_admission) == (2, 4)
+    assert (c.admitted, c.refused_by_admission) == (2, 5)
     assert table.stats().metadata_bytes == SparseTable.fixed_bytes(table.spec) > 0
 
 
@@ -895,3 +899,25 @@ def test_racing_pulls_and_pushes_on_an_evicting_table_see_only_their_own_rows(
     assert table.rows <= 300 + 4 * 40
     _, rows = table.index.items()
     assert len(np.unique(rows)) == len(rows) and (rows < table.capacity).all()
+
+
+@pytest.mark.parametrize(
+    ("rows", "capacity", "spare", "max_rows", "grown"),
+    [
+        (10, 1024, None, 0, 1024),  # fits: unchanged
+        (1024, 1024, 0, 0, 1024),
+        (1025, 1024, None, 0, 2048),  # doubles
+        (5000, 1024, None, 0, 5000),  # at least what is asked
+        (1025, 1024, 10_000, 0, 2048),  # room to spare: doubles as without a budget
+        (1025, 1024, 1000, 0, 1525),  # near the budget: half the room left
+        (1025, 1024, 0, 0, 1025),  # at the budget: exactly what is asked
+        (1025, 1024, 1, 0, 1025),
+        (1025, 1024, None, 1100, 1237),  # bounded: at most max_rows and an eighth
+        (1025, 1024, None, 8000, 2048),  # far from its bound: doubles
+        (1500, 1024, None, 1100, 1500),  # past the bound by one request: what is asked
+        (1025, 1024, 1000, 1100, 1237),
+    ],
+)
+def test_grown_capacity(rows: int, capacity: int, spare: int | None, max_rows: int,
+                        grown: int) -> None:
+    assert grown_capacity(rows, capacity, spare, max_rows) == grown

@@ -24,7 +24,6 @@ from procs import REPO, Proc, Procs, wait_until
 
 from scheduler.detector import FailureDetector, Health, Notice, Suspicions
 from scheduler.membership import MembershipTracker, Transition
-from scheduler.spec import JobSpec
 from scheduler.store import JobStore
 
 JOB_WORKER = str(REPO / "tests" / "job_worker.py")
@@ -260,12 +259,13 @@ def test_under_a_cpu_hog_a_paused_worker_and_the_rest_see_no_false_death(procs: 
 def test_a_worker_paused_past_its_death_restarts_and_the_result_reports_it(
         procs: Procs) -> None:
     redis = procs.redis().address
-    up = up_job(procs, redis, "fenced")
+    suspect_s = 3.0  # shorter than the default (the rule, not its default, is under test)
+    up = up_job(procs, redis, "fenced", ["--suspect-timeout-s", str(suspect_s)])
     store = JobStore.connect(redis, "fenced")
     wait_training(up, store)
     first = int(store.heartbeats("worker", [1])[1]["incarnation"])  # type: ignore[index]
-    # Paused past the suspicion the default settings allow: declared dead, then resumed.
-    pause(store, 1, TTL_S + JobSpec("x").suspect_timeout_s + 2.0)
+    # Paused past the suspicion the settings allow: declared dead, then resumed.
+    pause(store, 1, TTL_S + suspect_s + 2.0)
     assert up.popen.wait(timeout=150) == 0, up.log()[-5000:]
     dead = [e for e in events(store, "dead", "worker") if e.member == "1"]
     assert [e.detail["incarnation"] for e in dead] == [first]

@@ -356,7 +356,7 @@ def test_redis_wiped_around_a_server_restart_neither_wedges_nor_repeats_a_genera
 @pytest.mark.timeout(180)
 def test_server_killed_during_a_redis_outage_rolls_back_to_the_newest_checkpoint(
         procs: Procs) -> None:
-    steps = 800
+    steps = 250  # the job stalls from the kill (sync) until the rollback: enough left
     redis_proc = procs.redis()
     redis = redis_proc.address
     port = int(redis.rsplit(":", 1)[1].split("/")[0])
@@ -387,7 +387,7 @@ def test_server_killed_during_a_redis_outage_rolls_back_to_the_newest_checkpoint
 def test_a_corrupt_newest_checkpoint_rolls_back_to_the_one_before(
     procs: Procs, damage: str
 ) -> None:
-    steps = 800
+    steps = 250  # the job stalls from the kill (sync) until the rollback: enough left
     redis = procs.redis().address
     store = JobStore.connect(redis, "corrupt")
     up = up_sync_job(procs, redis, "corrupt", steps=steps, restart=True)
@@ -430,7 +430,7 @@ def test_a_rollback_skips_checkpoint_entries_not_signed_with_the_job_secret(
 ) -> None:
     # `pstrain up` gives every process a secret made for the run: servers sign their
     # checkpoint entries in Redis, and the scheduler checks them before it restores one.
-    steps = 800
+    steps = 250  # the job stalls from the kill (sync) until the rollback: enough left
     redis = procs.redis().address
     store = JobStore.connect(redis, "forged")
     up = up_sync_job(procs, redis, "forged", steps=steps, restart=True)

@@ -67,7 +67,16 @@ from worker.serving import (
     load,
     load_dense,
 )
-from worker.training import add_cluster_args, connect, log_loss, lookahead, roc_auc, shard_indices
+from worker.training import (
+    add_cluster_args,
+    add_table_args,
+    connect,
+    log_loss,
+    lookahead,
+    roc_auc,
+    shard_indices,
+    table_options,
+)
 
 log = logging.getLogger("movielens")
 
@@ -667,34 +676,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="distributed: the seven single-valued features in one table, in one "
                         "table each (the same rows and results), or every feature declared "
                         "in one PSEmbeddingCollection")
-    add_table_flags(p)
+    add_table_args(p)
     args = p.parse_args(argv)
     if not 0 <= args.rank < args.world_size:
         p.error(f"--rank must lie in [0, --world-size), got {args.rank} of {args.world_size}")
     return args
-
-
-def add_table_flags(p: argparse.ArgumentParser) -> None:
-    """The sparse tables' admission and eviction flags (distributed runs)."""
-    p.add_argument("--admit", default="always",
-                   help="when an id gets a row: always, count:K (its K-th sight) or prob:P")
-    p.add_argument("--ttl-clocks", type=int, default=0,
-                   help="evict rows untouched this many steps (0: never)")
-    p.add_argument("--ttl-s", type=float, default=0.0,
-                   help="evict rows untouched this many seconds (0: never)")
-    p.add_argument("--max-rows", type=int, default=0,
-                   help="rows per server and table; past it the least recently used go "
-                        "(0: no limit)")
-
-
-def table_options(args: argparse.Namespace) -> tuple[tuple[str, str | int | float], ...]:
-    """The flags of add_table_flags that differ from their defaults, as PSEmbedding's
-    keyword arguments."""
-    given = {"admit": args.admit, "ttl_clocks": args.ttl_clocks, "ttl_s": args.ttl_s,
-             "max_rows": args.max_rows}
-    defaults: dict[str, str | int | float] = {"admit": "always", "ttl_clocks": 0,
-                                              "ttl_s": 0.0, "max_rows": 0}
-    return tuple((k, v) for k, v in given.items() if v != defaults[k])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -41,7 +41,15 @@ from worker.client import PSClient
 from worker.context import WorkerContext
 from worker.modules import PSDense, PSEmbedding
 from worker.optimizer import PSOptimizer
-from worker.training import add_cluster_args, connect, log_loss, lookahead, roc_auc
+from worker.training import (
+    add_cluster_args,
+    add_table_args,
+    connect,
+    log_loss,
+    lookahead,
+    roc_auc,
+    table_options,
+)
 
 log = logging.getLogger("synthetic_ctr")
 
@@ -209,8 +217,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         client, ctx = connect(args)
         model = CTRModel(
             PSEmbedding(client, TABLE, args.dim, optimizer="adagrad", lr=args.emb_lr,
-                        init=(init.kind, init.a, init.b), seed=args.seed, admit=args.admit,
-                        ttl_clocks=args.ttl_clocks, ttl_s=args.ttl_s, max_rows=args.max_rows),
+                        init=(init.kind, init.a, init.b), seed=args.seed,
+                        **dict(table_options(args))),
             PSDense(client, mlp, "ctr.mlp", optimizer="adam", lr=args.dense_lr),
         )
         ps = PSOptimizer(model)
@@ -297,16 +305,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="--local: rows of the hashed embedding table")
     p.add_argument("--log-every", type=int, default=50, help="steps between progress lines")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--admit", default="always",
-                   help="distributed: when an id gets a row: always, count:K (its K-th "
-                        "sight) or prob:P")
-    p.add_argument("--ttl-clocks", type=int, default=0,
-                   help="distributed: evict rows untouched this many steps (0: never)")
-    p.add_argument("--ttl-s", type=float, default=0.0,
-                   help="distributed: evict rows untouched this many seconds (0: never)")
-    p.add_argument("--max-rows", type=int, default=0,
-                   help="distributed: rows per server; past it the least recently used go "
-                        "(0: no limit)")
+    add_table_args(p)
     args = p.parse_args(argv)
     if not 0 <= args.rank < args.world_size:
         p.error(f"--rank must lie in [0, --world-size), got {args.rank} of {args.world_size}")

@@ -165,6 +165,32 @@ def log_loss(labels: npt.ArrayLike, probabilities: npt.ArrayLike, eps: float = 1
     return float(-np.mean(np.where(y, np.log(p), np.log1p(-p))))
 
 
+def add_table_args(parser: argparse.ArgumentParser) -> None:
+    """Flags for the sparse tables' admission and eviction (PSEmbedding's `admit`,
+    `ttl_clocks`, `ttl_s`, `max_rows`); `table_options` reads them back."""
+    parser.add_argument("--admit", default="always",
+                        help="when an id gets a row: always, count:K (its K-th pull) or prob:P")
+    parser.add_argument("--ttl-clocks", type=int, default=0,
+                        help="evict rows untouched this many steps (0: never)")
+    parser.add_argument("--ttl-s", type=float, default=0.0,
+                        help="evict rows untouched this many seconds (0: never)")
+    parser.add_argument("--max-rows", type=int, default=0,
+                        help="rows per server and table; past it the least recently used go "
+                             "(0: no limit)")
+
+
+def table_options(args: argparse.Namespace) -> tuple[tuple[str, str | int | float], ...]:
+    """The flags of `add_table_args` that differ from their defaults, as (keyword, value)
+    pairs for PSEmbedding and PSEmbeddingBag. Pure."""
+    given: dict[str, str | int | float] = {
+        "admit": args.admit, "ttl_clocks": args.ttl_clocks, "ttl_s": args.ttl_s,
+        "max_rows": args.max_rows,
+    }
+    defaults: dict[str, str | int | float] = {"admit": "always", "ttl_clocks": 0, "ttl_s": 0.0,
+                                              "max_rows": 0}
+    return tuple((k, v) for k, v in given.items() if v != defaults[k])
+
+
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     """Flags for a script that runs as a worker: where the servers are, and who it is.
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -382,21 +383,45 @@ def test_server_killed_during_a_redis_outage_rolls_back_to_the_newest_checkpoint
     assert worker_restarts(up) == 2, up.log()
 
 
+# Enough steps for a job that stalls (a sync server stopped) from before its rollback: it
+# cannot run out of them before the rollback.
+STALLED_STEPS = 250
+
+
+@dataclass
+class Stalled:
+    redis: str
+    store: JobStore
+    up: Proc
+    victim: int  # server 0's pid, SIGSTOPped
+    newest: str  # the two newest complete checkpoints
+    older: str
+
+
+def stalled_after_two_checkpoints(procs: Procs, job: str) -> Stalled:
+    """`up_sync_job` of `job` with --restart, once it holds two complete checkpoints and is
+    past clock 45, with server 0 SIGSTOPped: no clock closes, so no newer checkpoint
+    completes."""
+    redis = procs.redis().address
+    store = JobStore.connect(redis, job)
+    up = up_sync_job(procs, redis, job, steps=STALLED_STEPS, restart=True)
+    wait_until(lambda: len(store.complete_checkpoints(2)) >= 2 and worker_clock(store, 0) >= 45,
+               90, "two checkpoints")
+    victim = server_pid(store, 0)
+    assert victim is not None
+    os.kill(victim, signal.SIGSTOP)
+    (newest, _), (older, _) = sorted(store.complete_checkpoints(2), key=lambda c: -c[1])[:2]
+    return Stalled(redis, store, up, victim, newest, older)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("damage", ["flipped", "truncated"])
 def test_a_corrupt_newest_checkpoint_rolls_back_to_the_one_before(
     procs: Procs, damage: str
 ) -> None:
-    steps = 250  # the job stalls from the kill (sync) until the rollback: enough left
-    redis = procs.redis().address
-    store = JobStore.connect(redis, "corrupt")
-    up = up_sync_job(procs, redis, "corrupt", steps=steps, restart=True)
-    wait_until(lambda: len(store.complete_checkpoints(2)) >= 2 and worker_clock(store, 0) >= 45,
-               90, "two checkpoints")
-    victim = server_pid(store, 0)
-    assert victim is not None
-    os.kill(victim, signal.SIGSTOP)  # sync: no clock closes, so no newer checkpoint completes
-    (newest, _), (older, _) = sorted(store.complete_checkpoints(2), key=lambda c: -c[1])[:2]
+    steps = STALLED_STEPS
+    job = stalled_after_two_checkpoints(procs, "corrupt")
+    store, up, victim, newest, older = job.store, job.up, job.victim, job.newest, job.older
     damaged = procs.workdir / "ckpt" / "corrupt" / newest / "shard-0-of-2.safetensors"
     data = bytearray(damaged.read_bytes())
     if damage == "flipped":
@@ -430,16 +455,9 @@ def test_a_rollback_skips_checkpoint_entries_not_signed_with_the_job_secret(
 ) -> None:
     # `pstrain up` gives every process a secret made for the run: servers sign their
     # checkpoint entries in Redis, and the scheduler checks them before it restores one.
-    steps = 250  # the job stalls from the kill (sync) until the rollback: enough left
-    redis = procs.redis().address
-    store = JobStore.connect(redis, "forged")
-    up = up_sync_job(procs, redis, "forged", steps=steps, restart=True)
-    wait_until(lambda: len(store.complete_checkpoints(2)) >= 2 and worker_clock(store, 0) >= 45,
-               90, "two checkpoints")
-    victim = server_pid(store, 0)
-    assert victim is not None
-    os.kill(victim, signal.SIGSTOP)  # sync: no clock closes, so no newer checkpoint completes
-    (newest, _), (older, _) = sorted(store.complete_checkpoints(2), key=lambda c: -c[1])[:2]
+    steps = STALLED_STEPS
+    job = stalled_after_two_checkpoints(procs, "forged")
+    store, up, victim, newest, older = job.store, job.up, job.victim, job.newest, job.older
     if change == "older clock raised":
         # Whoever can write Redis makes an old checkpoint look the newest, for the rollback
         # (which takes the highest clock) to go back to it; it cannot sign the change.
@@ -578,16 +596,9 @@ def test_a_checkpoint_corrupt_on_the_live_shard_is_marked_bad_and_never_tried_ag
     # the rollback's Restore fails on shard 1: logged once with the reason, marked bad in
     # Redis and on disk, and the job falls back to the one before. A second recovery (shard
     # 1 restarts) passes over the mark without trying the checkpoint again.
-    steps = 250
-    redis = procs.redis().address
-    store = JobStore.connect(redis, "badmark")
-    up = up_sync_job(procs, redis, "badmark", steps=steps, restart=True)
-    wait_until(lambda: len(store.complete_checkpoints(2)) >= 2 and worker_clock(store, 0) >= 45,
-               60, "two checkpoints")
-    victim = server_pid(store, 0)
-    assert victim is not None
-    os.kill(victim, signal.SIGSTOP)  # sync: no clock closes, so no newer checkpoint completes
-    (newest, _), (older, _) = sorted(store.complete_checkpoints(2), key=lambda c: -c[1])[:2]
+    job = stalled_after_two_checkpoints(procs, "badmark")
+    redis, store, up, victim = job.redis, job.store, job.up, job.victim
+    newest, older = job.newest, job.older
     damaged = procs.workdir / "ckpt" / "badmark" / newest / "shard-1-of-2.safetensors"
     corrupt(damaged)
     os.kill(victim, signal.SIGKILL)  # restarted by pstrain up: shard 0's file of it is fine
@@ -620,15 +631,8 @@ def test_a_checkpoint_corrupt_on_the_live_shard_is_marked_bad_and_never_tried_ag
 def test_when_no_checkpoint_verifies_the_job_stops_with_one_message_naming_the_files(
     procs: Procs,
 ) -> None:
-    steps = 250
-    redis = procs.redis().address
-    store = JobStore.connect(redis, "nowayback")
-    up = up_sync_job(procs, redis, "nowayback", steps=steps, restart=True)
-    wait_until(lambda: len(store.complete_checkpoints(2)) >= 2 and worker_clock(store, 0) >= 45,
-               60, "two checkpoints")
-    victim = server_pid(store, 0)
-    assert victim is not None
-    os.kill(victim, signal.SIGSTOP)
+    job = stalled_after_two_checkpoints(procs, "nowayback")
+    redis, store, up, victim = job.redis, job.store, job.up, job.victim
     damaged = [procs.workdir / "ckpt" / "nowayback" / c / "shard-0-of-2.safetensors"
                for c, _ in store.complete_checkpoints(2)]
     for path in damaged:

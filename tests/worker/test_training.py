@@ -1,7 +1,9 @@
-"""Training-loop helpers: AUC and log loss against brute force, sharding, look-ahead."""
+"""Training-loop helpers: AUC and log loss against brute force, sharding, look-ahead, the
+table flags."""
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import numpy as np
@@ -9,11 +11,13 @@ import pytest
 
 from worker.training import (
     TrainingError,
+    add_table_args,
     even_batches,
     log_loss,
     lookahead,
     roc_auc,
     shard_indices,
+    table_options,
 )
 
 
@@ -143,3 +147,11 @@ def test_lookahead_steps_ahead_pairs_each_item_with_the_one_that_far_on() -> Non
     assert list(lookahead([7], 3)) == [(7, None)]
     with pytest.raises(ValueError, match="steps must be >= 1"):
         list(lookahead([1], 0))
+
+
+def test_table_options_are_the_table_flags_given_as_keywords() -> None:
+    parser = argparse.ArgumentParser()
+    add_table_args(parser)
+    assert table_options(parser.parse_args([])) == ()
+    given = parser.parse_args(["--admit", "count:2", "--max-rows", "5000", "--ttl-s", "60"])
+    assert table_options(given) == (("admit", "count:2"), ("ttl_s", 60.0), ("max_rows", 5000))

@@ -77,6 +77,7 @@ from urllib.parse import quote
 
 import torch
 
+from protos.exported import sha256_file
 from ps.errors import PSError
 
 log = logging.getLogger(__name__)
@@ -1065,17 +1066,12 @@ def _atomic_write_bytes(final: Path, data: bytes, *, sync_dir: bool = True) -> N
 
 
 def _hash_file(path: Path) -> str:
-    sha = hashlib.sha256()
+    """The file's sha256, hex; "" (logged) when it cannot be read."""
     try:
-        with open(path, "rb", buffering=0) as f:
-            buf = bytearray(CHUNK_BYTES)
-            view = memoryview(buf)
-            while n := f.readinto(view):
-                sha.update(view[:n])
+        return sha256_file(path)
     except OSError as exc:
         log.warning("cannot hash %s: %s", path, exc)
         return ""
-    return sha.hexdigest()
 
 
 class _BackgroundSha256:

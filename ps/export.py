@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -192,7 +193,7 @@ def _dense(spec: TableSpec, values: list[torch.Tensor], info: dict[str, object])
     blocks = []
     for where in ranges:
         block = values[where.shard]
-        if block.numel() != where.rows * _prod(tail):
+        if block.numel() != where.rows * math.prod(tail):
             raise ExportError(f"dense table {spec.name!r}: shard {where.shard} holds "
                               f"{list(block.shape)}, its placement is rows "
                               f"[{where.start}, {where.end}) of {list(spec.shape)}")
@@ -215,13 +216,6 @@ def _sparse(spec: TableSpec, parts: list[tuple[torch.Tensor, torch.Tensor]],
                           "checkpoint is corrupt")
     return SparseTable(keys.contiguous(), values.contiguous(),
                        torch.zeros(spec.dim, dtype=spec.dtype), spec=info)
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 _INT_OF = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}

@@ -165,14 +165,16 @@ class JoinRequest(_message.Message):
     def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("clock", "open_clock", "live")
+    __slots__ = ("clock", "open_clock", "live", "position")
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     OPEN_CLOCK_FIELD_NUMBER: _ClassVar[int]
     LIVE_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     clock: int
     open_clock: int
     live: bool
-    def __init__(self, clock: _Optional[int] = ..., open_clock: _Optional[int] = ..., live: _Optional[bool] = ...) -> None: ...
+    position: bytes
+    def __init__(self, clock: _Optional[int] = ..., open_clock: _Optional[int] = ..., live: _Optional[bool] = ..., position: _Optional[bytes] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("checkpoint_id", "sha256", "generation")
@@ -462,7 +464,7 @@ class ExchangePull(_message.Message):
     def __init__(self, table: _Optional[str] = ..., keys: _Optional[_Union[Span, _Mapping]] = ..., dense: _Optional[bool] = ...) -> None: ...
 
 class ExchangeRequest(_message.Message):
-    __slots__ = ("worker", "incarnation", "generation", "wait_ms", "push_clock", "pushes", "end_iteration", "pull_clock", "pulls", "payload", "bulk", "answer")
+    __slots__ = ("worker", "incarnation", "generation", "wait_ms", "push_clock", "pushes", "end_iteration", "pull_clock", "pulls", "payload", "bulk", "answer", "position", "cut", "cut_clock")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -475,6 +477,9 @@ class ExchangeRequest(_message.Message):
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     BULK_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
+    CUT_CLOCK_FIELD_NUMBER: _ClassVar[int]
     worker: int
     incarnation: int
     generation: int
@@ -487,7 +492,10 @@ class ExchangeRequest(_message.Message):
     payload: bytes
     bulk: BulkRef
     answer: BulkRef
-    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., generation: _Optional[int] = ..., wait_ms: _Optional[int] = ..., push_clock: _Optional[int] = ..., pushes: _Optional[_Iterable[_Union[ExchangePush, _Mapping]]] = ..., end_iteration: _Optional[bool] = ..., pull_clock: _Optional[int] = ..., pulls: _Optional[_Iterable[_Union[ExchangePull, _Mapping]]] = ..., payload: _Optional[bytes] = ..., bulk: _Optional[_Union[BulkRef, _Mapping]] = ..., answer: _Optional[_Union[BulkRef, _Mapping]] = ...) -> None: ...
+    position: bytes
+    cut: str
+    cut_clock: int
+    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., generation: _Optional[int] = ..., wait_ms: _Optional[int] = ..., push_clock: _Optional[int] = ..., pushes: _Optional[_Iterable[_Union[ExchangePush, _Mapping]]] = ..., end_iteration: _Optional[bool] = ..., pull_clock: _Optional[int] = ..., pulls: _Optional[_Iterable[_Union[ExchangePull, _Mapping]]] = ..., payload: _Optional[bytes] = ..., bulk: _Optional[_Union[BulkRef, _Mapping]] = ..., answer: _Optional[_Union[BulkRef, _Mapping]] = ..., position: _Optional[bytes] = ..., cut: _Optional[str] = ..., cut_clock: _Optional[int] = ...) -> None: ...
 
 class ExchangePulled(_message.Message):
     __slots__ = ("dtype", "shape", "values")
@@ -500,18 +508,20 @@ class ExchangePulled(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., values: _Optional[_Union[Span, _Mapping]] = ...) -> None: ...
 
 class ExchangeResponse(_message.Message):
-    __slots__ = ("pushes", "open_clock", "pulled", "payload", "in_bulk")
+    __slots__ = ("pushes", "open_clock", "pulled", "payload", "in_bulk", "cut")
     PUSHES_FIELD_NUMBER: _ClassVar[int]
     OPEN_CLOCK_FIELD_NUMBER: _ClassVar[int]
     PULLED_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     IN_BULK_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
     pushes: _containers.RepeatedCompositeFieldContainer[PushResponse]
     open_clock: int
     pulled: _containers.RepeatedCompositeFieldContainer[ExchangePulled]
     payload: bytes
     in_bulk: bool
-    def __init__(self, pushes: _Optional[_Iterable[_Union[PushResponse, _Mapping]]] = ..., open_clock: _Optional[int] = ..., pulled: _Optional[_Iterable[_Union[ExchangePulled, _Mapping]]] = ..., payload: _Optional[bytes] = ..., in_bulk: _Optional[bool] = ...) -> None: ...
+    cut: str
+    def __init__(self, pushes: _Optional[_Iterable[_Union[PushResponse, _Mapping]]] = ..., open_clock: _Optional[int] = ..., pulled: _Optional[_Iterable[_Union[ExchangePulled, _Mapping]]] = ..., payload: _Optional[bytes] = ..., in_bulk: _Optional[bool] = ..., cut: _Optional[str] = ...) -> None: ...
 
 class ExchangePart(_message.Message):
     __slots__ = ("request", "payload_bytes", "offset", "payload")

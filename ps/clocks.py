@@ -16,6 +16,9 @@ from ps.errors import FencedError, InvalidArgumentError
 
 # Closed sync clocks remembered for inspection.
 HISTORY = 10_000
+# Data positions remembered per worker: those of its newest ticks. A cut takes the one of the
+# iteration before its clock, at most a pipeline's depth of iterations back.
+POSITIONS = 16
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,14 @@ class ClockBoard:
         self.history: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
         # Worker -> the newest incarnation declared dead; it and older ones are refused.
         self.fenced: dict[int, int] = {}
+        # Worker -> every iteration below this one has ticked here. Ticks of one worker may
+        # arrive out of order (its pipeline keeps several exchanges in flight): those past a
+        # gap wait in `_ahead` until it fills.
+        self.through: dict[int, int] = {}
+        self._ahead: dict[int, set[int]] = {}
+        # Worker -> (iteration -> where it was in its data once that iteration was done), for
+        # its newest ticks that said.
+        self.positions: dict[int, collections.OrderedDict[int, bytes]] = {}
 
     @property
     def quorum(self) -> int:
@@ -76,13 +87,43 @@ class ClockBoard:
         """`worker`'s gradients count for the open clock."""
         self.contributors.add(worker)
 
-    def tick(self, worker: int, clock: int) -> None:
-        """`worker` finished iteration `clock`."""
+    def tick(self, worker: int, clock: int, position: bytes = b"") -> None:
+        """`worker` finished iteration `clock`, and was then at `position` in its data
+        (b"": it did not say)."""
         self.report(worker, clock + 1)
+        self._tick_through(worker, clock)
+        if position:
+            kept = self.positions.setdefault(worker, collections.OrderedDict())
+            kept[clock] = position
+            kept.move_to_end(clock)
+            while len(kept) > POSITIONS:
+                kept.popitem(last=False)
         if clock == self.open_clock:
             self._finish(worker)
         elif clock > self.open_clock:
             self._early.setdefault(clock, []).append(worker)
+
+    def _tick_through(self, worker: int, clock: int) -> None:
+        through = self.through.get(worker)
+        if through is None or clock < through:
+            # The first tick seen (a worker that never joined here), or a repeated one.
+            self.through.setdefault(worker, clock + 1)
+            return
+        ahead = self._ahead.setdefault(worker, set())
+        ahead.add(clock)
+        while through in ahead:
+            ahead.discard(through)
+            through += 1
+        self.through[worker] = through
+
+    def position_before(self, worker: int, clock: int) -> bytes:
+        """Where `worker` was in its data after its newest iteration below `clock` that said
+        (b"": none did, or too long ago)."""
+        best, found = -1, b""
+        for ticked, position in self.positions.get(worker, {}).items():
+            if best < ticked < clock:
+                best, found = ticked, position
+        return found
 
     def _finish(self, worker: int) -> None:
         if worker in self.contributors:
@@ -123,6 +164,9 @@ class ClockBoard:
             self.report(worker, self.open_clock + 1)
         else:
             self.report(worker, self._entry_clock() if worker not in self.clocks else 0)
+        # The new incarnation's first iteration is its clock: ticks count on from there.
+        self.through[worker] = self.clocks[worker]
+        self._ahead.pop(worker, None)
         return self.clocks[worker]
 
     def set_live(self, workers: Iterable[int]) -> None:
@@ -153,11 +197,20 @@ class ClockBoard:
                 "this process must restart: a new incarnation joins at the open clock"
             )
 
-    def to_meta(self) -> dict[str, object]:
+    def to_meta(self, cut: Mapping[int, int] | None = None) -> dict[str, object]:
         """The board's checkpoint form: the open clock, clocks closed, each worker's clock,
-        the live set."""
+        the live set, and each worker's data position.
+
+        `cut` (worker -> clock) says where each worker's iterations stop counting: a worker
+        ahead of its cut clock is taken at it, with its position of then. Sync shards cut
+        every worker at the open clock; workers without a cut clock are taken as they are.
+        """
+        cut = cut or {}
+        clocks = {w: min(c, cut.get(w, c)) for w, c in self.clocks.items()}
+        positions = {w: self.position_before(w, clocks[w]) for w in self.positions}
         return {"open_clock": self.open_clock, "clocks_closed": self.clocks_closed,
-                "clocks": {str(w): c for w, c in self.clocks.items()}, "live": sorted(self.live)}
+                "clocks": {str(w): c for w, c in clocks.items()}, "live": sorted(self.live),
+                "positions": {str(w): p.decode() for w, p in positions.items() if p}}
 
     def restore_meta(self, meta: Mapping[str, Any], clock: int) -> None:
         """Takes the state `to_meta` wrote; `clock` is the open clock when the meta lacks one."""
@@ -165,6 +218,24 @@ class ClockBoard:
         self.clocks_closed = int(meta.get("clocks_closed", 0))
         self.clocks = {int(w): int(c) for w, c in meta.get("clocks", {}).items()}
         self.live = {int(w) for w in meta.get("live", sorted(self.live))}
+        self.through = dict(self.clocks)
+        self._ahead = {}
+        self.positions = {
+            int(w): collections.OrderedDict([(self.clocks.get(int(w), 0) - 1, p.encode())])
+            for w, p in meta.get("positions", {}).items()
+        }
+
+    def short_of_cut(self, cut: Mapping[int, int]) -> list[int]:
+        """Live workers a consistent cut still waits for: those without a cut clock in `cut`
+        (worker -> the first iteration after the cut), and those with iterations before it
+        that have not ticked here yet."""
+        return sorted(w for w in self.live
+                      if w not in cut or self.through.get(w, self.clocks.get(w, 0)) < cut[w])
+
+    def latest_position(self, worker: int) -> bytes:
+        """Where `worker` was in its data after its newest iteration that said (b"": none)."""
+        kept = self.positions.get(worker)
+        return next(reversed(kept.values())) if kept else b""
 
     def _entry_clock(self) -> int:
         return max(self.open_clock, self.min_live_clock()) if self.live else self.open_clock

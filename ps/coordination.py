@@ -139,9 +139,15 @@ class ServerCoordinator:
         if request is None or request["id"] == self._handled or not self.spec.checkpoint_dir:
             return
         checkpoint_id, clock = str(request["id"]), int(request["clock"])
-        self._handled = checkpoint_id
         shard = self.server.shard
-        if clock >= 0 and self.spec.mode == "sync":
+        if self.spec.mode != "sync":
+            # A consistent cut: it completes once every live worker has reached it. While
+            # another is under way, the next beat asks again.
+            if shard.cut(checkpoint_id, self._write):
+                self._handled = checkpoint_id
+            return
+        self._handled = checkpoint_id
+        if clock >= 0:
             shard.snapshot_at(clock, checkpoint_id, self._write)
         else:
             state = shard.snapshot(checkpoint_id)
@@ -149,7 +155,7 @@ class ServerCoordinator:
 
     def _write(self, state: ShardState | None) -> None:
         if state is None:
-            log.warning("shard %d: missed a checkpoint clock; skipping it",
+            log.warning("shard %d: a checkpoint's cut was missed or given up; skipping it",
                         self.server.config.shard)
             return
         started = time.monotonic()
@@ -195,6 +201,9 @@ class ServerCoordinator:
     def start(self) -> None:
         if self.spec.mode == "sync" and self.spec.checkpoint_dir:
             self.server.shard.snapshot_every(self.spec.checkpoint_every_clocks, self._write)
+        elif self.spec.checkpoint_dir:
+            # A worker may bring news of a cut before this server's beat does.
+            self.server.shard.on_cut(self._write)
         self.heartbeat.start()
         log.info("shard %d registered in job %r as %s", self.server.config.shard, self.spec.job,
                  self.address)

@@ -253,12 +253,13 @@ class ParameterServerServicer:
     def Join(self, request: Frame[pb.JoinRequest], context: Any) -> bytes:
         msg = request.msg
 
-        def join() -> tuple[int, int, bool]:
+        def join() -> tuple[int, int, bool, bytes]:
             self._acting_as(context, msg.worker)
             return self.shard.join(msg.worker, msg.incarnation, msg.generation)
 
-        clock, open_clock, live = _guard(join, context)
-        return pb.JoinResponse(clock=clock, open_clock=open_clock, live=live).SerializeToString()
+        clock, open_clock, live, position = _guard(join, context)
+        return pb.JoinResponse(clock=clock, open_clock=open_clock, live=live,
+                               position=position).SerializeToString()
 
     def Restore(self, request: Frame[pb.RestoreRequest], context: Any) -> bytes:
         msg = request.msg

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from protos.codec import tensor_from_bytes
-from protos.modes import ASYNC, Mode
+from protos.modes import ASYNC, Kind, Mode
 from protos.partition import RowRange, dense_placement
 from ps.aggregate import Aggregate, DenseSum, SparseSum
 from ps.checkpoint import ShardState, TableState
@@ -65,6 +65,8 @@ PULL_LOG_SIZE = 100_000
 # Clocks, generations and worker ids beyond these are refused before they are stored: far
 # past any job, and clock + 1 still fits every int64 field that reports it.
 MAX_CLOCK = 1 << 62
+# A checkpoint id, as a cut's mark carries it (the checkpoint module's name rule).
+_CUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 MAX_WORKER = 1 << 31
 GiB = 1 << 30
 
@@ -241,6 +243,12 @@ class Exchange:
     pull_clock: int
     pulls: Sequence[Pull]
     wait_s: float = 0.0
+    # With end_iteration: the worker's data position once iteration push_clock is done.
+    position: bytes = b""
+    # The worker has reached the cut of checkpoint `cut`: its iterations from cut_clock on
+    # come after it.
+    cut: str = ""
+    cut_clock: int = 0
 
     def __post_init__(self) -> None:
         check_range("the worker id", self.worker, MAX_WORKER)
@@ -276,6 +284,18 @@ class ExchangeResult:
     outcomes: list[PushOutcome]
     open_clock: int | None  # after the end of the iteration, when it was asked for
     pulled: list[torch.Tensor | SparseRows]
+    cut: str = ""  # a checkpoint cut the worker has yet to mark
+
+
+@dataclass
+class _Cut:
+    """A consistent cut under way (async and ssp checkpoints): each worker's cut clock as it
+    marked it, and who writes the snapshot."""
+
+    checkpoint_id: str
+    started: float
+    done: Callable[[ShardState | None], None]
+    marked: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -322,6 +342,11 @@ class Shard:
         self._pull_log: collections.deque[PullRecord] = collections.deque(maxlen=PULL_LOG_SIZE)
         self._pending_snapshot: tuple[int, str, Callable[[ShardState | None], None]] | None = None
         self._periodic: tuple[int, Callable[[ShardState | None], None]] | None = None
+        # The async/ssp cut under way (guarded by self._clocks), who writes cuts a worker
+        # starts here, and the ids of recent cuts (a late marker of one starts nothing).
+        self._cut: _Cut | None = None
+        self._on_cut: Callable[[ShardState | None], None] | None = None
+        self._cuts_seen: collections.deque[str] = collections.deque(maxlen=64)
         # The job's rollback count as of this shard's last restore; older workers are refused.
         self.generation = 0
         # Called with (table, clocks behind the slowest live worker) for each served ssp or
@@ -536,6 +561,10 @@ class Shard:
         worker, generation = request.worker, request.generation
         self.check_generation(worker, generation)
         self.check_fenced(worker, request.incarnation)
+        if request.cut:
+            self._mark_cut(worker, request.cut, request.cut_clock)
+        if self._cut is not None and (request.pushes or request.end_iteration):
+            self._hold_for_cut(worker, request.push_clock, alive)
         prepared = [
             self._prepare_sparse(p.table, p.meta, p.dtype, p.dim, p.keys, p.values)
             if isinstance(p, SparsePush)
@@ -584,7 +613,9 @@ class Shard:
             open_clock = None
             if request.end_iteration:
                 open_clock = self.tick(worker, request.incarnation, request.push_clock,
-                                       generation)
+                                       generation, request.position)
+            if self._cut is not None and request.pulls:
+                self._hold_for_cut(worker, request.pull_clock, alive)
             pulled: list[torch.Tensor | SparseRows] = []
             for pull, (policy, read) in zip(request.pulls, reads, strict=True):
                 self._await_pull(pull.table, policy, worker, request.pull_clock,
@@ -592,7 +623,9 @@ class Shard:
                 pulled.append(read())
         finally:
             self._release(grant)
-        return ExchangeResult(outcomes, open_clock, pulled)
+        cut = self._cut  # a moment's value: a worker told twice marks once
+        announce = cut.checkpoint_id if cut is not None and worker not in cut.marked else ""
+        return ExchangeResult(outcomes, open_clock, pulled, announce)
 
     def _admit_rows(
         self, touches: Sequence[tuple[SparseTable, np.ndarray, np.ndarray | None, bool]],
@@ -804,21 +837,25 @@ class Shard:
 
     # ---- clocks and membership -------------------------------------------------------------
 
-    def tick(self, worker: int, incarnation: int, clock: int, generation: int = 0) -> int:
-        """`worker` finished iteration `clock` on this shard; returns the open sync clock.
-        Its caller, `exchange`, has checked the ids and clock."""
+    def tick(self, worker: int, incarnation: int, clock: int, generation: int = 0,
+             position: bytes = b"") -> int:
+        """`worker` finished iteration `clock` on this shard, and was then at `position` in
+        its data; returns the open sync clock. Its caller, `exchange`, has checked the ids
+        and clock."""
         self.check_generation(worker, generation)
         self.ledger.check_incarnation(worker, incarnation)
         with self._clocks:
-            self.board.tick(worker, clock)
+            self.board.tick(worker, clock, position)
             self._close_ready()
+            self._cut_if_ready()
             self._clocks.notify_all()
             return self.board.open_clock
 
     def join(
         self, worker: int, incarnation: int, generation: int = 0
-    ) -> tuple[int, int, bool]:
-        """A worker process announces itself: (its clock here, the open clock, is it live)."""
+    ) -> tuple[int, int, bool, bytes]:
+        """A worker process announces itself: (its clock here, the open clock, is it live,
+        its data position at its clock here)."""
         check_range("the worker id", worker, MAX_WORKER)
         check_range("the generation", generation, MAX_CLOCK)
         self.check_generation(worker, generation)
@@ -830,7 +867,8 @@ class Shard:
             self._clocks.notify_all()
             log.info("shard %d: worker %d incarnation %d joined at clock %d",
                      self.config.shard, worker, incarnation, clock)
-            return clock, self.board.open_clock, worker in self.board.live
+            return (clock, self.board.open_clock, worker in self.board.live,
+                    self.board.position_before(worker, clock))
 
     def set_live(
         self, workers: Iterable[int], fenced: Mapping[int, int] | None = None
@@ -848,6 +886,7 @@ class Shard:
             log.info("shard %d: live workers %s (quorum %d)", self.config.shard,
                      sorted(self.board.live), self.board.quorum)
             self._close_ready()
+            self._cut_if_ready()
             self._clocks.notify_all()
             return self._clock_state()
 
@@ -929,13 +968,113 @@ class Shard:
                 return
         done(state)
 
-    def _snapshot(self, checkpoint_id: str) -> ShardState:
+    def cut(self, checkpoint_id: str, done: Callable[[ShardState | None], None]) -> bool:
+        """Starts a consistent cut (async and ssp checkpoints); False when one is under way.
+
+        Exchanges tell each worker of the cut; the worker marks it on its next exchange with
+        its cut clock, the first iteration it has not sent yet (all before it were
+        answered). Its exchanges from that clock on wait here; once every live worker has
+        marked the cut and ticked every iteration before its cut clock, the shard takes the
+        snapshot (each worker at its cut clock, with its data position of then) and calls
+        `done` with it on another thread. Every shard cuts at the same worker clocks, as
+        each worker marks all shards in one exchange: together the shards' snapshots are
+        one consistent checkpoint. A cut that has not completed within the shard's wait
+        limit (a live worker that stopped stepping) is given up: `done` gets None and the
+        waiting exchanges go on. A worker may start a cut here by marking it first.
+        """
+        with self._clocks:
+            return self._start_cut(checkpoint_id, done)
+
+    def on_cut(self, done: Callable[[ShardState | None], None] | None) -> None:
+        """Who writes a cut that a worker's mark starts here (before the shard heard of it)."""
+        with self._clocks:
+            self._on_cut = done
+
+    def _start_cut(self, checkpoint_id: str, done: Callable[[ShardState | None], None]) -> bool:
         """Caller holds self._clocks."""
+        if checkpoint_id in self._cuts_seen:
+            return True
+        if self._cut is not None:
+            if self._now() - self._cut.started < self.config.max_wait_s:
+                log.warning("shard %d: checkpoint %s waits: the cut of %s is under way",
+                            self.config.shard, checkpoint_id, self._cut.checkpoint_id)
+                return False
+            self._give_up_cut()
+        self._cuts_seen.append(checkpoint_id)
+        self._cut = _Cut(checkpoint_id, self._now(), done)
+        self._cut_if_ready()
+        self._clocks.notify_all()
+        return True
+
+    def _mark_cut(self, worker: int, checkpoint_id: str, clock: int) -> None:
+        check_range("the cut clock", clock, MAX_CLOCK)
+        if not _CUT_ID.fullmatch(checkpoint_id):
+            raise InvalidArgumentError(
+                f"the exchange marks a cut of {checkpoint_id[:80]!r}, which is not a checkpoint "
+                "id (letters, digits, '.', '_', '-'; at most 200)")
+        with self._clocks:
+            cut = self._cut
+            if cut is None or cut.checkpoint_id != checkpoint_id:
+                if self._on_cut is None or not self._start_cut(checkpoint_id, self._on_cut):
+                    return
+                cut = self._cut
+                if cut is None:  # taken at once: no live worker to wait for
+                    return
+            cut.marked.setdefault(worker, clock)
+            self._cut_if_ready()
+            self._clocks.notify_all()
+
+    def _hold_for_cut(self, worker: int, clock: int, alive: Alive) -> None:
+        """Waits while iteration `clock` of `worker` lies past its mark of the cut under way."""
+        with self._clocks:
+            while True:
+                cut = self._cut
+                if cut is None or clock < cut.marked.get(worker, MAX_CLOCK):
+                    return
+                remaining = cut.started + self.config.max_wait_s - self._now()
+                if remaining <= 0:
+                    self._give_up_cut()
+                    return
+                if alive is not None and not alive():
+                    raise CallEndedError(
+                        "the caller ended its call while it waited for a checkpoint's cut; "
+                        "nothing of it was done")
+                self._clocks.wait(min(remaining, ALIVE_POLL_S))
+
+    def _cut_if_ready(self) -> None:
+        """Takes the cut under way once no live worker is short of it. Caller holds
+        self._clocks."""
+        cut = self._cut
+        if cut is None or self.board.short_of_cut(cut.marked):
+            return
+        self._cut = None
+        state = self._snapshot(cut.checkpoint_id, cut.marked)
+        log.info("shard %d: cut %s taken %.3f s after it began", self.config.shard,
+                 cut.checkpoint_id, self._now() - cut.started)
+        threading.Thread(target=cut.done, args=(state,), daemon=True).start()
+
+    def _give_up_cut(self) -> None:
+        """Caller holds self._clocks."""
+        cut = self._cut
+        if cut is None:
+            return
+        self._cut = None
+        log.warning("shard %d: gave up the cut of checkpoint %s after %.0f s: worker(s) %s did "
+                    "not reach it (a worker that stops stepping without finishing holds a cut "
+                    "back)", self.config.shard, cut.checkpoint_id, self._now() - cut.started,
+                    self.board.short_of_cut(cut.marked))
+        self._clocks.notify_all()
+        threading.Thread(target=cut.done, args=(None,), daemon=True).start()
+
+    def _snapshot(self, checkpoint_id: str, cut: Mapping[int, int] | None = None) -> ShardState:
+        """Caller holds self._clocks. `cut`: each worker's cut clock (sync: the open clock)."""
         with self._lock:
             tables = list(self._tables.items())
+        if cut is None and self.config.mode.kind is Kind.SYNC:
+            cut = dict.fromkeys(self.board.clocks, self.board.open_clock)
         meta: dict[str, object] = {
             "mode": str(self.config.mode), "incarnation": self.config.incarnation,
-            **self.board.to_meta(), "ledger": self.ledger.to_meta(),
+            **self.board.to_meta(cut), "ledger": self.ledger.to_meta(),
         }
         return ShardState(
             job=self.config.job or "standalone", shard=self.config.shard,

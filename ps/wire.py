@@ -15,6 +15,7 @@ import torch
 from protos import codec, modes
 from protos import pstrain_pb2 as pb
 from protos.codec import WireError
+from protos.positions import MAX_POSITION_BYTES
 from ps.checkpoint import CheckpointError, check_reference
 from ps.errors import InvalidArgumentError
 from ps.initializers import InitSpec
@@ -122,7 +123,23 @@ def exchange_from_proto(msg: pb.ExchangeRequest, payload: codec.Received) -> Exc
         worker=msg.worker, incarnation=msg.incarnation, generation=msg.generation,
         push_clock=msg.push_clock, pushes=pushes, end_iteration=msg.end_iteration,
         pull_clock=msg.pull_clock, pulls=pulls, wait_s=wait_s,
+        position=_position(msg), cut=msg.cut, cut_clock=msg.cut_clock,
     )
+
+
+def _position(msg: pb.ExchangeRequest) -> bytes:
+    """The request's data position, checked: UTF-8 text of at most MAX_POSITION_BYTES."""
+    position = msg.position
+    if len(position) > MAX_POSITION_BYTES:
+        raise InvalidArgumentError(
+            f"the data position carries {len(position)} bytes; a server keeps at most "
+            f"{MAX_POSITION_BYTES} per worker: keep a sampler's state small (a seed and a "
+            "count, not the data)")
+    try:
+        position.decode()
+    except UnicodeDecodeError as exc:
+        raise InvalidArgumentError(f"the data position is not UTF-8 text: {exc}") from exc
+    return position
 
 
 def exchange_to_proto(
@@ -134,7 +151,7 @@ def exchange_to_proto(
             _push_result(outcome, _elements(push))
             for push, outcome in zip(exchange.pushes, result.outcomes, strict=True)
         ],
-        open_clock=result.open_clock or 0,
+        open_clock=result.open_clock or 0, cut=result.cut,
     )
     payload = codec.Payload()
     for pulled in result.pulled:

@@ -16,6 +16,7 @@ Typical use::
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import time
@@ -99,6 +100,19 @@ class PSClient:
         # Guards dropped_pushes, and the clock where exchanges may end iterations in parallel.
         self._count_lock = threading.Lock()
         self.dropped_pushes = 0
+        # Where the script is in its data (DataPosition.encode()), sent with each iteration's
+        # end: the latest it set, or the one `hold_position` kept for that iteration. Join
+        # sets `joined_position` to the servers' record of this rank (b"": none).
+        self.position = b""
+        self.joined_position = b""
+        # Guards _held_positions and the cut marks below.
+        self._cut_lock = threading.Lock()
+        self._held_positions: dict[int, bytes] = {}
+        # A checkpoint cut a server told of, to mark on the next exchange; the cuts marked;
+        # the newest iteration any exchange pushed for or ended (-1: none yet).
+        self._cut_pending = ""
+        self._cuts_marked: collections.deque[str] = collections.deque(maxlen=16)
+        self._sent_clock = -1
         # Told (what, seconds) of every call: the worker's latency metrics.
         self.observe = observe
         self._seq = itertools.count(1)
@@ -239,6 +253,12 @@ class PSClient:
             self.clock = max(self.clock, ended)
             return self.clock
 
+    def hold_position(self, clock: int) -> None:
+        """Keeps the current `position` for the end of iteration `clock`, for callers that
+        end iterations after the script has moved on (a pipeline). Thread-safe."""
+        with self._cut_lock:
+            self._held_positions[clock] = self.position
+
     def join(self) -> int:
         """Announces this process (its incarnation) to every shard; sets and returns its clock.
 
@@ -248,6 +268,11 @@ class PSClient:
         """
         frames = self._join_all()
         clock = int(max(f.msg.clock for f in frames))
+        # Every shard keeps the position sent with each iteration's end; those at the
+        # newest clock know the latest.
+        self.joined_position = next(
+            (bytes(f.msg.position) for f in frames if f.msg.clock == clock and f.msg.position),
+            b"")
         for link, frame in zip(self.links, frames, strict=True):
             for behind in range(frame.msg.clock, clock):
                 tick = pb.ExchangeRequest(
@@ -477,6 +502,21 @@ class PSClient:
             wait_ms=self._wait_ms(), push_clock=push_clock, end_iteration=end_iteration,
             pull_clock=pull_clock,
         )
+        with self._cut_lock:
+            if self._cut_pending:
+                # The cut falls after every iteration an exchange was sent for: those are
+                # answered before this one (each waits for its answers), or still on their
+                # way and counted in once they arrive; later ones wait at the servers.
+                header.cut = self._cut_pending
+                header.cut_clock = max(self._sent_clock + 1, self.clock)
+                self._cuts_marked.append(self._cut_pending)
+                self._cut_pending = ""
+            if pushes or end_iteration:
+                self._sent_clock = max(self._sent_clock, push_clock)
+            if end_iteration:
+                header.position = self._held_positions.pop(push_clock, self.position)
+                for old in [c for c in self._held_positions if c < push_clock]:
+                    del self._held_positions[old]
         with self._lock:
             tables = dict(self._tables)
         plan = ExchangePlan(header, table_lookup(tables), self.num_shards, self._seq)
@@ -494,6 +534,11 @@ class PSClient:
         jobs = [(self.links[i], partial(send, i, msg, payload, answer_bytes))
                 for i, msg, payload, answer_bytes in plan.requests()]
         answers = self._each(jobs, what)
+        told = next((a.cut for a in answers if a.cut), "")
+        if told:
+            with self._cut_lock:
+                if told not in self._cuts_marked:
+                    self._cut_pending = told
         dropped = sum(result.dropped for answer in answers for result in answer.pushes)
         if dropped:
             with self._count_lock:

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from protos.positions import DataPosition
 from protos.runtime import tune_malloc
 from protos.security import Security, SecurityError
 from scheduler.finishing import barrier_missing
@@ -133,6 +134,22 @@ class WorkerContext:
         Cheap and non-blocking: heartbeats carry the latest values.
         """
         self.metrics.add(samples, metrics)
+
+    @property
+    def position(self) -> DataPosition | None:
+        """Where this rank was in its data when it joined: what the servers kept of its
+        last `at()` before the job's clock (a checkpoint it resumed from, or the live job
+        it rejoined); None for a fresh start. A script starts there, so no sample is
+        skipped or trained twice across a restart."""
+        return DataPosition.decode(self.client.joined_position)
+
+    def at(self, epoch: int, batch: int, state: str = "") -> None:
+        """Says where this rank is in its data once the current step is done: `batch`
+        batches of `epoch` trained (so the next is batch `batch`), with `state` for a
+        sampler's own text. Call it before the step's `PSOptimizer.step()` (or
+        `client.end_iteration()`); the step's end carries it to every server, and
+        checkpoints record it. Cheap; PositionError for values that cannot be kept."""
+        self.client.position = DataPosition(epoch, batch, state).encode()
 
     def shard(self, items: int) -> range:
         """The indices of `items` this rank owns: every world_size-th, from its rank."""

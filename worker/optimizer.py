@@ -164,6 +164,7 @@ class PSOptimizer:
         pushes = [push_of(table, items) for table, items in by_table(grads)]
         if not self.overlap:
             clock = self.client.clock
+            self.client.hold_position(clock)
             pipeline.outbox = Outbox(clock, pushes, event)
             pipeline.ask_dense(clock + 1)
             pipeline.dispatch(outbox=True, up_to=clock + 1)
@@ -173,6 +174,8 @@ class PSOptimizer:
             # No PS forward ran in this step to send the last one's gradients: send them.
             pipeline.forward_started()
         clock = pipeline.step_clock
+        # The script's data position now is the one this step's end reports.
+        self.client.hold_position(clock)
         pipeline.outbox = Outbox(clock, pushes, event)
         pipeline.step_clock = clock + 1
 

@@ -94,7 +94,7 @@ class ExchangePlan:
         self._routes: dict[int, list[_Route]] = {}
         self._outputs: list[_PullOut] = []
         self._answer_bytes: dict[int, int] = {}
-        if header.end_iteration:
+        if header.end_iteration or header.cut:  # both reach every shard
             for index in range(num_shards):
                 self._request(index)
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ps.clocks import ClockBoard, Quorum
+from ps.clocks import POSITIONS, ClockBoard, Quorum
 from ps.consistency import SyncPolicy
 from ps.errors import FencedError, InvalidArgumentError, RolledBackError
 
@@ -77,17 +77,56 @@ def test_bad_quorum(workers: int, backups: int) -> None:
 def test_checkpoint_form_round_trips_through_json() -> None:
     board = ClockBoard(Quorum(3))
     for worker in (0, 1, 2):
-        board.tick(worker, 0)
+        board.tick(worker, 0, f"w{worker}@0".encode())
     board.close()
-    board.tick(0, 1)
+    board.tick(0, 1, b"w0@1")
     board.set_live({0, 2})
     meta = json.loads(json.dumps(board.to_meta()))
     assert meta == {"open_clock": 1, "clocks_closed": 1, "clocks": {"0": 2, "1": 1, "2": 1},
-                    "live": [0, 2]}
+                    "live": [0, 2], "positions": {"0": "w0@1", "1": "w1@0", "2": "w2@0"}}
     copy = ClockBoard(Quorum(3))
     copy.restore_meta(meta, clock=0)
     assert (copy.open_clock, copy.clocks_closed, copy.clocks, copy.live) == (
         1, 1, {0: 2, 1: 1, 2: 1}, {0, 2})
+    assert [copy.latest_position(w) for w in (0, 1, 2)] == [b"w0@1", b"w1@0", b"w2@0"]
+    # A worker rejoining the restored board gets the position of its clock there.
+    assert copy.position_before(0, copy.clocks[0]) == b"w0@1"
+
+
+def test_a_cut_takes_each_worker_at_its_cut_clock_with_its_position_of_then() -> None:
+    board = ClockBoard(Quorum(2))
+    for clock in range(4):
+        board.tick(0, clock, f"e0b{clock + 1}".encode())
+    board.tick(1, 0, b"e0b1")
+    meta = board.to_meta({0: 2, 1: 5})
+    assert meta["clocks"] == {"0": 2, "1": 1}
+    assert meta["positions"] == {"0": "e0b2", "1": "e0b1"}
+    # Sync cuts every worker at the open clock: one that ticked ahead is taken back to it.
+    assert board.to_meta(dict.fromkeys(board.clocks, 0))["positions"] == {}
+
+
+def test_ticks_out_of_order_count_through_only_once_the_gap_fills() -> None:
+    board = ClockBoard(Quorum(1))
+    board.restart(0)  # joins at clock 0
+    board.tick(0, 1)  # iteration 1's exchange overtook iteration 0's
+    assert board.through[0] == 0
+    assert board.short_of_cut({0: 2}) == [0]
+    board.tick(0, 0)
+    assert board.through[0] == 2
+    assert board.short_of_cut({0: 2}) == []
+    # A live worker without a mark holds a cut back; a dead one does not.
+    assert board.short_of_cut({}) == [0]
+    board.set_live(set())
+    assert board.short_of_cut({}) == []
+
+
+def test_positions_kept_are_bounded_per_worker() -> None:
+    board = ClockBoard(Quorum(1))
+    for clock in range(3 * POSITIONS):
+        board.tick(0, clock, str(clock).encode())
+    assert len(board.positions[0]) == POSITIONS
+    assert board.position_before(0, 3 * POSITIONS) == str(3 * POSITIONS - 1).encode()
+    assert board.position_before(0, 1) == b""  # long gone
 
 
 

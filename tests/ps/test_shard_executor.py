@@ -602,3 +602,99 @@ def test_ids_the_admission_rule_refuses_take_no_room_in_the_budget(admit: str) -
         pull_sparse(shard, "adm", 1, 0, keys)
     stats = next(s for s, _ in shard.stats() if s.name == "adm")
     assert stats.rows == admitted and shard.memory_bytes() <= budget
+
+
+# ---- consistent cuts (async and ssp checkpoints) ----------------------------------------------
+
+
+def tick_w(shard: Shard, worker: int, seq: int, clock: int, value: float, *, cut: str = "",
+           cut_clock: int = 0, position: bytes = b"") -> Any:
+    """Worker `worker`'s step `clock`: a push to "w" and the end of the iteration, marking
+    `cut` if given."""
+    push = DensePush("w", PushMeta(worker, 1, seq, clock), F32, (4,),
+                     [(0, torch.full((4,), value))])
+    return shard.exchange(Exchange(
+        worker=worker, incarnation=1, generation=0, push_clock=clock, pushes=[push],
+        end_iteration=True, pull_clock=clock + 1, pulls=[], position=position, cut=cut,
+        cut_clock=cut_clock))
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_a_cut_holds_each_worker_past_its_mark_until_every_worker_reached_it(mode: str) -> None:
+    shard, clock = make_shard(mode, staleness=2)
+    taken: list[Any] = []
+    assert shard.cut("c1", taken.append)
+    # Told of the cut by its next answer, each worker marks it on the exchange after.
+    assert tick_w(shard, 0, 1, 0, 1.0, position=b"w0 after 0").cut == "c1"
+    # Worker 0's next step lies past its mark (cut clock 1): it waits for worker 1.
+    reads = clock.reads
+    held = Call(partial(tick_w, shard, 0, 2, 1, 10.0, cut="c1", cut_clock=1,
+                        position=b"w0 after 1"))
+    assert settle(held, clock, reads)
+    assert tick_w(shard, 1, 1, 0, 2.0, position=b"w1 after 0").cut == "c1"
+    assert not taken
+    # Worker 1 marks at its clock 1 too: every iteration before both marks has ticked.
+    tick_w(shard, 1, 2, 1, 20.0, cut="c1", cut_clock=1, position=b"w1 after 1")
+    held.outcome()
+    deadline = time.monotonic() + BOUND_S
+    while not taken and time.monotonic() < deadline:
+        time.sleep(0.001)
+    (state,) = taken
+    w = {t.name: t.tensors for t in state.tables}["w"]["value"]
+    # SGD with lr 1 from ones: the cut holds both workers' iteration 0 and nothing after.
+    assert w.tolist() == [1.0 - 1.0 - 2.0] * 4
+    assert state.meta["clocks"] == {"0": 1, "1": 1}
+    assert state.meta["positions"] == {"0": "w0 after 0", "1": "w1 after 0"}
+    # After the cut both iterations 1 applied, and answers no longer tell of it.
+    assert values(shard)[0] == [1.0 - 3.0 - 30.0] * 4
+    assert tick_w(shard, 0, 3, 2, 0.0).cut == ""
+
+
+def test_a_cut_a_live_worker_never_reaches_is_given_up_at_the_wait_limit() -> None:
+    shard, clock = make_shard("async", max_wait_s=10.0)
+    taken: list[Any] = []
+    shard.cut("c1", taken.append)
+    reads = clock.reads
+    held = Call(partial(tick_w, shard, 0, 1, 0, 1.0, cut="c1", cut_clock=0))
+    assert settle(held, clock, reads)
+    # Worker 1 is live but never steps: at the limit the cut is given up, and the held
+    # step goes on.
+    clock.set(11.0)
+    held.outcome()
+    deadline = time.monotonic() + BOUND_S
+    while not taken and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert taken == [None]
+    assert values(shard)[0] == [0.0] * 4
+    # A new cut may start: the given-up one holds nothing back.
+    assert shard.cut("c2", taken.append)
+
+
+def test_a_cut_with_no_live_worker_is_taken_at_once_and_a_dead_worker_releases_one() -> None:
+    shard, _ = make_shard("async")
+    taken: list[Any] = []
+    shard.set_live([])
+    shard.cut("idle", taken.append)
+    shard.set_live([0, 1])
+    shard.cut("c2", taken.append)
+    tick_w(shard, 0, 1, 0, 1.0, cut="c2", cut_clock=1)
+    shard.set_live([0])  # worker 1 was declared dead: the cut no longer waits for it
+    deadline = time.monotonic() + BOUND_S
+    while len(taken) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert [s.checkpoint_id for s in taken] == ["idle", "c2"]
+
+
+def test_a_worker_marking_a_cut_the_shard_has_not_heard_of_starts_it() -> None:
+    shard, _ = make_shard("async", workers=1)
+    taken: list[Any] = []
+    tick_w(shard, 0, 1, 0, 1.0, cut="early", cut_clock=0)  # no writer yet: ignored
+    assert not taken
+    shard.on_cut(taken.append)
+    tick_w(shard, 0, 2, 1, 1.0, cut="early", cut_clock=1)
+    deadline = time.monotonic() + BOUND_S
+    while not taken and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert [s.checkpoint_id for s in taken] == ["early"]
+    with pytest.raises(InvalidArgumentError, match="not a checkpoint id"):
+        tick_w(shard, 0, 3, 2, 1.0, cut="../x", cut_clock=2)

@@ -524,36 +524,40 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
              mode, device, len(train_rows), len(parts.train), len(parts.val), len(parts.test),
              ps.overlap if ps else "n/a")
     rng = np.random.default_rng(args.seed + 1000 * args.rank)
-    # A worker restarted inside a job (after a sync rollback, or a crash under --restart)
-    # joins at the job's clock, one step per batch: it carries on at that step's batch, in
-    # the same shuffled order, so the run ends where an uninterrupted one ends.
-    done_steps = client.clock if client is not None else 0
+    # A worker restarted inside a job (after a rollback, a crash under --restart, or
+    # `pstrain up --resume`) carries on after the last batch the servers, or the checkpoint
+    # they restored, counted for it: its data position. The shuffled order is drawn the same
+    # way, so no sample is skipped or trained twice.
+    position = ctx.position if ctx is not None else None
     per_epoch = -(-len(train_rows) // args.batch_size)
-    if done_steps:
-        log.info("carrying on at step %d (epoch %d, batch %d)", done_steps,
-                 done_steps // per_epoch + 1, done_steps % per_epoch)
+    if position is not None:
+        log.info("carrying on at epoch %d, batch %d", position.epoch + 1, position.batch)
     trained = 0
     train_s = 0.0
     val_auc = float("nan")
     curve: list[tuple[float, float]] = []
     for epoch in range(args.epochs):
         order = train_rows[rng.permutation(len(train_rows))]  # drawn for every epoch, done or not
-        first = min(max(done_steps - epoch * per_epoch, 0), per_epoch)
+        first = 0
+        if position is not None and epoch <= position.epoch:
+            first = per_epoch if epoch < position.epoch else min(position.batch, per_epoch)
         if first == per_epoch:
             continue  # trained before this process started
         epoch_start = time.monotonic()
         losses: list[float] = []
         ahead = ps.prefetch_depth if ps is not None else 1
         todo = order[first * args.batch_size :]
-        for batch, upcoming in lookahead(
+        for index, (batch, upcoming) in enumerate(lookahead(
             batches(data, todo, args.batch_size, placement=placement), ahead
-        ):
+        ), start=first):
             if upcoming is not None:
                 model.prefetch(upcoming)
             loss = F.binary_cross_entropy_with_logits(model(batch), batch.labels)
             for opt in optimizers:
                 opt.zero_grad()
             loss.backward()
+            if ctx is not None:
+                ctx.at(epoch, index + 1)  # where this rank is once this step is done
             for opt in optimizers:
                 opt.step()  # PSOptimizer: push the gradients, the servers' optimizers apply them
             losses.append(loss.item())

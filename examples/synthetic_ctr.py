@@ -226,9 +226,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     mode = "local" if args.local else "distributed"
     log.info("%s: %d steps of %d; best reachable AUC %.4f (the planted model's)", mode,
              args.steps, args.batch, best_auc)
-    # A worker restarted inside a job joins at the job's clock, one step per batch; each
-    # step's batch comes from a seed of its own, so it carries on with that step's batch.
-    done_steps = min(client.clock, args.steps) if client is not None else 0
+    # A resumed or restarted worker carries on after the last batch the servers (or the
+    # checkpoint they restored) counted for it: its data position. Each step's batch comes
+    # from a seed of its own, so it carries on with that step's batch.
+    position = ctx.position if ctx is not None else None
+    done_steps = min(position.batch, args.steps) if position is not None else 0
 
     def stream_batches() -> Any:
         for step in range(done_steps, args.steps):
@@ -247,6 +249,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         for opt in optimizers:
             opt.zero_grad()
         loss.backward()
+        if ctx is not None:
+            ctx.at(0, step + 1)  # the stream is one epoch; this step's batch is done
         for opt in optimizers:
             opt.step()  # PSOptimizer: push the gradients, the servers' optimizers apply them
         losses.append(loss.item())

@@ -173,8 +173,8 @@ class JoinResponse(_message.Message):
     clock: int
     open_clock: int
     live: bool
-    position: bytes
-    def __init__(self, clock: _Optional[int] = ..., open_clock: _Optional[int] = ..., live: _Optional[bool] = ..., position: _Optional[bytes] = ...) -> None: ...
+    position: str
+    def __init__(self, clock: _Optional[int] = ..., open_clock: _Optional[int] = ..., live: _Optional[bool] = ..., position: _Optional[str] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("checkpoint_id", "sha256", "generation")
@@ -464,7 +464,7 @@ class ExchangePull(_message.Message):
     def __init__(self, table: _Optional[str] = ..., keys: _Optional[_Union[Span, _Mapping]] = ..., dense: _Optional[bool] = ...) -> None: ...
 
 class ExchangeRequest(_message.Message):
-    __slots__ = ("worker", "incarnation", "generation", "wait_ms", "push_clock", "pushes", "end_iteration", "pull_clock", "pulls", "payload", "bulk", "answer", "position", "cut", "cut_clock")
+    __slots__ = ("worker", "incarnation", "generation", "wait_ms", "push_clock", "pushes", "end_iteration", "pull_clock", "pulls", "payload", "bulk", "answer", "position", "cut", "cut_clock", "acked_clock")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -480,6 +480,7 @@ class ExchangeRequest(_message.Message):
     POSITION_FIELD_NUMBER: _ClassVar[int]
     CUT_FIELD_NUMBER: _ClassVar[int]
     CUT_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    ACKED_CLOCK_FIELD_NUMBER: _ClassVar[int]
     worker: int
     incarnation: int
     generation: int
@@ -492,10 +493,11 @@ class ExchangeRequest(_message.Message):
     payload: bytes
     bulk: BulkRef
     answer: BulkRef
-    position: bytes
+    position: str
     cut: str
     cut_clock: int
-    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., generation: _Optional[int] = ..., wait_ms: _Optional[int] = ..., push_clock: _Optional[int] = ..., pushes: _Optional[_Iterable[_Union[ExchangePush, _Mapping]]] = ..., end_iteration: _Optional[bool] = ..., pull_clock: _Optional[int] = ..., pulls: _Optional[_Iterable[_Union[ExchangePull, _Mapping]]] = ..., payload: _Optional[bytes] = ..., bulk: _Optional[_Union[BulkRef, _Mapping]] = ..., answer: _Optional[_Union[BulkRef, _Mapping]] = ..., position: _Optional[bytes] = ..., cut: _Optional[str] = ..., cut_clock: _Optional[int] = ...) -> None: ...
+    acked_clock: int
+    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., generation: _Optional[int] = ..., wait_ms: _Optional[int] = ..., push_clock: _Optional[int] = ..., pushes: _Optional[_Iterable[_Union[ExchangePush, _Mapping]]] = ..., end_iteration: _Optional[bool] = ..., pull_clock: _Optional[int] = ..., pulls: _Optional[_Iterable[_Union[ExchangePull, _Mapping]]] = ..., payload: _Optional[bytes] = ..., bulk: _Optional[_Union[BulkRef, _Mapping]] = ..., answer: _Optional[_Union[BulkRef, _Mapping]] = ..., position: _Optional[str] = ..., cut: _Optional[str] = ..., cut_clock: _Optional[int] = ..., acked_clock: _Optional[int] = ...) -> None: ...
 
 class ExchangePulled(_message.Message):
     __slots__ = ("dtype", "shape", "values")

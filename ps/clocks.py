@@ -116,6 +116,18 @@ class ClockBoard:
             through += 1
         self.through[worker] = through
 
+    def acked(self, worker: int, clock: int) -> None:
+        """Every iteration of `worker` before `clock` was answered by every shard: none is
+        still to tick here (one this shard lost, restarted from a checkpoint, never will)."""
+        if clock <= self.through.get(worker, 0):
+            return
+        ahead = self._ahead.get(worker, set())
+        ahead.difference_update([c for c in ahead if c < clock])
+        while clock in ahead:
+            ahead.discard(clock)
+            clock += 1
+        self.through[worker] = clock
+
     def position_before(self, worker: int, clock: int) -> bytes:
         """Where `worker` was in its data after its newest iteration below `clock` that said
         (b"": none did, or too long ago)."""
@@ -202,8 +214,8 @@ class ClockBoard:
         the live set, and each worker's data position.
 
         `cut` (worker -> clock) says where each worker's iterations stop counting: a worker
-        ahead of its cut clock is taken at it, with its position of then. Sync shards cut
-        every worker at the open clock; workers without a cut clock are taken as they are.
+        ahead of its cut clock is taken at it, with its position of then; workers without a
+        cut clock are taken as they are.
         """
         cut = cut or {}
         clocks = {w: min(c, cut.get(w, c)) for w, c in self.clocks.items()}
@@ -226,11 +238,12 @@ class ClockBoard:
         }
 
     def short_of_cut(self, cut: Mapping[int, int]) -> list[int]:
-        """Live workers a consistent cut still waits for: those without a cut clock in `cut`
-        (worker -> the first iteration after the cut), and those with iterations before it
-        that have not ticked here yet."""
+        """Live workers a consistent cut still waits for: of those this shard has seen (a
+        join, a tick), the ones without a cut clock in `cut` (worker -> the first iteration
+        after the cut), and those with iterations before it that have not ticked here yet.
+        A worker never seen here has nothing here to cut: what it sends later comes after."""
         return sorted(w for w in self.live
-                      if w not in cut or self.through.get(w, self.clocks.get(w, 0)) < cut[w])
+                      if w in self.through and (w not in cut or self.through[w] < cut[w]))
 
     def latest_position(self, worker: int) -> bytes:
         """Where `worker` was in its data after its newest iteration that said (b"": none)."""

@@ -259,7 +259,7 @@ class ParameterServerServicer:
 
         clock, open_clock, live, position = _guard(join, context)
         return pb.JoinResponse(clock=clock, open_clock=open_clock, live=live,
-                               position=position).SerializeToString()
+                               position=position.decode()).SerializeToString()
 
     def Restore(self, request: Frame[pb.RestoreRequest], context: Any) -> bytes:
         msg = request.msg

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from protos.codec import tensor_from_bytes
-from protos.modes import ASYNC, Kind, Mode
+from protos.modes import ASYNC, Mode
 from protos.partition import RowRange, dense_placement
 from ps.aggregate import Aggregate, DenseSum, SparseSum
 from ps.checkpoint import ShardState, TableState
@@ -138,6 +138,9 @@ def format_size(nbytes: int) -> str:
 Alive = Callable[[], bool] | None
 # How often a wait for the clocks looks whether its caller is still there.
 ALIVE_POLL_S = 0.2
+# The longest a checkpoint's cut may hold a worker (at most the shard's wait limit): a live
+# worker that has stopped stepping (evaluating, stuck) makes the checkpoint fail, not the job.
+CUT_WAIT_S = 60.0
 
 
 def check_range(what: str, value: int, end: int) -> None:
@@ -249,12 +252,16 @@ class Exchange:
     # come after it.
     cut: str = ""
     cut_clock: int = 0
+    # Every iteration of the worker before this one was answered by every shard.
+    acked_clock: int = 0
 
     def __post_init__(self) -> None:
         check_range("the worker id", self.worker, MAX_WORKER)
         check_range("the generation", self.generation, MAX_CLOCK)
         check_range("the push clock", self.push_clock, MAX_CLOCK)
         check_range("the pull clock", self.pull_clock, MAX_CLOCK)
+        check_range("the cut clock", self.cut_clock, MAX_CLOCK)
+        check_range("the acknowledged clock", self.acked_clock, MAX_CLOCK)
 
 
 @dataclass(frozen=True)
@@ -562,7 +569,9 @@ class Shard:
         self.check_generation(worker, generation)
         self.check_fenced(worker, request.incarnation)
         if request.cut:
-            self._mark_cut(worker, request.cut, request.cut_clock)
+            self._mark_cut(worker, request.cut, request.cut_clock, request.acked_clock)
+        elif self._cut is not None:
+            self._acked(worker, request.acked_clock)
         if self._cut is not None and (request.pushes or request.end_iteration):
             self._hold_for_cut(worker, request.push_clock, alive)
         prepared = [
@@ -995,7 +1004,7 @@ class Shard:
         if checkpoint_id in self._cuts_seen:
             return True
         if self._cut is not None:
-            if self._now() - self._cut.started < self.config.max_wait_s:
+            if self._now() - self._cut.started < self._cut_wait_s():
                 log.warning("shard %d: checkpoint %s waits: the cut of %s is under way",
                             self.config.shard, checkpoint_id, self._cut.checkpoint_id)
                 return False
@@ -1006,8 +1015,15 @@ class Shard:
         self._clocks.notify_all()
         return True
 
-    def _mark_cut(self, worker: int, checkpoint_id: str, clock: int) -> None:
-        check_range("the cut clock", clock, MAX_CLOCK)
+    def _acked(self, worker: int, acked_clock: int) -> None:
+        """Every shard answered `worker`'s iterations before `acked_clock`: none of them is
+        still on its way here (or it was lost with an earlier incarnation of this shard)."""
+        with self._clocks:
+            self.board.acked(worker, acked_clock)
+            self._cut_if_ready()
+            self._clocks.notify_all()
+
+    def _mark_cut(self, worker: int, checkpoint_id: str, clock: int, acked_clock: int) -> None:
         if not _CUT_ID.fullmatch(checkpoint_id):
             raise InvalidArgumentError(
                 f"the exchange marks a cut of {checkpoint_id[:80]!r}, which is not a checkpoint "
@@ -1021,8 +1037,12 @@ class Shard:
                 if cut is None:  # taken at once: no live worker to wait for
                     return
             cut.marked.setdefault(worker, clock)
+            self.board.acked(worker, acked_clock)
             self._cut_if_ready()
             self._clocks.notify_all()
+
+    def _cut_wait_s(self) -> float:
+        return min(CUT_WAIT_S, self.config.max_wait_s)
 
     def _hold_for_cut(self, worker: int, clock: int, alive: Alive) -> None:
         """Waits while iteration `clock` of `worker` lies past its mark of the cut under way."""
@@ -1031,7 +1051,7 @@ class Shard:
                 cut = self._cut
                 if cut is None or clock < cut.marked.get(worker, MAX_CLOCK):
                     return
-                remaining = cut.started + self.config.max_wait_s - self._now()
+                remaining = cut.started + self._cut_wait_s() - self._now()
                 if remaining <= 0:
                     self._give_up_cut()
                     return
@@ -1067,11 +1087,11 @@ class Shard:
         threading.Thread(target=cut.done, args=(None,), daemon=True).start()
 
     def _snapshot(self, checkpoint_id: str, cut: Mapping[int, int] | None = None) -> ShardState:
-        """Caller holds self._clocks. `cut`: each worker's cut clock (sync: the open clock)."""
+        """Caller holds self._clocks. `cut`: each worker's cut clock (an async or ssp cut);
+        None takes each worker at its clock here, with the position of its newest tick
+        (sync: the clocks as the rollback restores them)."""
         with self._lock:
             tables = list(self._tables.items())
-        if cut is None and self.config.mode.kind is Kind.SYNC:
-            cut = dict.fromkeys(self.board.clocks, self.board.open_clock)
         meta: dict[str, object] = {
             "mode": str(self.config.mode), "incarnation": self.config.incarnation,
             **self.board.to_meta(cut), "ledger": self.ledger.to_meta(),

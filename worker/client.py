@@ -271,7 +271,7 @@ class PSClient:
         # Every shard keeps the position sent with each iteration's end; those at the
         # newest clock know the latest.
         self.joined_position = next(
-            (bytes(f.msg.position) for f in frames if f.msg.clock == clock and f.msg.position),
+            (f.msg.position.encode() for f in frames if f.msg.clock == clock and f.msg.position),
             b"")
         for link, frame in zip(self.links, frames, strict=True):
             for behind in range(frame.msg.clock, clock):
@@ -500,7 +500,7 @@ class PSClient:
         header = pb.ExchangeRequest(
             worker=self.worker, incarnation=self.incarnation, generation=self.generation,
             wait_ms=self._wait_ms(), push_clock=push_clock, end_iteration=end_iteration,
-            pull_clock=pull_clock,
+            pull_clock=pull_clock, acked_clock=self.clock,
         )
         with self._cut_lock:
             if self._cut_pending:
@@ -514,7 +514,7 @@ class PSClient:
             if pushes or end_iteration:
                 self._sent_clock = max(self._sent_clock, push_clock)
             if end_iteration:
-                header.position = self._held_positions.pop(push_clock, self.position)
+                header.position = self._held_positions.pop(push_clock, self.position).decode()
                 for old in [c for c in self._held_positions if c < push_clock]:
                     del self._held_positions[old]
         with self._lock:

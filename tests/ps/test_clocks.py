@@ -101,12 +101,13 @@ def test_a_cut_takes_each_worker_at_its_cut_clock_with_its_position_of_then() ->
     meta = board.to_meta({0: 2, 1: 5})
     assert meta["clocks"] == {"0": 2, "1": 1}
     assert meta["positions"] == {"0": "e0b2", "1": "e0b1"}
-    # Sync cuts every worker at the open clock: one that ticked ahead is taken back to it.
-    assert board.to_meta(dict.fromkeys(board.clocks, 0))["positions"] == {}
+    # Without a cut, each worker is taken at its clock, with its newest position.
+    assert board.to_meta()["positions"] == {"0": "e0b4", "1": "e0b1"}
 
 
 def test_ticks_out_of_order_count_through_only_once_the_gap_fills() -> None:
     board = ClockBoard(Quorum(1))
+    assert board.short_of_cut({}) == []  # live by default, never seen: nothing to cut
     board.restart(0)  # joins at clock 0
     board.tick(0, 1)  # iteration 1's exchange overtook iteration 0's
     assert board.through[0] == 0
@@ -154,3 +155,16 @@ def test_a_fenced_incarnation_is_refused_so_it_restarts(
     with pytest.raises(FencedError, match="declared dead") as err:
         board.check_not_fenced(worker, incarnation)
     assert isinstance(err.value, RolledBackError)  # marked so the client restarts
+
+
+def test_an_acknowledged_clock_fills_gaps_a_restored_shard_never_sees_ticked() -> None:
+    board = ClockBoard(Quorum(1))
+    board.restore_meta({"clocks": {"0": 480}, "live": [0]}, clock=0)
+    board.tick(0, 500)  # the worker went on while this shard was down: 480..499 are lost
+    board.tick(0, 501)
+    assert board.short_of_cut({0: 502}) == [0]
+    board.acked(0, 500)  # the worker's next request: every shard answered up to 499
+    assert board.through[0] == 502
+    assert board.short_of_cut({0: 502}) == []
+    board.acked(0, 10)  # never backwards
+    assert board.through[0] == 502

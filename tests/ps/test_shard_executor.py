@@ -622,6 +622,8 @@ def tick_w(shard: Shard, worker: int, seq: int, clock: int, value: float, *, cut
 @pytest.mark.parametrize("mode", ["async", "ssp"])
 def test_a_cut_holds_each_worker_past_its_mark_until_every_worker_reached_it(mode: str) -> None:
     shard, clock = make_shard(mode, staleness=2)
+    for worker in (0, 1):
+        shard.join(worker, 1)  # as worker.init() does: a worker never seen is not waited for
     taken: list[Any] = []
     assert shard.cut("c1", taken.append)
     # Told of the cut by its next answer, each worker marks it on the exchange after.
@@ -652,13 +654,15 @@ def test_a_cut_holds_each_worker_past_its_mark_until_every_worker_reached_it(mod
 
 def test_a_cut_a_live_worker_never_reaches_is_given_up_at_the_wait_limit() -> None:
     shard, clock = make_shard("async", max_wait_s=10.0)
+    for worker in (0, 1):
+        shard.join(worker, 1)
     taken: list[Any] = []
     shard.cut("c1", taken.append)
     reads = clock.reads
     held = Call(partial(tick_w, shard, 0, 1, 0, 1.0, cut="c1", cut_clock=0))
     assert settle(held, clock, reads)
-    # Worker 1 is live but never steps: at the limit the cut is given up, and the held
-    # step goes on.
+    # Worker 1 joined and is live but never steps: at the limit the cut is given up, and
+    # the held step goes on.
     clock.set(11.0)
     held.outcome()
     deadline = time.monotonic() + BOUND_S
@@ -672,6 +676,8 @@ def test_a_cut_a_live_worker_never_reaches_is_given_up_at_the_wait_limit() -> No
 
 def test_a_cut_with_no_live_worker_is_taken_at_once_and_a_dead_worker_releases_one() -> None:
     shard, _ = make_shard("async")
+    for worker in (0, 1):
+        shard.join(worker, 1)
     taken: list[Any] = []
     shard.set_live([])
     shard.cut("idle", taken.append)

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -263,3 +264,78 @@ def test_checkpoint_on_demand_then_resume_from_it(procs: Procs) -> None:
     assert result["clock"] == clock + 10
     torch.testing.assert_close(torch.tensor(result["w"]), local_sync_run(1, clock + 10),
                                atol=1e-6, rtol=0)
+
+
+LIFECYCLE_WORKER = str(REPO / "tests" / "lifecycle_worker.py")
+
+
+def _checkpoint_now(redis: str, job: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "scheduler.cli", "checkpoint", "--redis",
+                           redis, "--job", job], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    return str(json.loads(done.stdout)["checkpoint"])
+
+
+def _shard_states(ckpt: Path, job: str, checkpoint_id: str, shards: int) -> list[Any]:
+    from ps.checkpoint import read_shard  # noqa: PLC0415
+
+    return [read_shard(ckpt / job / checkpoint_id / f"shard-{k}-of-{shards}.safetensors")
+            for k in range(shards)]
+
+
+def test_an_async_checkpoint_is_one_cut_and_the_resumed_job_trains_each_sample_once(
+        procs: Procs) -> None:
+    ckpt, out, hold = procs.workdir / "ckpt", procs.workdir / "out", procs.workdir / "go"
+    samples, epochs, batch = 1200, 2, 10
+    common = ["--job", "cut", "--servers", "2", "--workers", "2", "--mode", "async",
+              "--checkpoint-dir", str(ckpt), "--no-view", LIFECYCLE_WORKER, "--",
+              "--samples", str(samples), "--epochs", str(epochs), "--batch", str(batch),
+              "--out", str(out)]
+    redis = procs.redis().address
+    up = procs.pstrain(["up", "--redis", redis, *common, "--sleep-ms", "40"], "up")
+    store = JobStore.connect(redis, "cut")
+    wait_until(lambda: min(worker_clock(store, r) for r in range(2)) >= 10, 90,
+               "training to run")
+    cut = _checkpoint_now(redis, "cut")  # while both workers train
+    wait_until(lambda: min(worker_clock(store, r) for r in range(2)) >= 25, 60,
+               "training to go on past the cut")
+    os.kill(up.pid, signal.SIGINT)
+    assert up.popen.wait(timeout=60) == 130, up.log()
+    first_run = {r: (out / f"seen-{r}.jsonl").read_text().splitlines() for r in range(2)}
+
+    taken = _shard_states(ckpt, "cut", cut, 2)
+    positions = taken[0].meta["positions"]
+    assert taken[1].meta["positions"] == positions  # every shard cut each worker alike
+    assert taken[1].meta["clocks"] == taken[0].meta["clocks"]
+    # Resumed under a fresh Redis: the workers wait (pulling) until told to go, so a
+    # checkpoint of the restored servers can be taken before any step.
+    redis2 = procs.redis().address
+    again = procs.pstrain(["up", "--redis", redis2, "--resume", *common, "--hold", str(hold)],
+                          "up-again")
+    store2 = JobStore.connect(redis2, "cut")
+    wait_until(lambda: all(store2.heartbeats("worker", [0, 1]).values()), 90, "the workers")
+    restored = _shard_states(ckpt, "cut", _checkpoint_now(redis2, "cut"), 2)
+    for before, after in zip(taken, restored, strict=True):
+        assert after.meta["positions"] == positions
+        assert [t.name for t in after.tables] == [t.name for t in before.tables]
+        for b, a in zip(before.tables, after.tables, strict=True):
+            assert sorted(a.tensors) == sorted(b.tensors), b.name
+            for name, tensor in b.tensors.items():  # values and optimizer state, bit for bit
+                assert a.tensors[name].dtype == tensor.dtype, (b.name, name)
+                assert torch.equal(a.tensors[name], tensor), (b.name, name)
+    hold.touch()
+    assert again.popen.wait(timeout=120) == 0, again.log()
+
+    for r in range(2):
+        at = json.loads(positions[str(r)])
+        cut_at = (at["epoch"], at["batch"])
+        lines = [json.loads(line) for line in (out / f"seen-{r}.jsonl").read_text().splitlines()]
+        before_cut = [s for s in lines[: len(first_run[r])] if (s["epoch"], s["batch"]) < cut_at]
+        lost = len(first_run[r]) - len(before_cut)
+        assert lost > 0  # the first run trained past the cut: that work was void
+        share = set(range(r, samples, 2))
+        for epoch in range(epochs):
+            ids = [i for s in before_cut + lines[len(first_run[r]):] if s["epoch"] == epoch
+                   for i in s["ids"]]
+            assert len(ids) == len(share) and set(ids) == share, (r, epoch)

@@ -5,6 +5,8 @@ shards held; then restored into real `Shard`s of M."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import weakref
 from collections.abc import Iterator
 
@@ -51,8 +53,16 @@ def grad_of(keys: np.ndarray, dim: int, step: int) -> torch.Tensor:
     return base * torch.linspace(0.5, 1.5, dim)[None, :] + 0.1 * step
 
 
-def trained(num_shards: int, workers: int = 3) -> list[ShardState]:
-    """Every shard of one checkpoint of a job of `num_shards` servers, after training."""
+def trained(num_shards: int) -> list[ShardState]:
+    """Every shard of one checkpoint of a job of `num_shards` servers, after training: a
+    copy of its own for each test to change."""
+    return [ShardState(**{**vars(s), "meta": copy.deepcopy(s.meta), "tables": [
+        TableState(t.name, dict(t.spec), {n: v.clone() for n, v in t.tensors.items()})
+        for t in s.tables]}) for s in _trained(num_shards)]
+
+
+@functools.cache
+def _trained(num_shards: int, workers: int = 3) -> list[ShardState]:
     states = []
     for shard in range(num_shards):
         tables: list[TableState] = []

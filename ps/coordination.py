@@ -34,7 +34,7 @@ from ps.checkpoint import (
     write_shard,
 )
 from ps.errors import PSError
-from ps.reshard import reshard
+from ps.reshard import reshard, shards_needed
 from ps.server import ParameterServer
 from scheduler.heartbeat import Heartbeat
 from scheduler.recovery import entry_signed, no_checkpoint_verifies, sign_entry
@@ -387,27 +387,45 @@ def _partial_message(checkpoint_id: str, count: int, num_shards: int, where: str
 def _reshard_candidate(directory: str, job: str, checkpoint_id: str, shard: int,
                        num_shards: int, entries: dict[int, dict[str, Any]],
                        count: int) -> ShardState:
-    """This shard's share of checkpoint `checkpoint_id`, written by `count` servers: each of
-    their files is read (`load_checkpoint`, hashed against its entry) one at a time and cut
-    by `ps.reshard`. CheckpointError naming every file that is missing from `directory`.
-    Blocks on file I/O; holds one old shard and this shard's share in memory at a time."""
+    """This shard's share of checkpoint `checkpoint_id`, written by `count` servers: the
+    files of the old shards that hold its rows (`ps.reshard.shards_needed`; which dense
+    blocks those are is known once the first is read) are read (`load_checkpoint`, hashed
+    against their entries) one at a time and cut by `ps.reshard`. CheckpointError naming
+    each of them that is missing from `directory`. Blocks on file I/O; holds one old shard
+    and this shard's share in memory at a time."""
     ckpt_dir = checkpoint_dir(directory, job, checkpoint_id)
-    names = {k: shard_file_name(k, count) for k in range(count)}
-    missing = [name for k, name in names.items()
-               if k not in entries or not (ckpt_dir / name).is_file()]
-    if missing:
-        raise CheckpointError(_partial_message(checkpoint_id, count, num_shards,
-                                               str(ckpt_dir), missing))
-    started = time.monotonic()
+
+    def check_present(shards: list[int]) -> None:
+        missing = [shard_file_name(k, count) for k in shards
+                   if k not in entries or not (ckpt_dir / shard_file_name(k, count)).is_file()]
+        if missing:
+            raise CheckpointError(_partial_message(checkpoint_id, count, num_shards,
+                                                   str(ckpt_dir), missing))
+
+    def load(k: int) -> ShardState:
+        return load_checkpoint(directory, job, checkpoint_id, k, count,
+                               str(entries[k].get("sha256", "")))
+
+    read: list[int] = []
 
     def old_shards() -> Iterator[ShardState]:
-        for k in range(count):
-            yield load_checkpoint(directory, job, checkpoint_id, k, count,
-                                  str(entries[k].get("sha256", "")))
+        by_key = shards_needed(count, shard, num_shards)
+        check_present(by_key)
+        first = load(by_key[0])
+        rest = [k for k in shards_needed(count, shard, num_shards,
+                                         [t.spec for t in first.tables]) if k != by_key[0]]
+        check_present(rest)
+        read.extend([by_key[0], *rest])
+        yield first
+        del first  # the next is read once reshard has let go of this one
+        for k in rest:
+            yield load(k)
 
+    started = time.monotonic()
     state = reshard(old_shards(), shard, num_shards)
-    log.info("shard %d: checkpoint %s of %d servers resharded onto %d in %.2f s (clock %d)",
-             shard, checkpoint_id, count, num_shards, time.monotonic() - started, state.clock)
+    log.info("shard %d: checkpoint %s of %d servers resharded onto %d from shard(s) %s in "
+             "%.2f s (clock %d)", shard, checkpoint_id, count, num_shards, read,
+             time.monotonic() - started, state.clock)
     return state
 
 

@@ -16,6 +16,7 @@ import torch
 from procs import Procs, wait_until
 
 from protos.partition import dense_placement, shard_of_keys
+from ps import coordination
 from ps.checkpoint import (
     CheckpointError,
     CheckpointUnsignedError,
@@ -235,6 +236,34 @@ def test_a_server_of_another_count_restores_its_share_of_a_checkpoint_on_disk(
     restart = find_checkpoint(None, spec, 1, 3, JOB, str(tmp_path), from_disk=True)
     assert restart is not None and restart.resharded_from == 0
     assert restart.state.checkpoint_id == "c7.on-3"
+
+
+@pytest.mark.parametrize(("old", "new", "reads"), [
+    (2, 3, [[0], [0, 1], [1]]), (3, 2, [[0, 1], [1, 2]]), (1, 2, [[0], [0]])])
+def test_a_server_reads_only_the_old_shard_files_that_hold_its_rows(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, old: int, new: int,
+        reads: list[list[int]]) -> None:
+    write_checkpoint(tmp_path, old)
+    loaded: list[int] = []
+    original = coordination.load_checkpoint
+
+    def load(*args: Any) -> ShardState:
+        loaded.append(args[3])  # (directory, job, checkpoint_id, shard, ...)
+        return original(*args)
+
+    spec = JobSpec(job=JOB, servers=new, checkpoint_dir=str(tmp_path))
+    shares = []
+    for k in range(new):
+        loaded.clear()
+        with monkeypatch.context() as m:
+            m.setattr(coordination, "load_checkpoint", load)
+            found = find_checkpoint(None, spec, k, new, JOB, str(tmp_path), from_disk=True)
+        assert found is not None and found.resharded_from == old
+        assert loaded == reads[k]
+        shares.append(found.state)
+    old_states = [read_shard(tmp_path / JOB / "c7" / f"shard-{k}-of-{old}.safetensors")
+                  for k in range(old)]
+    assert rows(shares) == rows(old_states)
 
 
 def test_a_missing_file_of_the_old_checkpoint_is_named_and_every_server_passes_it_over(

@@ -33,7 +33,8 @@ the model's MB (its files' size) over the slowest target's time (servers restore
 parallel); `..._serial_MBps` over the sum of the targets' times (one after another on one
 machine). `reshard_restore_ratio_<n>to<m>` is the rate of n -> m over that of the same
 checkpoint restored onto n (same-count); `reshard_restore_ratio` the smaller of 2 -> 3 and
-3 -> 2 (goal >= 0.7). Medians of --reps.
+3 -> 2 (goal >= 0.7); `..._vs_<m>to<m>` over that of m servers restoring the checkpoint
+m servers wrote. Medians of --reps.
 """
 
 from __future__ import annotations
@@ -248,6 +249,10 @@ def reshard_section(work: Path, args: argparse.Namespace) -> dict[str, object]:
                 statistics.median(parallel[same]) / statistics.median(parallel[case]))
             out[f"reshard_restore_ratio_{case}_serial"] = (
                 statistics.median(serial[same]) / statistics.median(serial[case]))
+            # Against the target count's own restore of its own checkpoint (the same model).
+            out[f"reshard_restore_ratio_{case}_vs_{servers}to{servers}"] = (
+                out[f"restore_{case}_MBps"]  # type: ignore[operator]
+                / out[f"restore_{servers}to{servers}_MBps"])
     out["reshard_restore_ratio"] = min(out["reshard_restore_ratio_2to3"],  # type: ignore[type-var]
                                        out["reshard_restore_ratio_3to2"])
     out["reshard_seconds"] = {"per_target_read_restore_write": parts,

@@ -9,7 +9,7 @@ Every key of a job lives under the prefix ``pstrain:{job}:``:
 | ``servers`` | hash | shard -> JSON {address, incarnation, pid, host, restored[, resharded_from]} |
 | ``workers`` | hash | rank -> JSON {incarnation, pid, host} |
 | ``hb:{role}:{id}`` | string | the latest heartbeat as JSON; expires after the misses allowed |
-| ``events`` | stream | joined, dead, restored, rollback, checkpoint, resharded, claimed, left, finished |
+| ``events`` | stream | joined, dead, restored, resharded, rollback, checkpoint, claimed, left... |
 | ``checkpoint:request`` | string | JSON {id, clock} of the newest checkpoint asked for |
 | ``checkpoints`` | sorted set | checkpoint ids by time of completion of their first shard |
 | ``checkpoint:{id}`` | hash | shard -> JSON {path, sha256, nbytes, clock[, mac]} (mac: signed) |

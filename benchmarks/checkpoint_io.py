@@ -1,6 +1,8 @@
-"""Checkpoint I/O benchmark: write and restore rate of one ~1 GB parameter-server shard.
+"""Checkpoint I/O benchmark: write and restore rate of one ~1 GB parameter-server shard, and
+the rate of restoring a checkpoint onto another number of servers (resharding).
 
     python benchmarks/checkpoint_io.py [--mb 1024] [--reps 3] [--json PATH] [--dir DIR]
+        [--only io|reshard]
 
 The shard holds one sparse table of float32 rows x 64 with an Adagrad sum of the same size
 and int64 keys, ~1 GB in all. Each figure is the median of --reps runs, in MB/s (1e6 bytes)
@@ -18,6 +20,21 @@ One untimed write and restore run first: on a VM the first touch of guest memory
 Prints a table and writes JSON to benchmarks/results/checkpoint_io-<date>.json (and --json
 PATH); the headline keys are `checkpoint_write_MBps` and `checkpoint_restore_MBps` (cold).
 Files go to a temporary directory under /tmp (or --dir), removed at the end.
+
+The reshard section (`--only reshard` runs it alone, into checkpoint_io-reshard-<date>.json)
+writes one model of about --mb MB (a sparse table of float32 rows x 64 with Adagrad state and
+int64 keys, and a 2048 x 1024 dense table with Adam state) as a checkpoint of 2 servers and as
+one of 3, and restores each onto 2 and onto 3 servers the way a starting server does
+(`find_checkpoint`, which reads and verifies the shard files, resharding when the counts
+differ, then `Shard.restore`; a resharding server in a job then also writes its share,
+timed apart: `..._and_write_MBps`). Each target server's restore is timed alone with the
+checkpoint's files dropped from the page cache first, as on a machine of its own. The rate is
+the model's MB (its files' size) over the slowest target's time (servers restore in
+parallel); `..._serial_MBps` over the sum of the targets' times (one after another on one
+machine). `reshard_restore_ratio_<n>to<m>` is the rate of n -> m over that of the same
+checkpoint restored onto n (same-count); `reshard_restore_ratio` the smaller of 2 -> 3 and
+3 -> 2 (goal >= 0.7); `..._vs_<m>to<m>` over that of m servers restoring the checkpoint
+m servers wrote. Medians of --reps.
 """
 
 from __future__ import annotations
@@ -41,9 +58,31 @@ from safetensors.torch import load_file, save_file
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from ps.checkpoint import ShardState, TableState, read_shard, write_shard  # noqa: E402
+import numpy as np  # noqa: E402
+
+from protos import modes  # noqa: E402
+from protos.partition import dense_placement, shard_of_keys  # noqa: E402
+from ps.checkpoint import (  # noqa: E402
+    ShardState,
+    TableState,
+    read_shard,
+    write_manifest,
+    write_shard,
+)
+from ps.clocks import ClockBoard, Quorum  # noqa: E402
+from ps.coordination import find_checkpoint, write_resharded  # noqa: E402
+from ps.shard import Shard, ShardConfig  # noqa: E402
+from ps.tables import OptimizerConfig, TableSpec  # noqa: E402
+from scheduler.spec import JobSpec  # noqa: E402
 
 DIM = 64
+RESHARD_JOB = "bench"
+# (checkpoint's servers, target servers): each reshard against the same count.
+RESHARD_CASES = [(2, 2), (2, 3), (3, 3), (3, 2)]
+EMB = TableSpec("emb", "sparse", torch.float32, dim=DIM,
+                optimizer=OptimizerConfig("adagrad", (("lr", 0.01),)))
+MLP = TableSpec("mlp", "dense", torch.float32, shape=(2048, 1024),
+                optimizer=OptimizerConfig("adam", (("lr", 0.001),)))
 
 
 def make_state(total_mb: float) -> ShardState:
@@ -106,6 +145,122 @@ def load_and_clone(path: Path) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in load_file(str(path)).items()}
 
 
+def write_model_checkpoints(work: Path, total_mb: float) -> dict[int, int]:
+    """The reshard section's model, written as a checkpoint of each count in RESHARD_CASES
+    (ids ckpt-<n>); returns each one's bytes on disk."""
+    mlp_bytes = 3 * 2048 * 1024 * 4  # value, exp_avg, exp_avg_sq
+    rows = int(max(total_mb * 1e6 - mlp_bytes, 1e6) / (DIM * 4 * 2 + 8))
+    gen = torch.Generator().manual_seed(0)
+    value = torch.randn(rows, DIM, generator=gen)
+    state_sum = torch.rand(rows, DIM, generator=gen)
+    # Distinct keys, spread over the int64 range (a bijection of 0..rows-1).
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps by design
+        keys = (np.arange(rows, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)).view(np.int64)
+    dense = {name: torch.randn(2048, 1024, generator=gen)
+             for name in ("value", "state.exp_avg", "state.exp_avg_sq")}
+    dense["state.exp_avg_sq"].abs_()
+    board = ClockBoard(Quorum(2))
+    board.open_clock = board.clocks_closed = 7
+    board.clocks = {0: 7, 1: 7}
+    meta = {"mode": "sync", "incarnation": 1, **board.to_meta(), "ledger": []}
+    sizes: dict[int, int] = {}
+    for count in sorted({n for n, _ in RESHARD_CASES}):
+        owner = shard_of_keys(keys, count)
+        total = 0
+        for shard in range(count):
+            at = torch.from_numpy(np.flatnonzero(owner == shard))
+            block = dense_placement("mlp", MLP.shape, 4, count)[shard]
+            tables = [
+                TableState("emb", EMB.to_dict(), {
+                    "keys": torch.from_numpy(keys).index_select(0, at),
+                    "value": value.index_select(0, at),
+                    "state.sum": state_sum.index_select(0, at)}),
+                TableState("mlp", MLP.to_dict(), {
+                    **{n: t[block.start:block.end].clone() for n, t in dense.items()},
+                    "step": torch.tensor([7]), "written": torch.tensor(True)}),
+            ]
+            state = ShardState(RESHARD_JOB, shard, count, f"ckpt-{count}", 7, meta, tables)
+            written = write_shard(work, state)
+            write_manifest(work, state.checkpoint_id, RESHARD_JOB, 7, {shard: written}, count)
+            total += written.nbytes
+        sizes[count] = total
+    return sizes
+
+
+def restore_as_a_server(work: Path, count: int, shard: int,
+                        servers: int) -> tuple[float, float, float]:
+    """Shard `shard` of `servers` restores checkpoint ckpt-<count> as a starting server does,
+    its files cold; returns (seconds to find and read it, resharded if need be; seconds of
+    Shard.restore; seconds to write the resharded share as a server in a job then does, 0
+    for the same count). The written share is removed again."""
+    for path in (work / RESHARD_JOB / f"ckpt-{count}").glob("*.safetensors"):
+        drop_cache(path)
+    start = time.perf_counter()
+    found = find_checkpoint(None, None, shard, servers, RESHARD_JOB, str(work),
+                            from_disk=True, resume_from=f"ckpt-{count}")
+    read = time.perf_counter() - start
+    if found is None or found.resharded_from != (count if count != servers else 0):
+        raise RuntimeError(f"checkpoint ckpt-{count} not found as expected: {found!r}")
+    target = Shard(ShardConfig(shard, servers, mode=modes.SYNC, quorum=Quorum(2)))
+    start = time.perf_counter()
+    target.restore(found.state)
+    restore = time.perf_counter() - start
+    del target
+    if not found.resharded_from:
+        return read, restore, 0.0
+    start = time.perf_counter()
+    written = write_resharded(str(work), found, JobSpec(RESHARD_JOB, servers=servers), b"")
+    write = time.perf_counter() - start
+    shutil.rmtree(work / RESHARD_JOB / written.state.checkpoint_id)
+    return read, restore, write
+
+
+def reshard_section(work: Path, args: argparse.Namespace) -> dict[str, object]:
+    sizes = write_model_checkpoints(work, args.mb)
+    # One untimed restore first (see the module docstring: first touch of guest memory).
+    restore_as_a_server(work, 2, 0, 3)
+    parallel: dict[str, list[float]] = {}
+    serial: dict[str, list[float]] = {}
+    written: dict[str, list[float]] = {}
+    parts: dict[str, list[list[float]]] = {}
+    for _ in range(args.reps):
+        for count, servers in RESHARD_CASES:
+            case = f"{count}to{servers}"
+            times = [restore_as_a_server(work, count, k, servers) for k in range(servers)]
+            totals = [read + restore for read, restore, _ in times]
+            parallel.setdefault(case, []).append(max(totals))
+            serial.setdefault(case, []).append(sum(totals))
+            written.setdefault(case, []).append(max(sum(t) for t in times))
+            parts.setdefault(case, []).append([round(x, 4) for t in times for x in t])
+    out: dict[str, object] = {"reshard_model_bytes": sizes}
+    for count, servers in RESHARD_CASES:
+        case = f"{count}to{servers}"
+        out[f"restore_{case}_MBps"] = sizes[count] / 1e6 / statistics.median(parallel[case])
+        out[f"restore_{case}_serial_MBps"] = (sizes[count] / 1e6
+                                              / statistics.median(serial[case]))
+        if count != servers:
+            # A server in a job also writes its share before it serves (write_resharded).
+            out[f"restore_{case}_and_write_MBps"] = (sizes[count] / 1e6
+                                                     / statistics.median(written[case]))
+    for count, servers in RESHARD_CASES:
+        if count != servers:
+            case, same = f"{count}to{servers}", f"{count}to{count}"
+            out[f"reshard_restore_ratio_{case}"] = (
+                statistics.median(parallel[same]) / statistics.median(parallel[case]))
+            out[f"reshard_restore_ratio_{case}_serial"] = (
+                statistics.median(serial[same]) / statistics.median(serial[case]))
+            # Against the target count's own restore of its own checkpoint (the same model).
+            out[f"reshard_restore_ratio_{case}_vs_{servers}to{servers}"] = (
+                out[f"restore_{case}_MBps"]  # type: ignore[operator]
+                / out[f"restore_{servers}to{servers}_MBps"])
+    out["reshard_restore_ratio"] = min(out["reshard_restore_ratio_2to3"],  # type: ignore[type-var]
+                                       out["reshard_restore_ratio_3to2"])
+    out["reshard_seconds"] = {"per_target_read_restore_write": parts,
+                              "slowest_target": {k: [round(x, 4) for x in v]
+                                                 for k, v in parallel.items()}}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=float, default=1024.0, help="shard size in MB (1e6 bytes)")
@@ -114,8 +269,43 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp", help="parent of the temporary directory")
     parser.add_argument("--no-baselines", action="store_true",
                         help="skip the raw-write and safetensors comparisons")
+    parser.add_argument("--only", choices=("io", "reshard"),
+                        help="run one section: io (one shard's write and restore) or reshard "
+                             "(a checkpoint restored onto another number of servers)")
     args = parser.parse_args()
+    results: dict[str, object] = {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.platform()}",
+        "reps": args.reps,
+    }
+    if args.only != "reshard":
+        results.update(io_section(args))
+    if args.only != "io":
+        work = Path(tempfile.mkdtemp(prefix="pstrain-reshard-bench-", dir=args.dir))
+        try:
+            results.update(reshard_section(work, args))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    print(f"\ncheckpoint I/O, {results['date']}, {results['machine']}")
+    print(f"median of {args.reps}, MB/s")
+    for key, value in results.items():
+        if key.endswith("MBps"):
+            print(f"  {key:<36} {value:8.0f}")
+        elif "ratio" in key:
+            print(f"  {key:<36} {value:8.2f}")
+    out_dir = REPO / "benchmarks" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    section = f"-{args.only}" if args.only == "reshard" else ""
+    paths = [out_dir / f"checkpoint_io{section}-{results['date']}.json"]
+    if args.json:
+        paths.append(Path(args.json))
+    for out in paths:
+        out.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {out}")
 
+
+def io_section(args: argparse.Namespace) -> dict[str, object]:
+    """One shard's write and restore, with the baselines."""
     state = make_state(args.mb)
     tensors = state.tables[0].tensors
     work = Path(tempfile.mkdtemp(prefix="pstrain-ckpt-bench-", dir=args.dir))
@@ -158,10 +348,7 @@ def main() -> None:
 
     mbps = {k: nbytes / 1e6 / statistics.median(v) for k, v in times.items()}
     results: dict[str, object] = {
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.platform()}",
         "shard_bytes": nbytes,
-        "reps": args.reps,
         "checkpoint_write_MBps": mbps["write"],
         "checkpoint_restore_MBps": mbps["restore_cold"],
         "checkpoint_restore_warm_MBps": mbps["restore_warm"],
@@ -173,19 +360,7 @@ def main() -> None:
             "safetensors_save_file_fsync_MBps": mbps["safetensors_save_file"],
             "safetensors_load_file_cold_MBps": mbps["safetensors_load_file_cold"],
         })
-    print(f"\ncheckpoint I/O, {results['date']}, {results['machine']}")
-    print(f"shard of {nbytes / 1e6:.0f} MB, median of {args.reps}, MB/s")
-    for key, value in results.items():
-        if key.endswith("MBps"):
-            print(f"  {key:<36} {value:8.0f}")
-    out_dir = REPO / "benchmarks" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / f"checkpoint_io-{results['date']}.json"]
-    if args.json:
-        paths.append(Path(args.json))
-    for out in paths:
-        out.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {out}")
+    return results
 
 
 if __name__ == "__main__":

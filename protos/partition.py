@@ -49,6 +49,16 @@ def shard_of_keys(keys: np.ndarray, num_shards: int) -> np.ndarray:
         return ((high * np.uint64(num_shards)) >> np.uint64(32)).astype(np.int64)
 
 
+def key_range(shard: int, num_shards: int) -> tuple[int, int]:
+    """The keys `shard_of_keys` gives `shard` of `num_shards`, as the range [start, end) of
+    the top 32 bits of their hash. Shards own consecutive ranges that tile [0, 2**32), so
+    under another shard count a shard's keys come only from the old shards whose ranges
+    overlap its own. Pure."""
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"need 0 <= shard < num_shards, got {shard} of {num_shards}")
+    return -(-(shard << 32) // num_shards), -(-((shard + 1) << 32) // num_shards)
+
+
 @dataclass(frozen=True)
 class RowRange:
     """Rows [start, end) of dim 0 of a dense tensor, held by `shard`."""

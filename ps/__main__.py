@@ -19,7 +19,13 @@ from protos import modes, security
 from protos.transport import PREFERENCE
 from ps.checkpoint import CheckpointError, CheckpointNotFoundError
 from ps.concurrency import RESERVED_THREADS
-from ps.coordination import ServerCoordinator, advertised, find_checkpoint, new_incarnation
+from ps.coordination import (
+    ServerCoordinator,
+    advertised,
+    find_checkpoint,
+    new_incarnation,
+    write_resharded,
+)
 from ps.errors import InvalidArgumentError, PSError
 from ps.server import MiB, ParameterServer, ServerConfig, run
 from ps.shard import Limits, parse_size
@@ -182,11 +188,21 @@ def build(argv: list[str]) -> Built:
     credentials = security.from_flags(a)
     found = None
     restore_failed = ""
+    resharded: dict[str, Any] = {}  # the checkpoint of another count this shard was cut from
     if a.restore != "none" or a.resume_from:
         try:
-            found = find_checkpoint(store, spec, a.shard, num_shards, a.job, directory,
-                                    from_disk=a.restore == "latest", secret=credentials.secret,
-                                    resume_from=a.resume_from)
+            candidate = find_checkpoint(store, spec, a.shard, num_shards, a.job, directory,
+                                        from_disk=a.restore == "latest",
+                                        secret=credentials.secret, resume_from=a.resume_from)
+            source = {"checkpoint": candidate.state.checkpoint_id,
+                      "servers": candidate.resharded_from} if candidate is not None else {}
+            if candidate is not None and candidate.resharded_from and spec is not None:
+                # In a job the cut is written again under the job's shard count, so that
+                # restarts and rollbacks restore it as a checkpoint of their own count.
+                candidate = write_resharded(directory, candidate, spec, credentials.secret)
+            found = candidate
+            if found is not None and found.resharded_from:
+                resharded = source
         except CheckpointNotFoundError:
             raise
         except CheckpointError as exc:
@@ -196,11 +212,18 @@ def build(argv: list[str]) -> Built:
             # registration, and the job's scheduler stops the job with that message.
             restore_failed = str(exc)
             log.error("shard %d: no checkpoint can be restored: %s", a.shard, exc)
-    restored = found[0] if found is not None else None
+    restored = found.state if found is not None else None
     if store is not None and spec is not None:
+        if restored is not None and resharded:
+            event = {"checkpoint": restored.checkpoint_id, "from_checkpoint":
+                     resharded["checkpoint"], "from_servers": resharded["servers"],
+                     "servers": num_shards, "clock": restored.clock}
+            ride_out("event", lambda: store.event("resharded", "server", a.shard, **event),
+                     None)
         attach = _attacher(store, spec, a.bind, a.advertise,
                            restored.checkpoint_id if restored else "",
-                           found[1] if found is not None else {}, restore_failed)
+                           found.entries if found is not None else {}, restore_failed,
+                           resharded)
     config = ServerConfig(
         bind=a.bind, shard=a.shard, num_shards=num_shards, job=a.job,
         incarnation=new_incarnation(), mode=mode or modes.ASYNC, staleness=staleness or 0,
@@ -251,11 +274,12 @@ def _mode_flags(text: str | None, staleness: int | None) -> tuple[modes.Mode | N
 def _attacher(
     store: JobStore, spec: JobSpec, bind: str, advertise: str, restored: str,
     entries: dict[int, dict[str, Any]], restore_failed: str = "",
+    resharded: dict[str, Any] | None = None,
 ) -> Callable[[ParameterServer], Callable[[], None]]:
     def attach(server: ParameterServer) -> Callable[[], None]:
         address = advertised(bind.rpartition(":")[0], server.port, advertise)
         coordinator = ServerCoordinator(store, spec, server, address, restored, entries,
-                                        restore_failed)
+                                        restore_failed, resharded)
         coordinator.start()
         return coordinator.stop
 

@@ -9,13 +9,15 @@ generation the shard holds).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import os
 import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from ps.checkpoint import (
     CheckpointCorruptError,
@@ -24,12 +26,15 @@ from ps.checkpoint import (
     CheckpointUnsignedError,
     ShardState,
     bad_reason,
+    checkpoint_dir,
     list_checkpoints,
     load_checkpoint,
+    shard_file_name,
     write_manifest,
     write_shard,
 )
 from ps.errors import PSError
+from ps.reshard import reshard, shards_needed
 from ps.server import ParameterServer
 from scheduler.heartbeat import Heartbeat
 from scheduler.recovery import entry_signed, no_checkpoint_verifies, sign_entry
@@ -39,6 +44,8 @@ from scheduler.store import JobStore, ride_out
 log = logging.getLogger(__name__)
 # Sparse tables a server lists in its heartbeat for `pstrain status` (by name), at most.
 _SHOWN_TABLES = 16
+# The longest checkpoint id (ps.checkpoint's names).
+_MAX_ID = 200
 
 
 def new_incarnation() -> int:
@@ -62,11 +69,13 @@ class ServerCoordinator:
     def __init__(
         self, store: JobStore, spec: JobSpec, server: ParameterServer, address: str,
         restored: str = "", entries: Mapping[int, Mapping[str, Any]] | None = None,
-        restore_failed: str = "",
+        restore_failed: str = "", resharded_from: Mapping[str, Any] | None = None,
     ) -> None:
         """`restored` names the checkpoint the shard was loaded from and `entries` its
-        listing (shard -> {path, sha256, nbytes, clock[, run][, mac]}), every shard's;
-        `restore_failed` says why no checkpoint could be restored ("": none failed)."""
+        listing (shard -> {path, sha256, nbytes, clock[, run][, mac]}), every shard's or
+        this shard's alone; `restore_failed` says why no checkpoint could be restored ("":
+        none failed); `resharded_from` ({checkpoint, servers}) the checkpoint `restored` was
+        resharded from, shown by `pstrain status`."""
         self.store = store
         self.spec = spec
         self.server = server
@@ -76,6 +85,7 @@ class ServerCoordinator:
             "address": address, "incarnation": server.config.incarnation, "pid": os.getpid(),
             "host": socket.gethostname(), "restored": restored, "started": time.time(),
             **({"restore_failed": restore_failed} if restore_failed else {}),
+            **({"resharded_from": dict(resharded_from)} if resharded_from else {}),
         }
         self.heartbeat = Heartbeat(
             store, "server", shard, interval_s=spec.heartbeat_interval_s,
@@ -212,16 +222,24 @@ class ServerCoordinator:
         self.heartbeat.stop(forget=True)
 
 
-Found = tuple[ShardState, dict[int, dict[str, Any]]]
+class Found(NamedTuple):
+    """A checkpoint a server can restore: its state for this shard, and the checkpoint's
+    entries (shard -> {path, sha256, nbytes, clock, run[, mac]}, every shard's; none for a
+    resharded one). `resharded_from` is the shard count the checkpoint was written with
+    when that differs from this job's (0 when it does not): the state is this shard's share
+    of it (`ps.reshard`), not yet written anywhere (`write_resharded`)."""
+
+    state: ShardState
+    entries: dict[int, dict[str, Any]]
+    resharded_from: int = 0
 
 
 def find_checkpoint(
     store: JobStore | None, spec: JobSpec | None, shard: int, num_shards: int, job: str,
     directory: str, from_disk: bool, secret: bytes = b"", resume_from: str = "",
 ) -> Found | None:
-    """The newest complete checkpoint this shard can read: its state with the checkpoint's
-    entries (shard -> {path, sha256, nbytes, clock, run[, mac]}, every shard's), or None
-    when there is none.
+    """The newest complete checkpoint this shard can read (a `Found`), or None when there
+    is none.
 
     Inside a running job Redis lists the checkpoints of the current run (a new run starts
     with none listed; the one it resumed from is listed by the servers that restored it). If
@@ -229,6 +247,13 @@ def find_checkpoint(
     searched for those of the current run (`JobSpec.run_id`); with `from_disk` (resuming a
     job under a fresh Redis) for any run's, or with `resume_from` for that checkpoint id or
     the newest of that run id alone (CheckpointError naming it when there is none).
+
+    A checkpoint on disk written by another number of servers than `num_shards` is
+    resharded (`ps.reshard`): every one of its shard files is read from `directory`, which
+    must therefore be shared by all servers; when one is missing, the CheckpointError names
+    it. An incomplete one of another count (this directory holds only some of its shards'
+    entries, as a directory that is not shared does) is passed over with a warning, and when
+    nothing else can be restored the CheckpointError says which entries are missing.
 
     A checkpoint marked bad (in Redis or its directory) is passed over. One whose file of
     this shard cannot be read or fails its digest is skipped with a warning for the next
@@ -247,8 +272,10 @@ def find_checkpoint(
     bad: dict[str, dict[str, Any]] = {}
     if store is not None:
         bad = ride_out("bad", store.bad_checkpoints, bad)
-    for checkpoint_id, entries in _candidates(store, spec, num_shards, job, directory,
-                                              from_disk, secret, resume_from):
+    # (id, what is missing) of incomplete checkpoints of another count found on disk.
+    partial: list[tuple[str, str]] = []
+    for checkpoint_id, entries, count in _candidates(store, spec, num_shards, job, directory,
+                                                     from_disk, secret, resume_from, partial):
         reason = (bad.get(checkpoint_id) or {}).get("reason") or (
             bad_reason(directory, job, checkpoint_id) if directory else None)
         if reason is not None:
@@ -259,6 +286,10 @@ def find_checkpoint(
             failures[checkpoint_id] = reason
             continue
         try:
+            if count != num_shards:
+                state = _reshard_candidate(directory, job, checkpoint_id, shard, num_shards,
+                                           entries, count)
+                return Found(state, {}, count)
             state = _read_candidate(directory, job, checkpoint_id, shard, num_shards,
                                     entries.get(shard, {}), secret)
         except CheckpointError as exc:
@@ -269,7 +300,13 @@ def find_checkpoint(
             first_error = first_error or exc
             failures[checkpoint_id] = f"shard {shard}: {exc}"
             continue
-        return state, entries
+        return Found(state, entries)
+    if first_error is None and partial:
+        # Resharding finds nothing to read where servers do not share their directory: say
+        # so rather than start afresh.
+        checkpoint_id, missing = partial[0]
+        first_error = CheckpointError(missing)
+        failures[checkpoint_id] = missing
     if first_error is not None:
         # One message naming every checkpoint tried and what failed in it.
         raise type(first_error)(no_checkpoint_verifies(failures)) from first_error
@@ -305,33 +342,129 @@ def _read_candidate(directory: str, job: str, checkpoint_id: str, shard: int, nu
 def _candidates(
     store: JobStore | None, spec: JobSpec | None, num_shards: int, job: str, directory: str,
     from_disk: bool, secret: bytes, resume_from: str = "",
-) -> Iterator[tuple[str, dict[int, dict[str, Any]]]]:
-    """Complete checkpoints, newest first, read as they are asked for: those Redis lists,
-    else those on disk of the current run (any run's: `from_disk`; those `resume_from`
-    names).
+    partial: list[tuple[str, str]] | None = None,
+) -> Iterator[tuple[str, dict[int, dict[str, Any]], int]]:
+    """Complete checkpoints as (id, entries, the number of shards that wrote them), newest
+    first, read as they are asked for: those Redis lists (of this job's shard count), else
+    those on disk of the current run (any run's: `from_disk`; those `resume_from` names), of
+    any shard count. Incomplete ones on disk of another count are noted in `partial`.
 
     Entries from disk are signed with `secret` here: the checkpoint directory is the job's
     own, and the coordinator lists them in Redis again (every shard's), where the other
     servers and the scheduler check them."""
     listed = False
-    for found in store.complete(num_shards) if store is not None else ():
+    for checkpoint_id, entries in store.complete(num_shards) if store is not None else ():
         listed = True
-        yield found
+        yield checkpoint_id, entries, num_shards
     if listed or not directory or not (from_disk or resume_from or spec is not None):
         return
     run = spec.run_id if spec is not None else ""
     created_ns = int(spec.created_s * 1e9) if spec is not None else 0
     for manifest in reversed(list_checkpoints(directory, job)):
-        if not manifest.complete:
-            continue
         if resume_from:
             if resume_from not in (manifest.checkpoint_id, manifest.run):
                 continue
         elif not from_disk and not (manifest.run == run if run and manifest.run
                                     else manifest.written_at_ns >= created_ns):
             continue
+        count = manifest.num_shards
+        if not manifest.complete:
+            if count != num_shards and partial is not None:
+                missing = sorted(set(range(count)) - set(manifest.shards))
+                log.warning("checkpoint %r of %d servers: %s has no entry of shard(s) %s",
+                            manifest.checkpoint_id, count, manifest.directory, missing)
+                partial.append((manifest.checkpoint_id, _partial_message(
+                    manifest.checkpoint_id, count, num_shards, str(manifest.directory),
+                    [f"shard-{k}.json" for k in missing])))
+            continue
         yield manifest.checkpoint_id, {
-            k: sign_entry(secret, job, manifest.checkpoint_id, k, num_shards,
+            k: sign_entry(secret, job, manifest.checkpoint_id, k, count,
                           {"path": f.path, "sha256": f.sha256, "nbytes": f.nbytes,
                            "clock": manifest.clock, "run": manifest.run})
-            for k, f in manifest.shards.items()}
+            for k, f in manifest.shards.items()}, count
+
+
+def _partial_message(checkpoint_id: str, count: int, num_shards: int, where: str,
+                     missing: list[str]) -> str:
+    return (f"checkpoint {checkpoint_id!r} was written by {count} servers; restoring it onto "
+            f"{num_shards} reads every one of their files from the checkpoint directory, and "
+            f"{where} lacks {', '.join(missing)}. Resharding needs one checkpoint directory "
+            "shared by all servers (as the local cluster and docker-compose have it): copy "
+            "every server's files into it, or start the job with its old number of servers")
+
+
+def _reshard_candidate(directory: str, job: str, checkpoint_id: str, shard: int,
+                       num_shards: int, entries: dict[int, dict[str, Any]],
+                       count: int) -> ShardState:
+    """This shard's share of checkpoint `checkpoint_id`, written by `count` servers: the
+    files of the old shards that hold its rows (`ps.reshard.shards_needed`; which dense
+    blocks those are is known once the first is read) are read (`load_checkpoint`, hashed
+    against their entries) one at a time and cut by `ps.reshard`. CheckpointError naming
+    each of them that is missing from `directory`. Blocks on file I/O; holds one old shard
+    and this shard's share in memory at a time."""
+    ckpt_dir = checkpoint_dir(directory, job, checkpoint_id)
+
+    def check_present(shards: list[int]) -> None:
+        missing = [shard_file_name(k, count) for k in shards
+                   if k not in entries or not (ckpt_dir / shard_file_name(k, count)).is_file()]
+        if missing:
+            raise CheckpointError(_partial_message(checkpoint_id, count, num_shards,
+                                                   str(ckpt_dir), missing))
+
+    def load(k: int) -> ShardState:
+        return load_checkpoint(directory, job, checkpoint_id, k, count,
+                               str(entries[k].get("sha256", "")))
+
+    read: list[int] = []
+
+    def old_shards() -> Iterator[ShardState]:
+        by_key = shards_needed(count, shard, num_shards)
+        check_present(by_key)
+        first = load(by_key[0])
+        rest = [k for k in shards_needed(count, shard, num_shards,
+                                         [t.spec for t in first.tables]) if k != by_key[0]]
+        check_present(rest)
+        read.extend([by_key[0], *rest])
+        yield first
+        del first  # the next is read once reshard has let go of this one
+        for k in rest:
+            yield load(k)
+
+    started = time.monotonic()
+    state = reshard(old_shards(), shard, num_shards)
+    log.info("shard %d: checkpoint %s of %d servers resharded onto %d from shard(s) %s in "
+             "%.2f s (clock %d)", shard, checkpoint_id, count, num_shards, read,
+             time.monotonic() - started, state.clock)
+    return state
+
+
+def resharded_id(checkpoint_id: str, num_shards: int) -> str:
+    """The id a checkpoint resharded onto `num_shards` servers is written under:
+    ``<checkpoint_id>.on-<num_shards>`` (a digest of an id too long for that)."""
+    suffix = f".on-{num_shards}"
+    if len(checkpoint_id) + len(suffix) > _MAX_ID:
+        checkpoint_id = "resharded-" + hashlib.sha256(checkpoint_id.encode()).hexdigest()[:32]
+    return checkpoint_id + suffix
+
+
+def write_resharded(directory: str, found: Found, spec: JobSpec, secret: bytes) -> Found:
+    """Writes a resharded state (`found.resharded_from` set) as this shard's file of
+    checkpoint `resharded_id` and records it in that checkpoint's manifest; returns it as
+    found there, with this shard's signed entry.
+
+    Every server of the job does the same at its start, so once all have, the cut stands on
+    disk and in Redis (each coordinator lists its entry) as a checkpoint of the job's own
+    shard count: a restarting server and a sync rollback restore it like any other. The
+    file's bytes depend only on the old checkpoint, so writing it again (a server restarted
+    before all were written) changes nothing another server may be reading. CheckpointError
+    when it cannot be written. Blocks on file I/O."""
+    state = found.state
+    new_id = resharded_id(state.checkpoint_id, state.num_shards)
+    state = dataclasses.replace(state, checkpoint_id=new_id)
+    written = write_shard(directory, state)
+    write_manifest(directory, new_id, state.job, state.clock, {state.shard: written},
+                   state.num_shards, run=spec.run_id)
+    entry = sign_entry(secret, state.job, new_id, state.shard, state.num_shards, {
+        "path": written.path, "sha256": written.sha256, "nbytes": written.nbytes,
+        "clock": state.clock, "run": spec.run_id})
+    return Found(state, {state.shard: entry}, found.resharded_from)

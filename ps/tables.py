@@ -379,10 +379,7 @@ class DenseTable(_Counted):
         width = math.prod(tail) if spec.shape else 1
         keys = np.arange(placement.start, placement.end, dtype=np.int64)
         block = init_rows(keys, max(width, 1), spec.init, spec.seed, spec.dtype)
-        # A scalar is one row: () on its shard, an empty (0,) block on the others.
-        self.block_shape: tuple[int, ...] = (
-            (placement.rows, *tail) if spec.shape or not placement.rows else ()
-        )
+        self.block_shape = self.block_shape_for(spec, placement)
         if width == 0:
             block = torch.empty(self.block_shape, dtype=spec.dtype)
         self.value = block.reshape(self.block_shape).contiguous()
@@ -395,6 +392,13 @@ class DenseTable(_Counted):
         # Whether the block was ever written (an assign, an applied gradient, a restore of
         # saved values); until then it holds the spec's initial values.
         self.written = False
+
+    @staticmethod
+    def block_shape_for(spec: TableSpec, placement: RowRange) -> tuple[int, ...]:
+        """The shape of the block of a shard holding rows `placement`: (rows, *the rest of
+        the shape). A scalar is one row: () on its shard, an empty (0,) block on the others.
+        Pure."""
+        return (placement.rows, *spec.shape[1:]) if spec.shape or not placement.rows else ()
 
     @staticmethod
     def bytes_for(spec: TableSpec, placement: RowRange) -> int:

@@ -45,8 +45,11 @@ def _spec_flags(p: argparse.ArgumentParser, defaults: bool) -> None:
     # No default here: "--mode ssp:S" may give the bound, and JobSpec's default is 0.
     p.add_argument("--staleness", type=int, default=None,
                    help="ssp staleness bound (default 0)")
-    p.add_argument("--servers", type=int, default=d and d.servers,
-                   help="parameter servers (shards) (default 1)")
+    # No default here either: `up --resume` tells a count it was given (the job is resumed
+    # on that many servers, resharded) from none (it keeps the job's); JobSpec's is 1.
+    p.add_argument("--servers", type=int, default=None,
+                   help="parameter servers (shards) (default 1; with up --resume, the job's: "
+                        "another count restores the checkpoint resharded)")
     p.add_argument("--workers", type=int, default=d and d.workers,
                    help="workers, backups included (default 1)")
     p.add_argument("--backups", type=int, default=d and d.backups,
@@ -283,6 +286,7 @@ def _run(a: argparse.Namespace) -> int:
             raise ConfigError("give --resume or --resume-from ID, not both")
         return up(UpConfig(
             script=a.script, script_args=tuple(script_args), spec=_spec(a.job, a),
+            servers_given=a.servers is not None,
             redis=a.redis, restart=a.restart, resume=a.resume, resume_from=a.resume_from,
             view=not a.no_view,
             log_dir=a.log_dir, metrics_base_port=a.metrics_base_port, tls=not a.no_tls,
@@ -358,6 +362,15 @@ def _status(store: JobStore, as_json: bool) -> int:
         print(f"{p['role']:<8}{p['id']:>3} {p['pid'] or '-':>8} {p['host'] or '-'!s:<14}"
               f"{p['address'] or '-'!s:<22}{p['incarnation'] or '-':>18}{age:>8}"
               f"{p['clock'] if p['clock'] is not None else '-':>7}")
+    restored: dict[str, list[str]] = {}
+    for p in status["processes"]:
+        if p["role"] == "server" and p.get("restored"):
+            source = p.get("resharded_from") or {}
+            what = p["restored"] + (f" (resharded from {source.get('checkpoint')} of "
+                                    f"{source.get('servers')} servers)" if source else "")
+            restored.setdefault(what, []).append(str(p["id"]))
+    for what, servers in restored.items():
+        print(f"server {', '.join(servers)} restored {what}")
     tables = [(p["id"], name, t) for p in status["processes"] if p["role"] == "server"
               for name, t in sorted((p.get("tables") or {}).items())]
     if tables:

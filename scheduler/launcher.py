@@ -50,6 +50,8 @@ class UpConfig:
     restart: bool = False
     resume: bool = False
     resume_from: str = ""  # a checkpoint id or a run id to start from
+    # --servers was given: resuming a stopped job in a shared Redis takes that count.
+    servers_given: bool = False
     view: bool = True
     log_dir: str = ""
     host: str = "127.0.0.1"
@@ -170,8 +172,10 @@ class Cluster:
             self._start_redis()
         self.store = JobStore.connect(self.redis_url, self.spec.job)
         # A new job refuses a live one of the same name; --resume adopts it (the same run
-        # carries on), --resume-from starts a new run from the checkpoint it names.
-        self.spec = self.store.create_job(self.spec, adopt=self.config.resume,
+        # carries on, on --servers if given), --resume-from starts a new run from the
+        # checkpoint it names. A checkpoint of another count is resharded by the servers.
+        given = {"servers": self.spec.servers} if self.config.servers_given else None
+        self.spec = self.store.create_job(self.spec, adopt=self.config.resume, given=given,
                                           resumed_from=self.config.resume_from)
         how = (f", resuming from {self.config.resume_from}" if self.config.resume_from else
                ", resuming from the newest checkpoint" if self.config.resume else "")
@@ -573,7 +577,9 @@ def status_of(store: JobStore, events: int = 20) -> dict[str, Any]:
                 "alive": beats.get(ident) is not None,
                 # Its heartbeat lapsed but it was not seen to exit: it keeps its place.
                 "suspect": (role, ident) in suspects,
-                **({"tables": info.get("table_stats") or {}} if role == "server" else {}),
+                **({"tables": info.get("table_stats") or {}, "restored":
+                    info.get("restored") or "", "resharded_from": info.get("resharded_from")}
+                   if role == "server" else {}),
             })
     out["events"] = [{**e.detail, "id": e.id, "time": e.time_s, "type": e.type,
                       "role": e.role, "member": e.member} for e in store.recent_events(events)]

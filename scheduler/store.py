@@ -6,10 +6,10 @@ Every key of a job lives under the prefix ``pstrain:{job}:``:
 | --- | --- | --- |
 | ``spec`` | string | the JobSpec as JSON |
 | ``leader`` | string | the id of the scheduler holding the leader lease (expires) |
-| ``servers`` | hash | shard -> JSON {address, incarnation, pid, host, restored} |
+| ``servers`` | hash | shard -> JSON {address, incarnation, pid, host, restored[, resharded_from]} |
 | ``workers`` | hash | rank -> JSON {incarnation, pid, host} |
 | ``hb:{role}:{id}`` | string | the latest heartbeat as JSON; expires after the misses allowed |
-| ``events`` | stream | joined, dead, restored, rollback, checkpoint, claimed, left, finished |
+| ``events`` | stream | joined, dead, restored, resharded, rollback, checkpoint, claimed, left... |
 | ``checkpoint:request`` | string | JSON {id, clock} of the newest checkpoint asked for |
 | ``checkpoints`` | sorted set | checkpoint ids by time of completion of their first shard |
 | ``checkpoint:{id}`` | hash | shard -> JSON {path, sha256, nbytes, clock[, mac]} (mac: signed) |
@@ -341,12 +341,22 @@ class JobStore:
         With adopt=False (a new job) a job of that name that is live (a leader holds its
         lease, or a process heartbeats) is refused. With adopt=True an existing spec must
         agree with the values in `given` (the flags a user set); the stored one is returned.
+        One exception: a job that is not live may be adopted with another number of
+        `servers` (a stopped job resumed on more or fewer servers): the stored spec takes
+        it, and Redis forgets the job's checkpoints (their files stay; the servers find them
+        on disk and reshard them) and its servers' registrations.
         A new job is a new run: it gets a run id (`JobSpec.run_id`, recorded under ``run``
         with the run before it and `resumed_from`, the checkpoint a resumed run starts from).
         """
         held = self.spec()
         if held is not None and adopt:
-            held.check_agrees(**(given or {}))
+            given = dict(given or {})
+            servers = given.get("servers")
+            if isinstance(servers, int) and servers != held.servers and not self.is_live():
+                del given["servers"]
+                held.check_agrees(**given)
+                return self._rescale(held, servers)
+            held.check_agrees(**given)
             return held
         if held is not None and self.is_live():
             raise JobExistsError(
@@ -387,6 +397,23 @@ class JobStore:
                         "fresh rows, not from that run's %d checkpoint(s) (%s carries on from "
                         "them)", spec.job, spec.run_id, before, len(forgotten), resume)
         self.put_spec(spec)
+        return spec
+
+    def _rescale(self, held: JobSpec, servers: int) -> JobSpec:
+        """`held` with `servers` servers, stored. Checkpoints listed for the old count
+        (entries signed for it) go from Redis: a listing of a checkpoint of another count
+        could pass for a complete or partial one of the new count."""
+        spec = dataclasses.replace(held, servers=servers)
+        pipe = self.redis.pipeline(transaction=False)
+        for checkpoint_id in self.checkpoint_ids():
+            pipe.delete(self.keys.checkpoint(checkpoint_id))
+        pipe.delete(self.keys.checkpoints(), self.keys.members("server"),
+                    self.keys.checkpoint_request())
+        pipe.set(self.keys.spec(), spec.to_json())
+        pipe.execute()
+        log.warning("job %r: %d servers now, not %d; each restores its share of the newest "
+                    "checkpoint from the checkpoint directory (resharded)", held.job, servers,
+                    held.servers)
         return spec
 
     def run(self) -> dict[str, Any] | None:

@@ -2,7 +2,7 @@
 
     python tests/job_worker.py --steps K --out DIR [--sleep-ms MS] [--dim D] [--lr LR]
         [--steps-of R=K ...] [--finish] [--barrier NAME] [--end close|with|return]
-        [--exit-status-of R=N ...]
+        [--exit-status-of R=N ...] [--tables]
 
 Its batch at clock t is a function of (rank, t) alone, so a run that is interrupted and
 resumed at a clock computes what an uninterrupted one does. At the end it writes the final
@@ -12,6 +12,8 @@ weights to DIR/worker<rank>.json.
 step and `--barrier NAME` waits at `ctx.barrier(NAME)` before the final pull. `--end` says how
 the script ends: `ctx.close()` (the default), a `with worker.init() as ctx:` block, or by
 returning without either. `--exit-status-of R=N` makes rank R exit with status N at the end.
+`--tables` also trains a sparse table "emb" (Adam: per-row state and steps) and a dense
+table "v" split across servers (Adam), beside and independent of the weights.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 import worker
+from worker.client import PSClient
 
 
 def batch(rank: int, clock: int, dim: int, size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,6 +56,15 @@ def local_sync_run(workers: int, steps: int, dim: int = 16, lr: float = 0.5,
     return w
 
 
+def train_tables(client: PSClient, rank: int, clock: int) -> None:
+    """One step of the side tables: gradients that depend on (rank, clock) and the rows."""
+    keys = torch.arange(6) * 1009 + (rank * 7 + clock) % 40
+    rows = client.pull_sparse("emb", keys)
+    client.push_sparse("emb", keys, rows * 0.1 + 0.01 * (clock % 5 + 1))
+    v = client.pull_dense("v")
+    client.push_dense("v", v * 0.05 + 0.001 * (rank + 1))
+
+
 def _rank_values(pairs: list[str]) -> dict[int, int]:
     """`R=N` pairs as {R: N}."""
     return {int(r): int(n) for r, n in (pair.split("=", 1) for pair in pairs)}
@@ -62,6 +74,11 @@ def train(ctx: worker.WorkerContext, a: argparse.Namespace) -> None:
     client = ctx.client
     steps = _rank_values(a.steps_of).get(ctx.rank, a.steps)
     client.declare_dense("w", (a.dim,), optimizer="sgd", lr=a.lr, init=("zeros", 0, 0))
+    if a.tables:
+        client.declare_sparse("emb", 4, optimizer="adam", lr=0.01)
+        # Over 64 KiB, so split by rows across the servers, unevenly.
+        client.declare_dense("v", (301, 64), optimizer="adam", lr=0.01,
+                             init=("uniform", -1, 1))
     while client.clock < steps:
         x, y = batch(ctx.rank, client.clock, a.dim)
         w = client.pull_dense("w")
@@ -69,6 +86,8 @@ def train(ctx: worker.WorkerContext, a: argparse.Namespace) -> None:
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, y)
         grad = x.T @ (torch.sigmoid(logits) - y) / len(y)
         time.sleep(a.sleep_ms / 1000)
+        if a.tables:
+            train_tables(client, ctx.rank, client.clock)
         client.push_dense("w", grad)
         client.end_iteration()
         ctx.report(samples=len(y), loss=float(loss))
@@ -96,6 +115,7 @@ def main() -> None:
     p.add_argument("--barrier", default="")
     p.add_argument("--end", choices=("close", "with", "return"), default="close")
     p.add_argument("--exit-status-of", action="append", default=[], metavar="R=N")
+    p.add_argument("--tables", action="store_true")
     a = p.parse_args()
     if a.end == "with":
         with worker.init() as ctx:

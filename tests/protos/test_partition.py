@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from protos.partition import MIN_SPLIT_BYTES, dense_placement, shard_of_keys
+from protos.partition import MIN_SPLIT_BYTES, dense_placement, key_range, shard_of_keys
 
 
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 7])
@@ -164,3 +164,18 @@ def test_a_large_split_is_balanced_to_one_row() -> None:
     sizes = [r.rows for r in ranges]
     assert max(sizes) - min(sizes) <= 1 and sum(sizes) == 1_000_003
     assert all(a.end == b.start for a, b in itertools.pairwise(ranges))
+
+
+@pytest.mark.parametrize(("old", "new"), [(1, 3), (2, 3), (3, 2), (4, 6), (5, 1)])
+def test_a_key_moves_only_between_shards_whose_key_ranges_overlap(old: int, new: int) -> None:
+    for n in (old, new):  # the ranges tile the hash's top 32 bits
+        ranges = [key_range(s, n) for s in range(n)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == 1 << 32
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    keys = np.random.default_rng(old * 10 + new).integers(-(2**63), 2**63 - 1, 20_000)
+    moves = set(zip(shard_of_keys(keys, old).tolist(), shard_of_keys(keys, new).tolist(),
+                    strict=True))
+    overlapping = {(i, k) for i in range(old) for k in range(new)
+                   if key_range(i, old)[0] < key_range(k, new)[1]
+                   and key_range(k, new)[0] < key_range(i, old)[1]}
+    assert moves == overlapping  # every overlap is used by some key, and nothing else

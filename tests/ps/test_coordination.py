@@ -10,11 +10,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 from procs import Procs, wait_until
 
-from ps.checkpoint import CheckpointUnsignedError
-from ps.coordination import find_checkpoint
+from protos.partition import dense_placement, shard_of_keys
+from ps import coordination
+from ps.checkpoint import (
+    CheckpointError,
+    CheckpointUnsignedError,
+    ShardState,
+    TableState,
+    list_checkpoints,
+    read_shard,
+    write_manifest,
+    write_shard,
+)
+from ps.coordination import find_checkpoint, resharded_id, write_resharded
+from ps.tables import DenseTable, OptimizerConfig, SparseTable, TableSpec
 from scheduler.recovery import entry_signed
 from scheduler.spec import JobSpec
 from scheduler.store import JobStore
@@ -71,7 +85,7 @@ def find(job: Job, secret: bytes | None = None) -> str:
     found = find_checkpoint(job.store, job.spec, 0, 1, JOB, job.directory, from_disk=False,
                             secret=job.secret if secret is None else secret)
     assert found is not None
-    return found[0].checkpoint_id
+    return found.state.checkpoint_id
 
 
 def unsigned_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -130,7 +144,7 @@ def test_entries_found_on_disk_are_signed_for_relisting(
     found = find_checkpoint(None, job.spec, 0, 1, JOB, job.directory, from_disk=False,
                             secret=job.secret)
     assert found is not None
-    state, on_disk = found
+    state, on_disk = found.state, found.entries
     assert state.checkpoint_id == "c2"
     assert entry_signed(job.secret, JOB, "c2", 0, 1, on_disk[0]), on_disk
     assert on_disk[0]["sha256"] == entries["c2"]["sha256"]
@@ -156,3 +170,124 @@ def test_a_restarting_server_skips_an_entry_without_its_mac(
         assert "checkpoint 'c2'" in warned[0] and "shard 0" in warned[0], warned
     finally:
         procs.kill(server)
+
+
+# ---- a checkpoint of another shard count, found on disk ------------------------------------
+
+ADAM = OptimizerConfig("adam", (("lr", 0.1),))
+RESHARD_SPECS = [TableSpec("emb", "sparse", torch.float32, dim=4, optimizer=ADAM),
+                 TableSpec("w", "dense", torch.float32, shape=(999, 20), optimizer=ADAM)]
+
+
+def write_checkpoint(directory: Path, num_shards: int, checkpoint_id: str = "c7") -> None:
+    """Checkpoint `checkpoint_id` of a trained job of `num_shards` servers, on disk."""
+    keys = np.arange(0, 5000, 7, dtype=np.int64)
+    for shard in range(num_shards):
+        sparse = SparseTable(RESHARD_SPECS[0], shard, num_shards)
+        mine = keys[shard_of_keys(keys, num_shards) == shard]
+        sparse.pull(mine)
+        sparse.apply(mine, torch.from_numpy(mine % 13).float()[:, None].expand(-1, 4),
+                     assign=False)
+        spec = RESHARD_SPECS[1]
+        dense = DenseTable(spec, dense_placement("w", spec.shape, 4, num_shards)[shard])
+        dense.apply([(0, torch.ones(dense.value.numel()))], assign=False)
+        state = ShardState(JOB, shard, num_shards, checkpoint_id, 7, {
+            "mode": "async", "open_clock": 7, "clocks": {"0": 7}, "live": [0], "ledger": []},
+            [TableState("emb", RESHARD_SPECS[0].to_dict(), sparse.snapshot()),
+             TableState("w", spec.to_dict(), dense.snapshot())])
+        written = write_shard(directory, state)
+        write_manifest(directory, checkpoint_id, JOB, 7, {shard: written}, num_shards)
+
+
+def rows(states: list[ShardState]) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = {}
+    for state in states:
+        table = next(t for t in state.tables if t.name == "emb").tensors
+        for key, value, avg in zip(table["keys"].tolist(), table["value"].tolist(),
+                                   table["state.exp_avg"].tolist(), strict=True):
+            out[key] = value + avg
+    return out
+
+
+def test_a_server_of_another_count_restores_its_share_of_a_checkpoint_on_disk(
+        tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, 2)
+    old = [read_shard(tmp_path / JOB / "c7" / f"shard-{k}-of-2.safetensors") for k in range(2)]
+    spec = JobSpec(job=JOB, servers=3, checkpoint_dir=str(tmp_path), run_id="run-2")
+    found = [find_checkpoint(None, spec, k, 3, JOB, str(tmp_path), from_disk=True)
+             for k in range(3)]
+    assert all(f is not None and f.resharded_from == 2 and not f.entries for f in found)
+    shares = [f.state for f in found if f is not None]
+    assert [(s.shard, s.num_shards, s.checkpoint_id) for s in shares] == [
+        (k, 3, "c7") for k in range(3)]
+    assert rows(shares) == rows(old)
+    # Each writes its share under the job's count: a complete checkpoint once all three have.
+    written = [write_resharded(str(tmp_path), f, spec, b"") for f in found if f is not None]
+    assert {w.state.checkpoint_id for w in written} == {resharded_id("c7", 3)} == {"c7.on-3"}
+    newest = list_checkpoints(tmp_path, JOB)[-1]
+    assert (newest.checkpoint_id, newest.num_shards, newest.complete, newest.run) == (
+        "c7.on-3", 3, True, "run-2")
+    assert [w.entries[w.state.shard]["sha256"] for w in written] == [
+        newest.shards[k].sha256 for k in range(3)]
+    # Written again (a server restarted before all were), the same bytes.
+    again = write_resharded(str(tmp_path), found[1], spec, b"")  # type: ignore[arg-type]
+    assert again.entries[1]["sha256"] == newest.shards[1].sha256
+    # Now a restart finds the checkpoint of its own count.
+    restart = find_checkpoint(None, spec, 1, 3, JOB, str(tmp_path), from_disk=True)
+    assert restart is not None and restart.resharded_from == 0
+    assert restart.state.checkpoint_id == "c7.on-3"
+
+
+@pytest.mark.parametrize(("old", "new", "reads"), [
+    (2, 3, [[0], [0, 1], [1]]), (3, 2, [[0, 1], [1, 2]]), (1, 2, [[0], [0]])])
+def test_a_server_reads_only_the_old_shard_files_that_hold_its_rows(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, old: int, new: int,
+        reads: list[list[int]]) -> None:
+    write_checkpoint(tmp_path, old)
+    loaded: list[int] = []
+    original = coordination.load_checkpoint
+
+    def load(*args: Any) -> ShardState:
+        loaded.append(args[3])  # (directory, job, checkpoint_id, shard, ...)
+        return original(*args)
+
+    spec = JobSpec(job=JOB, servers=new, checkpoint_dir=str(tmp_path))
+    shares = []
+    for k in range(new):
+        loaded.clear()
+        with monkeypatch.context() as m:
+            m.setattr(coordination, "load_checkpoint", load)
+            found = find_checkpoint(None, spec, k, new, JOB, str(tmp_path), from_disk=True)
+        assert found is not None and found.resharded_from == old
+        assert loaded == reads[k]
+        shares.append(found.state)
+    old_states = [read_shard(tmp_path / JOB / "c7" / f"shard-{k}-of-{old}.safetensors")
+                  for k in range(old)]
+    assert rows(shares) == rows(old_states)
+
+
+def test_a_missing_file_of_the_old_checkpoint_is_named_and_every_server_passes_it_over(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    write_checkpoint(tmp_path, 3, "c6")
+    write_checkpoint(tmp_path, 3, "c7")
+    (tmp_path / JOB / "c7" / "shard-2-of-3.safetensors").unlink()
+    spec = JobSpec(job=JOB, servers=2, checkpoint_dir=str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="ps.checkpoint"):
+        found = [find_checkpoint(None, spec, k, 2, JOB, str(tmp_path), from_disk=True)
+                 for k in range(2)]
+    # Shard 0 of 2 would not read that file, but it too restores the older one: the servers
+    # of a job restore one cut.
+    assert [f.state.checkpoint_id if f else None for f in found] == ["c6", "c6"]
+    assert "skipping corrupt checkpoint c7" in caplog.text
+    assert "shard-2-of-3.safetensors is missing" in caplog.text
+
+
+def test_a_directory_with_only_this_server_s_entries_says_what_is_missing(
+        tmp_path: Path) -> None:
+    # What a server sees in a checkpoint directory of its own, not shared: its own entries.
+    write_checkpoint(tmp_path, 2)
+    (tmp_path / JOB / "c7" / "shard-1.json").unlink()
+    spec = JobSpec(job=JOB, servers=3, checkpoint_dir=str(tmp_path))
+    with pytest.raises(CheckpointError, match=r"lacks shard-1\.json\. Resharding needs one "
+                                              r"checkpoint directory shared by all servers"):
+        find_checkpoint(None, spec, 0, 3, JOB, str(tmp_path), from_disk=True)

@@ -18,11 +18,15 @@ import grpc
 import pytest
 import torch
 from beats import server_pid, worker_clock
-from procs import REPO, Procs, wait_until
+from procs import REPO, Proc, Procs, wait_until
 
 from protos import rpc
+from protos.partition import shard_of_keys
 from protos.rpc import Stubs
+from ps.checkpoint import ShardState, latest_complete, read_manifest, read_shard
+from ps.coordination import find_checkpoint
 from scheduler.errors import CoordinationError
+from scheduler.spec import JobSpec
 from scheduler.store import JobStore
 
 JOB_WORKER = str(REPO / "tests" / "job_worker.py")
@@ -277,13 +281,6 @@ def _checkpoint_now(redis: str, job: str) -> str:
     return str(json.loads(done.stdout)["checkpoint"])
 
 
-def _shard_states(ckpt: Path, job: str, checkpoint_id: str, shards: int) -> list[Any]:
-    from ps.checkpoint import read_shard  # noqa: PLC0415
-
-    return [read_shard(ckpt / job / checkpoint_id / f"shard-{k}-of-{shards}.safetensors")
-            for k in range(shards)]
-
-
 def test_an_async_checkpoint_is_one_cut_and_the_resumed_job_trains_each_sample_once(
         procs: Procs) -> None:
     ckpt, out, hold = procs.workdir / "ckpt", procs.workdir / "out", procs.workdir / "go"
@@ -304,7 +301,7 @@ def test_an_async_checkpoint_is_one_cut_and_the_resumed_job_trains_each_sample_o
     assert up.popen.wait(timeout=60) == 130, up.log()
     first_run = {r: (out / f"seen-{r}.jsonl").read_text().splitlines() for r in range(2)}
 
-    taken = _shard_states(ckpt, "cut", cut, 2)
+    taken = _shards(ckpt, "cut", cut)
     positions = taken[0].meta["positions"]
     assert taken[1].meta["positions"] == positions  # every shard cut each worker alike
     assert taken[1].meta["clocks"] == taken[0].meta["clocks"]
@@ -315,7 +312,7 @@ def test_an_async_checkpoint_is_one_cut_and_the_resumed_job_trains_each_sample_o
                           "up-again")
     store2 = JobStore.connect(redis2, "cut")
     wait_until(lambda: all(store2.heartbeats("worker", [0, 1]).values()), 90, "the workers")
-    restored = _shard_states(ckpt, "cut", _checkpoint_now(redis2, "cut"), 2)
+    restored = _shards(ckpt, "cut", _checkpoint_now(redis2, "cut"))
     for before, after in zip(taken, restored, strict=True):
         assert after.meta["positions"] == positions
         assert [t.name for t in after.tables] == [t.name for t in before.tables]
@@ -339,3 +336,88 @@ def test_an_async_checkpoint_is_one_cut_and_the_resumed_job_trains_each_sample_o
             ids = [i for s in before_cut + lines[len(first_run[r]):] if s["epoch"] == epoch
                    for i in s["ids"]]
             assert len(ids) == len(share) and set(ids) == share, (r, epoch)
+
+
+def _shards(ckpt: Path, job: str, checkpoint_id: str) -> list[ShardState]:
+    """Every shard of a complete checkpoint, read and verified."""
+    manifest = read_manifest(ckpt / job / checkpoint_id)
+    assert manifest.complete, manifest
+    return [read_shard(f.path, f.sha256) for _, f in sorted(manifest.shards.items())]
+
+
+def _tensors(state: ShardState, table: str) -> dict[str, torch.Tensor]:
+    return next(t for t in state.tables if t.name == table).tensors
+
+
+def assert_same_rows(old: list[ShardState], new: list[ShardState]) -> None:
+    """Every sparse row with its optimizer state and step, by key, and every dense row with
+    its optimizer state, by global row, as in `old`; each where the new count puts it."""
+    def by_key(states: list[ShardState]) -> dict[int, list[torch.Tensor]]:
+        rows: dict[int, list[torch.Tensor]] = {}
+        for state in states:
+            emb = _tensors(state, "emb")
+            assert (shard_of_keys(emb["keys"].numpy(), state.num_shards) == state.shard).all()
+            names = ["value", "state.exp_avg", "state.exp_avg_sq", "step"]
+            for i, key in enumerate(emb["keys"].tolist()):
+                rows[key] = [emb[n][i] for n in names]
+        return rows
+
+    before, after = by_key(old), by_key(new)
+    assert before.keys() == after.keys() and len(before) > 40
+    for key, row in before.items():
+        assert all(torch.equal(a, b) for a, b in zip(after[key], row, strict=True)), key
+    for table in ("v", "w"):
+        for name in _tensors(old[0], table):
+            if name in ("step", "written"):
+                steps = {int(_tensors(s, table)["step"]) for s in old + new
+                         if _tensors(s, table)["value"].numel()}
+                assert len(steps) == 1 and steps != {0}, (table, steps)  # sync: alike
+                continue
+            joined = [torch.cat([_tensors(s, table)[name] for s in states])
+                      for states in (old, new)]
+            assert torch.equal(*joined), (table, name)
+
+
+@pytest.mark.timeout(180)
+def test_a_job_resumed_on_three_servers_restores_every_row_and_trains_on(procs: Procs) -> None:
+    ckpt = procs.workdir / "ckpt"
+
+    def up(servers: int, steps: int, name: str, *flags: str) -> Proc:
+        return procs.pstrain([
+            "up", "--job", "rescaled", "--servers", str(servers), "--workers", "1", "--mode",
+            "sync", "--checkpoint-dir", str(ckpt), "--checkpoint-every-clocks", "10",
+            "--no-view", *flags, JOB_WORKER, "--", "--steps", str(steps), "--tables",
+            "--sleep-ms", "2", "--out", str(procs.workdir / name)], name)
+
+    # Two servers run to the end, checkpointing every 10 clocks.
+    first = up(2, 25, "first")
+    assert first.popen.wait(timeout=120) == 0, first.log()[-3000:]
+    before = latest_complete(ckpt, "rescaled")
+    assert before is not None and before.num_shards == 2
+    # Resumed on three (in a Redis that outlives the run, to read what the servers said).
+    redis = procs.redis().address
+    second = up(3, before.clock + 25, "second", "--redis", redis, "--resume")
+    assert second.popen.wait(timeout=120) == 0, second.log()[-3000:]
+    written = f"{before.checkpoint_id}.on-3"
+    restored = JobStore.connect(redis, "rescaled").members("server")
+    assert {k: m["restored"] for k, m in restored.items()} == dict.fromkeys(range(3), written)
+    assert all(m["resharded_from"] == {"checkpoint": before.checkpoint_id, "servers": 2}
+               for m in restored.values())
+    # What the servers restored they wrote at once, as a checkpoint of their own count.
+    assert_same_rows(_shards(ckpt, "rescaled", before.checkpoint_id),
+                     _shards(ckpt, "rescaled", written))
+    # The weights trained on as one uninterrupted run would: the clocks carried over.
+    result = json.loads((procs.workdir / "second" / "worker0.json").read_text())
+    assert result["clock"] == before.clock + 25
+    torch.testing.assert_close(torch.tensor(result["w"]), local_sync_run(1, result["clock"]),
+                               atol=1e-6, rtol=0)
+    # And back onto two servers: each one's share of the three servers' newest checkpoint
+    # (in this process: another job's worth of start-ups would double the test's time).
+    three = latest_complete(ckpt, "rescaled")
+    assert three is not None and three.num_shards == 3 and three.clock > before.clock
+    spec = JobSpec(job="rescaled", servers=2, checkpoint_dir=str(ckpt))
+    found = [find_checkpoint(None, spec, k, 2, "rescaled", str(ckpt), from_disk=True)
+             for k in range(2)]
+    assert all(f is not None and f.resharded_from == 3 for f in found)
+    assert_same_rows(_shards(ckpt, "rescaled", three.checkpoint_id),
+                     [f.state for f in found if f is not None])

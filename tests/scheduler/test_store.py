@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import socket
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ from procs import Procs, free_port, wait_until
 from redis.connection import parse_url
 
 from scheduler.certs import JobCerts, make_job_certs
-from scheduler.errors import RedisUnavailableError
+from scheduler.errors import RedisUnavailableError, SpecMismatchError
 from scheduler.spec import JobSpec
 from scheduler.store import JobStore, redact
 
@@ -190,3 +191,33 @@ def test_a_url_redis_py_cannot_use_is_refused_at_once(url: str, says: str) -> No
 )
 def test_redact_hides_a_password_wherever_the_url_holds_it(url: str, shown: str) -> None:
     assert redact(url) == shown
+
+
+# ---- adopting a job ------------------------------------------------------------------------------
+
+
+def test_a_stopped_job_adopted_with_another_server_count_takes_it(procs: Procs) -> None:
+    store = JobStore.connect(procs.redis().address, "rescaled")
+    held = store.create_job(JobSpec("rescaled", servers=2, workers=3, checkpoint_dir="/ck"),
+                            adopt=False)
+    store.record_checkpoint("c1", 0, {"sha256": "0" * 64, "clock": 5})
+    store.record_checkpoint("c1", 1, {"sha256": "1" * 64, "clock": 5})
+    store.register("server", 1, {"address": "127.0.0.1:1", "restored": "c1"})
+    # A live job keeps its count: a process of it still heartbeats, or a scheduler leads.
+    assert store.acquire_lease("scheduler-a", 30)
+    with pytest.raises(SpecMismatchError, match="servers: the job has 2, this process was "
+                                                  "given 3"):
+        store.create_job(JobSpec("rescaled", servers=3), adopt=True, given={"servers": 3})
+    assert store.spec() == held and store.checkpoint_ids() == ["c1"]
+    store.redis.delete(store.keys.leader())
+    # Stopped: the count is taken, the rest of the spec (and the run) kept; the checkpoints
+    # listed for two servers go from Redis (their files stay, for the servers to reshard).
+    with pytest.raises(SpecMismatchError, match="workers: the job has 3"):
+        store.create_job(JobSpec("rescaled"), adopt=True, given={"servers": 3, "workers": 4})
+    adopted = store.create_job(JobSpec("rescaled", servers=3), adopt=True,
+                               given={"servers": 3, "workers": 3})
+    assert adopted == store.spec() == dataclasses.replace(held, servers=3)
+    assert store.checkpoint_ids() == [] and store.checkpoint("c1") == {}
+    assert store.members("server") == {}
+    # Without a count, adopting keeps the job's.
+    assert store.create_job(JobSpec("rescaled", servers=1), adopt=True) == adopted

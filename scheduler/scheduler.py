@@ -30,6 +30,7 @@ from scheduler.finishing import Departures
 from scheduler.membership import MembershipTracker, Transition
 from scheduler.recovery import (
     RedisWatch,
+    chain_of,
     choose_rollback,
     entry_signed,
     next_generation,
@@ -432,7 +433,8 @@ class Scheduler:
                 reason = rollback.unreadable.setdefault(
                     checkpoint_id, "an entry in Redis is not signed with the job's secret")
                 bad[checkpoint_id] = reason
-            choice = choose_rollback(rollback.restored, complete, bad)
+            chains = {c: chain_of(entries) for c, entries in listed.items()}
+            choice = choose_rollback(rollback.restored, complete, bad, chains)
             if choice.stop:
                 self._stop(choice.reason)
                 return

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,19 +124,23 @@ class RollbackChoice:
 
 def choose_rollback(restored: str, complete: list[tuple[str, int]],
                     bad: Mapping[str, str],
-                    chains: Mapping[str, Iterable[object]] | None = None) -> RollbackChoice:
+                    chains: Mapping[str, Iterable[object]] | None = None,
+                    unsigned: Collection[str] = ()) -> RollbackChoice:
     """The checkpoint a sync job rolls back to. Pure.
 
     `complete` lists (id, clock) of the checkpoints every shard has written, newest listed
-    first; `bad` maps the ids that failed verification (on any shard) to what failed;
-    `chains` maps a delta checkpoint's id to the ids it builds on (its entries' chains), and
-    one that builds on a bad one counts as bad (`built_on_bad`). The newest that is not bad
-    wins; with none, and some checkpoint written, the job stops (going back to the initial
-    state would silently throw the training away); with none written at all it goes back to
-    the initial state. A `restored` checkpoint not listed (Redis came back empty) is waited
-    for, unless it is bad.
+    first; `bad` maps the ids not to use to why: they failed verification (on any shard),
+    or, for those also in `unsigned`, an entry in Redis is not signed. `chains` maps a delta
+    checkpoint's id to the ids it builds on (its entries' chains): one that builds on a
+    checkpoint that failed verification counts as bad too (`built_on_bad`); one built on a
+    checkpoint with an unsigned entry does not (its own signed entry and its file vouch for
+    its chain). The newest that is not bad wins; with none, and some checkpoint written, the
+    job stops (going back to the initial state would silently throw the training away); with
+    none written at all it goes back to the initial state. A `restored` checkpoint not listed
+    (Redis came back empty) is waited for, unless it is bad.
     """
-    bad = {**bad, **built_on_bad(bad, chains or {})}
+    verified_bad = {c: reason for c, reason in bad.items() if c not in unsigned}
+    bad = {**bad, **built_on_bad(verified_bad, chains or {})}
     usable = [(c, clock) for c, clock in complete if c not in bad]
     if restored and restored not in bad and restored not in {c for c, _ in usable}:
         return RollbackChoice(wait=True)

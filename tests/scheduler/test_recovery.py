@@ -154,6 +154,14 @@ def test_choose_rollback_passes_over_the_deltas_built_on_a_bad_checkpoint(
     assert choose_rollback("", complete, bad, chains) == expected
 
 
+def test_a_delta_built_on_a_checkpoint_with_an_unsigned_entry_is_used() -> None:
+    # Someone changed the older checkpoint's entry in Redis: it is passed over, but the
+    # delta's own signed entry and file vouch for the chain it needs.
+    choice = choose_rollback("", [C60, C40], {"clock-40": "an entry is not signed"},
+                             {"clock-60": ["clock-40"]}, unsigned={"clock-40"})
+    assert choice == RollbackChoice(checkpoint="clock-60")
+
+
 def test_when_only_deltas_of_a_bad_checkpoint_are_left_the_job_stops_naming_why() -> None:
     choice = choose_rollback("", [C60, C40], {"clock-40": "shard 0: sha256 mismatch"},
                              {"clock-60": ["clock-40"]})

@@ -932,8 +932,8 @@ def apply_deltas(state: ShardState, deltas: Sequence[ShardState]) -> ShardState:
     Per table: a table a delta holds whole replaces what came before; a row delta's rows
     replace the rows of their keys (or are added), the keys it evicted go, and its
     whole-table items (``sketch``, ``evicted_bits``) replace the earlier ones; a table no
-    delta holds is kept. Rows keep the order of the state they come from, with the rows a
-    delta adds after them. CheckpointError when a delta does not build on the state before
+    delta holds is kept. Rows keep their order (a changed row its place), with the rows the
+    deltas add after them. CheckpointError when a delta does not build on the state before
     it (or is of another job or shard); CheckpointCorruptError when a row delta does not fit
     its table (another spec, missing tensors, no whole copy of the table before it).
     """
@@ -1012,35 +1012,50 @@ def _merge_rows(whole: TableState, deltas: Sequence[TableState]) -> TableState:
     index = KeyIndex(len(all_keys))
     ids, _ = index.lookup_or_insert(all_keys)
     _, first = np.unique(ids, return_index=True)
-    last_event = source[first]
-    held_new = last_event[last_event[:, 1] >= 0]
+    last = source[first]  # per key a delta names: (delta, its row there; -1: evicted)
+    # Rows of `whole` keep their place (a row a delta changed takes the new values there),
+    # less those evicted; rows for keys it did not hold follow, in delta and row order.
     base_keys = _keys_of(whole, "keys", name)
-    keep = torch.from_numpy(np.flatnonzero(index.lookup(base_keys) < 0))
-    # The rows each delta provides, in delta order and row order within one.
-    held_new = held_new[np.lexsort((held_new[:, 1], held_new[:, 0]))]
-    picks = [(i, torch.from_numpy(held_new[held_new[:, 0] == i, 1].copy()))
-             for i in range(len(deltas))]
+    event = index.lookup(base_keys)
+    named = np.flatnonzero(event >= 0)
+    in_base = np.zeros(len(last), dtype=bool)
+    in_base[event[named]] = True
+    evicted = named[last[event[named], 1] < 0]
+    changed = named[last[event[named], 1] >= 0]
+    changed_from = last[event[changed]]
+    changed_at = changed - np.searchsorted(evicted, changed)  # after the evicted rows go
+    kept = len(base_keys) - len(evicted)
+    added_from = last[~in_base & (last[:, 1] >= 0)]
+    added_from = added_from[np.lexsort((added_from[:, 1], added_from[:, 0]))]
+    keep = None
+    if len(evicted):
+        keep = torch.from_numpy(np.delete(np.arange(len(base_keys)), evicted))
+    writes = []  # per delta: (positions in the result, its rows)
+    for i in range(len(deltas)):
+        mine = changed_from[:, 0] == i
+        new = np.flatnonzero(added_from[:, 0] == i)
+        positions = np.concatenate([changed_at[mine], kept + new])
+        rows = np.concatenate([changed_from[mine, 1], added_from[new, 1]])
+        if len(rows):
+            writes.append((i, torch.from_numpy(positions), torch.from_numpy(rows)))
     out: dict[str, torch.Tensor] = {}
     for tensor_name in ["keys", *per_row]:
         old = whole.tensors[tensor_name]
-        parts = [deltas[i].tensors[tensor_name] for i, _ in picks]
-        for part in parts:
+        for delta in deltas:
+            part = delta.tensors[tensor_name]
             if part.dtype != old.dtype or part.shape[1:] != old.shape[1:]:
                 raise CheckpointCorruptError(
                     f"table {name!r}: a row delta's {tensor_name!r} is {part.dtype} "
                     f"{list(part.shape)}, the table's {old.dtype} {list(old.shape)}; the chain "
                     "is corrupt"
                 )
-        rows = len(keep) + sum(len(at) for _, at in picks)
-        merged = torch.empty((rows, *old.shape[1:]), dtype=old.dtype)
-        if len(keep) == len(old):
-            merged[: len(keep)].copy_(old)
+        merged = torch.empty((kept + len(added_from), *old.shape[1:]), dtype=old.dtype)
+        if keep is None:
+            merged[:kept].copy_(old)
         else:
-            torch.index_select(old, 0, keep, out=merged[: len(keep)])
-        position = len(keep)
-        for part, (_, at) in zip(parts, picks, strict=True):
-            merged[position : position + len(at)] = part.index_select(0, at)
-            position += len(at)
+            torch.index_select(old, 0, keep, out=merged[:kept])
+        for i, where, taken in writes:
+            merged[where] = deltas[i].tensors[tensor_name].index_select(0, taken)
         out[tensor_name] = merged
     for item in WHOLE_TABLE_TENSORS:
         newest = next((d.tensors[item] for d in reversed(deltas) if item in d.tensors),

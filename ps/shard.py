@@ -911,8 +911,9 @@ class Shard:
     # ---- checkpoints -----------------------------------------------------------------------
 
     def snapshot(self, checkpoint_id: str) -> ShardState:
-        """A consistent copy of the shard: tables, optimizer state, clocks, ledger. Blocks
-        pushes for as long as the copies take."""
+        """A consistent copy of the shard: tables, optimizer state, clocks, ledger; full, or
+        a delta of the snapshot before (`self.snapshots` decides; whoever writes it reports
+        how the write went there). Blocks pushes for as long as the copies take."""
         with self._clocks:
             return self._snapshot(checkpoint_id)
 

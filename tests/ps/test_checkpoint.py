@@ -869,6 +869,9 @@ def test_a_corrupt_delta_or_base_is_refused_naming_the_file_and_passed_over(
     link = tmp_path / JOB / "c2" / "shard-0-of-1.base-c1.safetensors"
     assert os.path.samefile(base, link)
     flip_end(base)
+    assert latest_complete(tmp_path, JOB).checkpoint_id == "c3"  # type: ignore[union-attr]
+    verified = latest_complete(tmp_path, JOB, verify_checksums=True)  # hashes the chains too
+    assert verified is not None and verified.checkpoint_id == "c0"
     with pytest.raises(CheckpointCorruptError, match=f"builds on 'c1'.*{link} fails its"):
         load_checkpoint(tmp_path, JOB, "c2", 0, 1, files["c2"].sha256)
     assert "builds on 'c1'" in str(bad_reason(tmp_path, JOB, "c2"))

@@ -1,8 +1,9 @@
-"""Checkpoint I/O benchmark: write and restore rate of one ~1 GB parameter-server shard, and
-the rate of restoring a checkpoint onto another number of servers (resharding).
+"""Checkpoint I/O benchmark: write and restore rate of one ~1 GB parameter-server shard, the
+rate of restoring a checkpoint onto another number of servers (resharding), what a delta
+checkpoint costs next to a full one, and the training stall a consistent checkpoint causes.
 
-    python benchmarks/checkpoint_io.py [--mb 1024] [--reps 3] [--json PATH] [--dir DIR]
-        [--only io|reshard]
+    python benchmarks/checkpoint_io.py [--only io|reshard|delta|stall] [--mb MB] [--reps 3]
+        [--json PATH] [--dir DIR]
 
 The shard holds one sparse table of float32 rows x 64 with an Adagrad sum of the same size
 and int64 keys, ~1 GB in all. Each figure is the median of --reps runs, in MB/s (1e6 bytes)
@@ -17,9 +18,11 @@ of file size:
   which is what `read_shard` returns).
 One untimed write and restore run first: on a VM the first touch of guest memory is slow
 (the host backs pages lazily), which would otherwise land on the first timed run only.
-Prints a table and writes JSON to benchmarks/results/checkpoint_io-<date>.json (and --json
-PATH); the headline keys are `checkpoint_write_MBps` and `checkpoint_restore_MBps` (cold).
-Files go to a temporary directory under /tmp (or --dir), removed at the end.
+Prints a table and writes JSON to benchmarks/results/checkpoint_io-<date>.json (with
+`--only S`, checkpoint_io-S-<date>.json; and --json PATH); the headline keys are
+`checkpoint_write_MBps` and `checkpoint_restore_MBps` (cold), `reshard_restore_ratio`,
+`delta_time_ratio`, `delta_bytes_ratio` and `snapshot_stall_p99_ratio`. Files go to a
+temporary directory under /tmp (or --dir), removed at the end.
 
 The reshard section (`--only reshard` runs it alone, into checkpoint_io-reshard-<date>.json)
 writes one model of about --mb MB (a sparse table of float32 rows x 64 with Adagrad state and
@@ -35,6 +38,22 @@ machine). `reshard_restore_ratio_<n>to<m>` is the rate of n -> m over that of th
 checkpoint restored onto n (same-count); `reshard_restore_ratio` the smaller of 2 -> 3 and
 3 -> 2 (goal >= 0.7); `..._vs_<m>to<m>` over that of m servers restoring the checkpoint
 m servers wrote. Medians of --reps.
+
+The delta section (`--only delta` runs it alone; --mb sizes it, default ~2 GiB) builds a real
+`Shard` holding one sparse table of float32 rows x 64 with Adagrad state, its rows created by
+pulls, so the tables' change tracking is what a server runs. Each rep changes 1% of the rows
+(a gradient push to random keys), writes a full checkpoint, changes another 1%, and writes a
+delta of it, each the way a server does: `Shard.snapshot` (the copy) and `write_snapshot`
+(file, fsync, sha256, manifest entry, links), timed together. `delta_time_ratio` is the
+median delta time over the median full time, `delta_bytes_ratio` the delta file's size over
+the full one's; `delta_restore_s` is the median time to read the delta back through its
+chain (`read_resolved`, warm page cache), against `full_restore_s` for the full file.
+
+The stall section (`--only stall`; --mb sizes the model, default 1024) is
+benchmarks/snapshot_stall.py: a real async job (2 servers, 2 workers at batch 1024), asked for
+checkpoints while it trains; `snapshot_stall_p99_ratio` is the p99 step time during
+checkpoints over the median step outside them (goal <= 2). It runs twice: every checkpoint
+full (`--checkpoint-full-every 1`), and the job's default of deltas between fulls.
 """
 
 from __future__ import annotations
@@ -57,26 +76,32 @@ from safetensors.torch import load_file, save_file
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import numpy as np  # noqa: E402
+from snapshot_stall import measure as measure_stall  # noqa: E402
 
 from protos import modes  # noqa: E402
 from protos.partition import dense_placement, shard_of_keys  # noqa: E402
 from ps.checkpoint import (  # noqa: E402
     ShardState,
     TableState,
+    read_resolved,
     read_shard,
     write_manifest,
     write_shard,
 )
 from ps.clocks import ClockBoard, Quorum  # noqa: E402
-from ps.coordination import find_checkpoint, write_resharded  # noqa: E402
-from ps.shard import Shard, ShardConfig  # noqa: E402
+from ps.coordination import find_checkpoint, write_resharded, write_snapshot  # noqa: E402
+from ps.shard import Exchange, Pull, PushMeta, Shard, ShardConfig, SparsePush  # noqa: E402
 from ps.tables import OptimizerConfig, TableSpec  # noqa: E402
 from scheduler.spec import JobSpec  # noqa: E402
 
 DIM = 64
+# The share of rows a delta holds: changed between two checkpoints.
+CHANGED = 0.01
 RESHARD_JOB = "bench"
+SECTIONS = ("io", "reshard", "delta", "stall")
 # (checkpoint's servers, target servers): each reshard against the same count.
 RESHARD_CASES = [(2, 2), (2, 3), (3, 3), (3, 2)]
 EMB = TableSpec("emb", "sparse", torch.float32, dim=DIM,
@@ -261,42 +286,146 @@ def reshard_section(work: Path, args: argparse.Namespace) -> dict[str, object]:
     return out
 
 
+class DeltaBench:
+    """A real shard of one sparse Adagrad table of about `total_mb` MB (values, state, keys),
+    written as a server writes it."""
+
+    def __init__(self, total_mb: float, work: Path) -> None:
+        self.work = work
+        self.rows = int(total_mb * 1e6 / (DIM * 4 * 2 + 8))
+        self.shard = Shard(ShardConfig(shard=0, num_shards=1, job="bench",
+                                       checkpoint_full_every=1 << 30))
+        self.shard.declare([TableSpec("emb", "sparse", torch.float32, dim=DIM,
+                                      optimizer=OptimizerConfig("adagrad", (("lr", 0.01),)))])
+        self.keys = np.random.default_rng(0).permutation(self.rows).astype(np.int64) * 7919
+        self.seq = 0
+        self.rng = np.random.default_rng(1)
+        for start in range(0, self.rows, 1 << 20):
+            self.exchange([], [Pull("emb", self.keys[start : start + (1 << 20)])])
+
+    def exchange(self, pushes: list[SparsePush], pulls: list[Pull]) -> None:
+        self.shard.exchange(Exchange(worker=0, incarnation=1, generation=0, push_clock=0,
+                                     pushes=pushes, end_iteration=False, pull_clock=0,
+                                     pulls=pulls))
+
+    def change(self) -> None:
+        """A gradient push to CHANGED of the rows, at random."""
+        picked = self.keys[self.rng.choice(self.rows, int(self.rows * CHANGED), replace=False)]
+        grads = self.rng.standard_normal((len(picked), DIM), dtype=np.float32)
+        self.seq += 1
+        self.exchange([SparsePush("emb", PushMeta(0, 1, self.seq), torch.float32, DIM, picked,
+                                  memoryview(grads).cast("B"))], [])
+
+    def write(self, checkpoint_id: str, full: bool) -> tuple[float, int, Path, str]:
+        """(seconds to snapshot and write, file bytes, file path, sha256)."""
+        if full:
+            self.shard.snapshots.ask_full(checkpoint_id)
+        start = time.perf_counter()
+        state = self.shard.snapshot(checkpoint_id)
+        written = write_snapshot(self.shard, str(self.work), state)
+        elapsed = time.perf_counter() - start
+        if written.kind != ("full" if full else "delta"):
+            raise RuntimeError(f"{checkpoint_id} is {written.kind}, not what was asked")
+        return elapsed, written.nbytes, Path(written.path), written.sha256
+
+
+def delta_section(total_mb: float, reps: int, work: Path) -> dict[str, object]:
+    bench = DeltaBench(total_mb, work)
+    times: dict[str, list[float]] = {}
+    sizes: dict[str, int] = {}
+    for rep in range(reps + 1):  # the first run warms up (see the module docstring)
+        bench.change()
+        full_s, sizes["full"], full_path, full_sha = bench.write(f"full-{rep}", full=True)
+        bench.change()
+        delta_s, sizes["delta"], delta_path, delta_sha = bench.write(f"delta-{rep}", full=False)
+        if rep:
+            times.setdefault("full_write", []).append(full_s)
+            times.setdefault("delta_write", []).append(delta_s)
+            times.setdefault("full_restore", []).append(
+                timed(lambda: read_resolved(full_path, full_sha)))  # noqa: B023
+            times.setdefault("delta_restore", []).append(
+                timed(lambda: read_resolved(delta_path, delta_sha)))  # noqa: B023
+        for path in (full_path, delta_path):
+            shutil.rmtree(path.parent)
+    median = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "rows": bench.rows,
+        "changed_rows": int(bench.rows * CHANGED),
+        "full_bytes": sizes["full"],
+        "delta_bytes": sizes["delta"],
+        "full_write_s": median["full_write"],
+        "delta_write_s": median["delta_write"],
+        "full_restore_s": median["full_restore"],
+        "delta_restore_s": median["delta_restore"],
+        "delta_time_ratio": median["delta_write"] / median["full_write"],
+        "delta_bytes_ratio": sizes["delta"] / sizes["full"],
+        "seconds": {k: [round(x, 4) for x in v] for k, v in times.items()},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mb", type=float, default=1024.0, help="shard size in MB (1e6 bytes)")
+    parser.add_argument("--only", choices=SECTIONS,
+                        help="run one section (default: every one): io (one shard's write "
+                             "and restore), reshard (a checkpoint restored onto another "
+                             "number of servers), delta (a delta against a full checkpoint), "
+                             "stall (training steps during checkpoints)")
+    parser.add_argument("--mb", type=float, default=None,
+                        help="model size in MB (1e6 bytes); default 1024, 2147 (2 GiB) for "
+                             "delta")
     parser.add_argument("--reps", type=int, default=3, help="runs per figure (median)")
     parser.add_argument("--json", help="also write the figures to this path")
     parser.add_argument("--dir", default="/tmp", help="parent of the temporary directory")
     parser.add_argument("--no-baselines", action="store_true",
                         help="skip the raw-write and safetensors comparisons")
-    parser.add_argument("--only", choices=("io", "reshard"),
-                        help="run one section: io (one shard's write and restore) or reshard "
-                             "(a checkpoint restored onto another number of servers)")
     args = parser.parse_args()
     results: dict[str, object] = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.platform()}",
         "reps": args.reps,
     }
-    if args.only != "reshard":
-        results.update(io_section(args))
-    if args.only != "io":
-        work = Path(tempfile.mkdtemp(prefix="pstrain-reshard-bench-", dir=args.dir))
-        try:
-            results.update(reshard_section(work, args))
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+    mb = args.mb
+    for section in [args.only] if args.only else SECTIONS:
+        if section == "io":
+            args.mb = mb or 1024.0
+            results.update(io_section(args))
+        elif section == "reshard":
+            args.mb = mb or 1024.0
+            work = Path(tempfile.mkdtemp(prefix="pstrain-reshard-bench-", dir=args.dir))
+            try:
+                results.update(reshard_section(work, args))
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+        elif section == "delta":
+            work = Path(tempfile.mkdtemp(prefix="pstrain-delta-bench-", dir=args.dir))
+            try:
+                delta = delta_section(mb or 2147.0, args.reps, work)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            results["delta"] = delta
+            results["delta_time_ratio"] = delta["delta_time_ratio"]
+            results["delta_bytes_ratio"] = delta["delta_bytes_ratio"]
+        else:
+            stall = {kind: measure_stall(mb or 1024.0, up_flags=flags, directory=args.dir)
+                     for kind, flags in (("full", ["--checkpoint-full-every", "1"]),
+                                         ("deltas", []))}
+            results["stall"] = stall
+            results["snapshot_stall_p99_ratio"] = stall["deltas"]["snapshot_stall_p99_ratio"]
+            results["snapshot_stall_p99_ratio_full"] = stall["full"]["snapshot_stall_p99_ratio"]
     print(f"\ncheckpoint I/O, {results['date']}, {results['machine']}")
-    print(f"median of {args.reps}, MB/s")
+    print(f"median of {args.reps}")
     for key, value in results.items():
         if key.endswith("MBps"):
-            print(f"  {key:<36} {value:8.0f}")
+            print(f"  {key:<36} {value:8.0f} MB/s")
         elif "ratio" in key:
-            print(f"  {key:<36} {value:8.2f}")
+            print(f"  {key:<36} {value:8.3f}")
+    for name, figures in results.items():
+        if isinstance(figures, dict):
+            print(f"  {name}: {json.dumps(figures)}")
     out_dir = REPO / "benchmarks" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
-    section = f"-{args.only}" if args.only == "reshard" else ""
-    paths = [out_dir / f"checkpoint_io{section}-{results['date']}.json"]
+    section_name = f"-{args.only}" if args.only and args.only != "io" else ""
+    paths = [out_dir / f"checkpoint_io{section_name}-{results['date']}.json"]
     if args.json:
         paths.append(Path(args.json))
     for out in paths:

@@ -41,6 +41,21 @@ def _int(env: str) -> int | None:
     return int(value) if value else None
 
 
+def _at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an int >= `low` (argparse names the flag and the value refused)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
 def parser() -> argparse.ArgumentParser:
     env = os.environ
     p = argparse.ArgumentParser(
@@ -84,6 +99,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", default=env.get("PSTRAIN_CHECKPOINT_DIR", ""),
                    help="standalone: where --restore latest looks (env PSTRAIN_CHECKPOINT_DIR); "
                         "in a job, the job's directory")
+    p.add_argument("--checkpoint-full-every", type=_at_least(1), default=None, metavar="N",
+                   help="with --redis: a full checkpoint every N, the others deltas (default: "
+                        "the job's; a value given must agree with it)")
+    p.add_argument("--checkpoint-keep", type=_at_least(0), default=None, metavar="K",
+                   help="with --redis: keep the K newest full checkpoints (default: the "
+                        "job's; a value given must agree with it)")
     p.add_argument("--spec-wait-s", type=float, default=60.0,
                    help="with --redis: how long to wait for the job's scheduler to create "
                         "the job (default 60)")
@@ -177,14 +198,24 @@ def build(argv: list[str]) -> Built:
         store = JobStore.connect(a.redis, a.job)
         spec = wait_for_spec(store, a.spec_wait_s)
         spec.check_agrees(servers=a.num_shards, mode=mode and mode.kind.value,
-                          staleness=staleness, workers=a.workers, backups=a.backups)
+                          staleness=staleness, workers=a.workers, backups=a.backups,
+                          checkpoint_full_every=a.checkpoint_full_every,
+                          checkpoint_keep=a.checkpoint_keep)
         mode, staleness = modes.parse(spec.mode), spec.staleness
         num_shards, workers, backups = spec.servers, spec.workers, spec.backups
         directory = spec.checkpoint_dir or a.checkpoint_dir
+        full_every = spec.checkpoint_full_every
     else:
+        for flag, value in (("--checkpoint-full-every", a.checkpoint_full_every),
+                            ("--checkpoint-keep", a.checkpoint_keep)):
+            if value is not None:
+                raise InvalidArgumentError(
+                    f"{flag} {value}: a standalone server writes no checkpoints; the flag "
+                    "applies to a server of a job (--redis)")
         store, spec = None, None
         num_shards, workers, backups = a.num_shards or 1, a.workers or 1, a.backups or 0
         directory = a.checkpoint_dir
+        full_every = 1
     credentials = security.from_flags(a)
     found = None
     restore_failed = ""
@@ -239,7 +270,7 @@ def build(argv: list[str]) -> Built:
                       max_answer_bytes=int(a.max_answer_mib * MiB),
                       max_new_rows=a.max_new_rows,
                       memory_budget_bytes=parse_size(a.memory_budget, "--memory-budget")),
-        checkpoint_dir=directory, security=credentials,
+        checkpoint_dir=directory, checkpoint_full_every=full_every, security=credentials,
     )
     prepare = None
     if restored is not None:

@@ -49,12 +49,41 @@ checkpoint under the same id) removes the mark.
 
 Runs: each entry records the run of the job that wrote it (``run``; "" before run ids), so a
 restore picks checkpoints of the current run only, unless the user resumes another.
+
+Full and delta checkpoints: a shard file is of one of two kinds (``ShardState.kind``). A full
+file holds every table whole. A delta file holds what changed since the snapshot it builds
+on (``base``, whose file's sha256 it records as ``base_sha256``): each sparse table as a row
+delta (a `TableState` of kind ``rows``: the keys of the rows changed or created, their values,
+optimizer state, steps and touch stamps, the keys evicted since (``evicted_keys``), and the
+small whole-table items that changed, ``sketch`` and ``evicted_bits``), each table that had
+to be written whole (a dense table that changed, a table declared since the base) as in a
+full file, and no entry at all for a table that did not change. Full files are format
+version 1, as before deltas existed; delta files are version 2, which older builds refuse
+rather than misread. Which kind a snapshot is, the shard decides (ps/deltas.py).
+
+A delta's directory holds hard links to every file its chain needs, full file first:
+``shard-<k>-of-<n>.base-<id>.safetensors`` for each checkpoint ``<id>`` it builds on. So a
+checkpoint directory is whole on its own: removing or rewriting an older checkpoint (a later
+run under the same id, retention) never breaks a delta, as its links keep the bytes it needs.
+A delta's manifest entry records its ``kind``, ``base`` and that ``chain`` (id, link name,
+sha256 and size of each link, checked like the file itself). `load_checkpoint` and
+`read_resolved` follow the chain (each file hashed against the digest the next one
+records), apply the deltas in order (`apply_deltas`) and return the full state. A file of a
+chain that fails verification marks the checkpoint being read bad, and the checkpoint the
+file was a link to as well while it still holds that same file; `list_checkpoints` (and so
+`latest_complete`) passes over every checkpoint whose chain holds one marked bad.
+
+Retention: `prune` removes the checkpoints of the current run older than its `keep` newest
+complete full checkpoints (older both in time and in clock). It only ever removes whole
+directories (renamed away first, so readers never see half of one), so concurrent pruners
+and writers cannot break a kept checkpoint, and a delta never needs an older directory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import hashlib
 import json
 import logging
@@ -63,29 +92,44 @@ import os
 import queue
 import re
 import secrets
+import shutil
 import stat
 import struct
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 from urllib.parse import quote
 
+import numpy as np
 import torch
 
 from protos.exported import sha256_file
 from ps.errors import PSError
+from ps.index import KeyIndex
 
 log = logging.getLogger(__name__)
 
 StrPath = str | os.PathLike[str]
 
 FORMAT: Final = "pstrain.shard"
-FORMAT_VERSION: Final = 1
+FORMAT_VERSION: Final = 1  # of full shard files and of manifests
+DELTA_FORMAT_VERSION: Final = 2  # of delta shard files
+# The kinds of a shard file, and of the tables in a delta: written whole, or changed rows.
+FULL: Final = "full"
+DELTA: Final = "delta"
+ROWS: Final = "rows"
+# A row delta's tensors that are not one row per key: the keys evicted since its base, and
+# whole-table items that replace the base's.
+EVICTED_KEYS: Final = "evicted_keys"
+WHOLE_TABLE_TENSORS: Final = frozenset({"sketch", "evicted_bits"})
+# A chain longer than this is refused as corrupt (a shard writes a full file every
+# --checkpoint-full-every snapshots, far fewer).
+MAX_CHAIN: Final = 100_000
 ENTRY_FORMAT: Final = "pstrain.manifest-entry"
 MANIFEST_FORMAT: Final = "pstrain.manifest"
 MANIFEST_NAME: Final = "manifest.json"
@@ -105,6 +149,8 @@ STALE_TMP_AGE_S: Final = 3600.0
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 _ENTRY_RE = re.compile(r"shard-(\d+)\.json")
 _TMP_RE = re.compile(r"\..+\.tmp-\d+-[0-9a-f]{8}")
+# A checkpoint directory being removed by `prune` (renamed first, then deleted).
+_PRUNED_RE = re.compile(r"\..+\.pruned-\d+-[0-9a-f]{8}")
 
 _DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -146,6 +192,11 @@ class CheckpointNotFoundError(CheckpointError):
     """No checkpoint has the id (or run id) that was asked for."""
 
 
+class CheckpointLinkError(CheckpointError):
+    """A delta's base files cannot be hard-linked into its directory: the file system has no
+    hard links (or refuses them), so this directory can hold full checkpoints only."""
+
+
 class CheckpointUnsignedError(CheckpointError):
     """A checkpoint's entry in Redis is not signed with the job's secret: someone changed
     Redis, or the job's secret changed."""
@@ -163,11 +214,19 @@ class TableState:
     name: str
     spec: dict[str, object]
     tensors: dict[str, torch.Tensor]
+    # FULL: the table whole; ROWS (in a delta only): the rows of a sparse table that changed
+    # since the base (see the module docstring).
+    kind: str = FULL
 
 
 @dataclass(frozen=True, eq=False)
 class ShardState:
-    """A snapshot of one shard: what `write_shard` writes and `read_shard` returns."""
+    """A snapshot of one shard: what `write_shard` writes and `read_shard` returns.
+
+    A DELTA holds the changes since checkpoint `base`, whose file of this shard has the
+    sha256 `base_sha256` (filled in by `write_shard` and read back by `read_shard`);
+    `apply_delta` turns base and delta into the full state.
+    """
 
     job: str
     shard: int
@@ -176,15 +235,33 @@ class ShardState:
     clock: int
     meta: dict[str, object]
     tables: list[TableState]
+    kind: str = FULL
+    base: str = ""
+    base_sha256: str = ""
+
+
+@dataclass(frozen=True)
+class ChainFile:
+    """A file a delta builds on, as linked into the delta's directory: the checkpoint it
+    belongs to, the link's path, and the file's sha256 and size."""
+
+    checkpoint_id: str
+    path: str
+    sha256: str
+    nbytes: int
 
 
 @dataclass(frozen=True)
 class ShardFile:
-    """A written shard file: its final path, the sha256 of its bytes, and its size."""
+    """A written shard file: its final path, the sha256 of its bytes, and its size; for a
+    delta, the checkpoint it builds on and every file of its chain, full file first."""
 
     path: str
     sha256: str
     nbytes: int
+    kind: str = FULL
+    base: str = ""
+    chain: tuple[ChainFile, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -207,6 +284,16 @@ class Manifest:
     written_at_ns: int
     run: str = ""  # the run of the job that wrote it ("" before run ids)
 
+    @property
+    def kind(self) -> str:
+        """FULL when every shard recorded so far is a full file, else DELTA."""
+        return DELTA if any(f.kind == DELTA for f in self.shards.values()) else FULL
+
+    @property
+    def chain_ids(self) -> frozenset[str]:
+        """The checkpoints any shard of this one builds on (its chain's ids)."""
+        return frozenset(c.checkpoint_id for f in self.shards.values() for c in f.chain)
+
 
 # ---- public API -----------------------------------------------------------------------------
 
@@ -214,6 +301,12 @@ class Manifest:
 def shard_file_name(shard: int, num_shards: int) -> str:
     """The file name of shard `shard` of `num_shards`: ``shard-<k>-of-<n>.safetensors``."""
     return f"shard-{shard}-of-{num_shards}.safetensors"
+
+
+def link_file_name(shard: int, num_shards: int, base: str) -> str:
+    """The name of the link, in a delta's directory, to the file of shard `shard` of
+    checkpoint `base` that it builds on: ``shard-<k>-of-<n>.base-<base>.safetensors``."""
+    return f"shard-{shard}-of-{num_shards}.base-{base}.safetensors"
 
 
 def checkpoint_dir(directory: StrPath, job: str, checkpoint_id: str) -> Path:
@@ -239,14 +332,57 @@ def check_reference(checkpoint_id: str, sha256: str) -> None:
 
 def read_checkpoint(directory: StrPath, job: str, checkpoint_id: str, shard: int,
                     num_shards: int, sha256: str) -> ShardState:
-    """Shard `shard` of `num_shards`'s file of checkpoint `checkpoint_id`, looked up by name
-    inside `directory` (never a path given from outside) and hashed against `sha256` (the
-    digest its manifest or Redis recorded) while it is read.
+    """The full state of shard `shard` of `num_shards` in checkpoint `checkpoint_id`: its
+    file, looked up by name inside `directory` (never a path given from outside) and hashed
+    against `sha256` (the digest its manifest or Redis recorded) while it is read, with a
+    delta's chain followed and applied (`read_resolved`).
 
     CheckpointError when there is no directory, a name is unsafe or the digest malformed,
-    or the file cannot be read; CheckpointCorruptError when it does not match. Blocks on
-    file I/O.
+    or a file of the chain cannot be read; CheckpointCorruptError when one does not match.
+    Blocks on file I/O.
     """
+    return _read_by_id(directory, job, checkpoint_id, shard, num_shards, sha256, None)
+
+
+def load_checkpoint(directory: StrPath, job: str, checkpoint_id: str, shard: int,
+                    num_shards: int, sha256: str) -> ShardState:
+    """`read_checkpoint` for a restore: a file that fails verification (truncated, malformed,
+    or not matching its digest) also marks the checkpoint bad on disk (`mark_bad`) before
+    the CheckpointCorruptError goes on, so no later restore tries it again. When the file is
+    a link of the delta's chain, the checkpoint it links to is marked bad too while its own
+    file is that same file (so every delta built on it is passed over). Blocks on file I/O."""
+
+    def failed(base: str, link: Path, exc: CheckpointError) -> None:
+        if not isinstance(exc, CheckpointCorruptError):
+            return
+        with contextlib.suppress(CheckpointError, OSError):
+            own = checkpoint_dir(directory, job, base) / shard_file_name(shard, num_shards)
+            if os.path.samefile(link, own):
+                mark_bad(directory, job, base, f"shard {shard}: {exc}")
+
+    try:
+        return _read_by_id(directory, job, checkpoint_id, shard, num_shards, sha256, failed)
+    except CheckpointCorruptError as exc:
+        mark_bad(directory, job, checkpoint_id, f"shard {shard}: {exc}")
+        raise
+
+
+def read_resolved(path: StrPath, sha256: str | None = None) -> ShardState:
+    """The full state of the shard file at `path`: the file itself when it is a full one;
+    for a delta, its chain read from the links beside it (each hashed against the digest the
+    file after it records), applied in order. `sha256` is checked as `read_shard` does.
+
+    CheckpointError naming the file when one cannot be opened (a link removed by hand);
+    CheckpointCorruptError naming it when one is corrupt, fails its digest, or is not the
+    checkpoint the chain says. Blocks on reading every file of the chain; thread-safe.
+    """
+    return _resolve(Path(path), sha256, None)
+
+
+def _read_by_id(
+    directory: StrPath, job: str, checkpoint_id: str, shard: int, num_shards: int,
+    sha256: str, failed: Callable[[str, Path, CheckpointError], None] | None,
+) -> ShardState:
     if not str(directory):
         raise CheckpointError(
             f"this server has no checkpoint directory (the job's, or --checkpoint-dir), so it "
@@ -255,26 +391,56 @@ def read_checkpoint(directory: StrPath, job: str, checkpoint_id: str, shard: int
     check_reference(checkpoint_id, sha256)
     _check_shard_numbers(shard, num_shards)
     path = checkpoint_dir(directory, job, checkpoint_id) / shard_file_name(shard, num_shards)
-    state = read_shard(path, sha256)
-    if (state.job, state.checkpoint_id) != (job, checkpoint_id):
-        raise CheckpointCorruptError(
-            f"{path} holds checkpoint {state.checkpoint_id!r} of job {state.job!r}, not "
-            f"{checkpoint_id!r} of {job!r}"
-        )
+    state = _resolve(path, sha256, failed, (job, checkpoint_id, shard, num_shards))
     return state
 
 
-def load_checkpoint(directory: StrPath, job: str, checkpoint_id: str, shard: int,
-                    num_shards: int, sha256: str) -> ShardState:
-    """`read_checkpoint` for a restore: a file that fails verification (truncated, malformed,
-    or not matching its digest) also marks the checkpoint bad on disk (`mark_bad`) before
-    the CheckpointCorruptError goes on, so no later restore tries it again. Blocks on file
-    I/O."""
-    try:
-        return read_checkpoint(directory, job, checkpoint_id, shard, num_shards, sha256)
-    except CheckpointCorruptError as exc:
-        mark_bad(directory, job, checkpoint_id, f"shard {shard}: {exc}")
-        raise
+def _resolve(
+    path: Path, sha256: str | None, failed: Callable[[str, Path, CheckpointError], None] | None,
+    expect: tuple[str, str, int, int] | None = None,
+) -> ShardState:
+    """Reads the file at `path` and, for a delta, its chain from the links beside it;
+    `failed(base, link, error)` hears of a link that cannot be read before the error goes on.
+    `expect` is the (job, checkpoint id, shard, shard count) the file must hold."""
+    top = read_shard(path, sha256)
+    if expect is not None and (top.job, top.checkpoint_id) != expect[:2]:
+        raise CheckpointCorruptError(
+            f"{path} holds checkpoint {top.checkpoint_id!r} of job {top.job!r}, not "
+            f"{expect[1]!r} of {expect[0]!r}"
+        )
+    if expect is not None and (top.shard, top.num_shards) != expect[2:]:
+        raise CheckpointCorruptError(
+            f"{path} holds shard {top.shard} of {top.num_shards}, not shard {expect[2]} of "
+            f"{expect[3]}; the file is corrupt"
+        )
+    chain = [top]
+    while chain[-1].kind == DELTA:
+        later = chain[-1]
+        if len(chain) > MAX_CHAIN or later.base in {s.checkpoint_id for s in chain}:
+            raise CheckpointCorruptError(
+                f"checkpoint shard {path}: its chain of deltas does not end in a full file "
+                f"(at {later.checkpoint_id!r}, building on {later.base!r}); the file is corrupt"
+            )
+        link = path.parent / link_file_name(top.shard, top.num_shards, later.base)
+        try:
+            base = read_shard(link, later.base_sha256)
+            if (base.job, base.checkpoint_id, base.shard, base.num_shards) != (
+                    top.job, later.base, top.shard, top.num_shards):
+                raise CheckpointCorruptError(
+                    f"{link} holds shard {base.shard}/{base.num_shards} of checkpoint "
+                    f"{base.checkpoint_id!r} of job {base.job!r}, not the base "
+                    f"{later.base!r} that {later.checkpoint_id!r} builds on"
+                )
+        except CheckpointError as exc:
+            if failed is not None:
+                failed(later.base, link, exc)
+            raise type(exc)(
+                f"checkpoint {top.checkpoint_id!r} (a delta) builds on {later.base!r}: {exc}"
+            ) from exc
+        chain.append(base)
+    if len(chain) == 1:
+        return top
+    return apply_deltas(chain[-1], chain[-2::-1])
 
 
 def mark_bad(directory: StrPath, job: str, checkpoint_id: str, reason: str) -> None:
@@ -302,24 +468,34 @@ def bad_reason(directory: StrPath, job: str, checkpoint_id: str) -> str | None:
         return None
 
 
-def write_shard(directory: StrPath, state: ShardState) -> ShardFile:
+def write_shard(directory: StrPath, state: ShardState, base: ShardFile | None = None
+                ) -> ShardFile:
     """Writes `state` atomically to ``<directory>/<job>/<checkpoint_id>/shard-<k>-of-<n>...``.
 
-    Blocks until the file and its directory entry are on disk (fsync), then returns its path,
-    sha256 and size for `write_manifest`. Replaces an existing file of the same shard and
-    checkpoint id. Thread-safe and process-safe (no shared state; concurrent writers of one
-    file leave one whole file). The tensors must not change during the call: their memory is
-    written directly, without a snapshot copy. Raises CheckpointError on bad input (names,
-    dtypes, JSON that does not round-trip) or I/O failure; no final-named file is then left.
+    A delta needs `base`: the ShardFile that `write_shard` returned for (or `read_manifest`
+    found of) this shard's file of checkpoint `state.base`. Its sha256 goes into the new
+    file's header, and it and its own chain are hard-linked beside the new file first (see
+    the module docstring). Blocks until the file and its directory entry are on disk (fsync),
+    then returns its path, sha256, size, kind and chain for `write_manifest`. Replaces an
+    existing file of the same shard and checkpoint id. Thread-safe and process-safe (no
+    shared state; concurrent writers of one file leave one whole file). The tensors must not
+    change during the call: their memory is written directly, without a snapshot copy.
+    Raises CheckpointError on bad input (names, dtypes, JSON that does not round-trip, a
+    delta without its base) or I/O failure, CheckpointLinkError when the base cannot be
+    hard-linked; no final-named shard file is then left.
     """
     start = time.perf_counter()
     _check_shard_numbers(state.shard, state.num_shards)
     if isinstance(state.clock, bool) or not isinstance(state.clock, int):
         raise CheckpointError(f"clock must be an int, got {state.clock!r}")
     ckpt_dir = checkpoint_dir(directory, state.job, state.checkpoint_id)
+    chain = _check_kind(state, base)
+    if base is not None and chain:
+        state = dataclasses.replace(state, base_sha256=base.sha256)
     header, tensors = _build_header(state)
     _ensure_dir(ckpt_dir)
     _remove_stale_temps(ckpt_dir)
+    linked = _link_chain(ckpt_dir, state, chain)
     final = ckpt_dir / shard_file_name(state.shard, state.num_shards)
     hasher = _BackgroundSha256()
     try:
@@ -345,7 +521,81 @@ def write_shard(directory: StrPath, state: ShardState) -> ShardFile:
         state.job, state.shard, state.num_shards, state.checkpoint_id, state.clock, final,
         offset, offset / 1e6 / max(elapsed, 1e-9),
     )
-    return ShardFile(path=str(final), sha256=digest, nbytes=offset)
+    return ShardFile(path=str(final), sha256=digest, nbytes=offset, kind=state.kind,
+                     base=state.base, chain=linked)
+
+
+def _check_kind(state: ShardState, base: ShardFile | None) -> tuple[ChainFile, ...]:
+    """The chain a delta `state` builds on (`base`'s chain and `base` itself; () for a full
+    one), after checking kind, base and table kinds agree. CheckpointError otherwise."""
+    where = f"checkpoint {state.checkpoint_id!r} shard {state.shard}"
+    if state.kind == FULL:
+        if state.base or base is not None:
+            raise CheckpointError(f"{where} is full: it builds on no base (got {state.base!r})")
+        rows = [t.name for t in state.tables if t.kind != FULL]
+        if rows:
+            raise CheckpointError(
+                f"{where} is full, but tables {rows[:5]} are not whole; make it a delta"
+            )
+        return ()
+    if state.kind != DELTA:
+        raise CheckpointError(f"{where}: kind must be {FULL!r} or {DELTA!r}, got {state.kind!r}")
+    bad_tables = [t.name for t in state.tables if t.kind not in (FULL, ROWS)]
+    if bad_tables:
+        raise CheckpointError(
+            f"{where}: tables {bad_tables[:5]} have a kind other than {FULL!r} and {ROWS!r}"
+        )
+    _check_name("base checkpoint id", state.base)
+    if state.base == state.checkpoint_id:
+        raise CheckpointError(f"{where} is a delta of itself; a delta builds on an older one")
+    if base is None or Path(base.path).parent.name != state.base:
+        raise CheckpointError(
+            f"{where} is a delta of {state.base!r}: pass the ShardFile of this shard's file "
+            f"of {state.base!r} as `base` (got {base and base.path!r})"
+        )
+    if state.base_sha256 and state.base_sha256 != base.sha256:
+        raise CheckpointError(
+            f"{where}: base_sha256 {state.base_sha256} is not the sha256 of {base.path} "
+            f"({base.sha256})"
+        )
+    own = ChainFile(state.base, base.path, base.sha256, base.nbytes)
+    return (*base.chain, own)
+
+
+def _link_chain(ckpt_dir: Path, state: ShardState, chain: tuple[ChainFile, ...]
+                ) -> tuple[ChainFile, ...]:
+    """Hard-links each file of `chain` into `ckpt_dir` under its link name (replacing a link
+    of an earlier write under this id); returns the chain as linked there. The directory is
+    fsynced by the write that follows."""
+    linked = []
+    for link in chain:
+        final = ckpt_dir / link_file_name(state.shard, state.num_shards, link.checkpoint_id)
+        source = Path(link.path)
+        if source != final:
+            tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+            try:
+                os.link(source, tmp)
+                os.replace(tmp, final)
+            except OSError as exc:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise CheckpointLinkError(
+                    f"checkpoint {state.checkpoint_id!r} (a delta) cannot hard-link the file "
+                    f"{source} of {link.checkpoint_id!r} it builds on as {final}: {exc}; "
+                    "deltas need a file system with hard links (set --checkpoint-full-every 1 "
+                    "to write full checkpoints only)"
+                ) from exc
+        try:
+            size = final.stat().st_size
+        except OSError as exc:
+            raise CheckpointError(f"linked base file {final} is unreadable: {exc}") from exc
+        if size != link.nbytes:
+            raise CheckpointError(
+                f"base file {source} of {link.checkpoint_id!r} has {size} bytes, {link.nbytes} "
+                "when it was written: it was replaced meanwhile; write a full checkpoint"
+            )
+        linked.append(dataclasses.replace(link, path=str(final)))
+    return tuple(linked)
 
 
 def read_shard(path: StrPath, sha256: str | None = None) -> ShardState:
@@ -447,13 +697,21 @@ def write_manifest(
     ckpt_dir = checkpoint_dir(directory, job, checkpoint_id)
     for shard, shard_file in shards.items():
         _check_shard_numbers(shard, num_shards)
-        file_path = Path(shard_file.path)
-        if file_path.parent.resolve() != ckpt_dir.resolve():
+        for file_path, nbytes in [(Path(shard_file.path), shard_file.nbytes),
+                                  *((Path(c.path), c.nbytes) for c in shard_file.chain)]:
+            if file_path.parent.resolve() != ckpt_dir.resolve():
+                raise CheckpointError(
+                    f"shard {shard} file {file_path} is not in checkpoint directory "
+                    f"{ckpt_dir}; record the ShardFile that write_shard returned for this "
+                    "checkpoint"
+                )
+            _check_file_size(file_path, nbytes)
+        if (shard_file.kind == DELTA) != bool(shard_file.chain) or shard_file.kind not in (
+                FULL, DELTA):
             raise CheckpointError(
-                f"shard {shard} file {file_path} is not in checkpoint directory {ckpt_dir}; "
-                "record the ShardFile that write_shard returned for this checkpoint"
+                f"shard {shard} file {shard_file.path}: kind {shard_file.kind!r} with a chain "
+                f"of {len(shard_file.chain)}; record the ShardFile that write_shard returned"
             )
-        _check_file_size(file_path, shard_file.nbytes)
     _check_agrees_with_recorded(ckpt_dir, job, checkpoint_id, num_shards)
     _ensure_dir(ckpt_dir)
     _remove_stale_temps(ckpt_dir)
@@ -473,6 +731,10 @@ def write_manifest(
             "written_at_ns": stamp,
             "run": run,
         }
+        if shard_file.kind != FULL:
+            entry.update(kind=shard_file.kind, base=shard_file.base, chain=[
+                {"checkpoint_id": c.checkpoint_id, "file": Path(c.path).name,
+                 "sha256": c.sha256, "nbytes": c.nbytes} for c in shard_file.chain])
         _atomic_write_bytes(ckpt_dir / f"shard-{shard}.json", _json_bytes(entry), sync_dir=False)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(ckpt_dir / BAD_NAME)
@@ -531,11 +793,18 @@ def read_manifest(path: StrPath) -> Manifest:
         shard = _as_int(entry["shard"])
         file_path = ckpt_dir / str(entry["file"])
         nbytes = _as_int(entry["nbytes"])
+        chain = tuple(ChainFile(str(c["checkpoint_id"]), str(ckpt_dir / c["file"]),
+                                str(c["sha256"]), _as_int(c["nbytes"]))
+                      for c in entry.get("chain", []))
         try:
             _check_file_size(file_path, nbytes)
+            for link in chain:
+                _check_file_size(Path(link.path), link.nbytes)
         except CheckpointError as exc:
             raise CheckpointCorruptError(f"checkpoint {ckpt_dir}: {exc}") from exc
-        shards[shard] = ShardFile(path=str(file_path), sha256=str(entry["sha256"]), nbytes=nbytes)
+        shards[shard] = ShardFile(path=str(file_path), sha256=str(entry["sha256"]), nbytes=nbytes,
+                                  kind=str(entry.get("kind", FULL)),
+                                  base=str(entry.get("base", "")), chain=chain)
     num_shards = _as_int(first["num_shards"])
     return Manifest(
         job=str(first["job"]),
@@ -554,10 +823,33 @@ def list_checkpoints(directory: StrPath, job: str) -> list[Manifest]:
     """Every checkpoint of `job` under `directory` with at least one entry, oldest first.
 
     Complete and incomplete ones alike (see `Manifest.complete`); corrupt ones are skipped
-    with a warning, and those marked bad (`mark_bad`) at debug level.
-    Ordered by (time of the newest entry, checkpoint id). Blocks on file I/O;
+    with a warning, and those marked bad (`mark_bad`), or built on one marked bad, at debug
+    level. Ordered by (time of the newest entry, checkpoint id). Blocks on file I/O;
     thread-safe. Raises CheckpointError only for a bad job name or an unreadable job directory.
     """
+    manifests = _scan(directory, job, with_bad=False)
+    job_dir = Path(directory) / job
+    bad: dict[str, bool] = {}
+
+    def marked(checkpoint_id: str) -> bool:
+        if checkpoint_id not in bad:
+            bad[checkpoint_id] = (job_dir / checkpoint_id / BAD_NAME).exists()
+        return bad[checkpoint_id]
+
+    kept = []
+    for manifest in manifests:
+        on_bad = sorted(c for c in manifest.chain_ids if marked(c))
+        if on_bad:
+            log.debug("job %s: skipping checkpoint %s: it builds on %s, marked bad", job,
+                      manifest.checkpoint_id, on_bad[0])
+            continue
+        kept.append(manifest)
+    return kept
+
+
+def _scan(directory: StrPath, job: str, *, with_bad: bool) -> list[Manifest]:
+    """The checkpoints of `job` whose entries read, oldest first; those marked bad only
+    `with_bad`."""
     _check_name("job", job)
     job_dir = Path(directory) / job
     try:
@@ -571,7 +863,7 @@ def list_checkpoints(directory: StrPath, job: str) -> list[Manifest]:
         ckpt_dir = job_dir / name
         if name.startswith(".") or not ckpt_dir.is_dir():
             continue
-        if (ckpt_dir / BAD_NAME).exists():
+        if not with_bad and (ckpt_dir / BAD_NAME).exists():
             log.debug("job %s: skipping checkpoint %s: marked bad", job, name)
             continue
         try:
@@ -599,8 +891,9 @@ def latest_complete(
     """The newest complete checkpoint of `job` (order of `list_checkpoints`), or None.
 
     Skips incomplete and corrupt checkpoints (malformed entries, missing or resized shard
-    files). With `verify_checksums`, also hashes every shard file of a candidate and skips it
-    on a mismatch: this reads the whole checkpoint, so it is off by default and `read_shard`
+    files or chain links) and those built on one marked bad. With `verify_checksums`, also
+    hashes every shard file of a candidate, and every file of its chains, and skips it on a
+    mismatch: this reads the whole checkpoint, so it is off by default and `read_shard`
     with the recorded sha256 catches the same damage at restore time. Blocks on file I/O;
     thread-safe.
     """
@@ -608,15 +901,238 @@ def latest_complete(
         if not manifest.complete:
             continue
         if verify_checksums:
-            bad = [f for f in manifest.shards.values() if _hash_file(Path(f.path)) != f.sha256]
+            files = [(f.path, f.sha256) for f in manifest.shards.values()]
+            files += [(c.path, c.sha256) for f in manifest.shards.values() for c in f.chain]
+            bad = [path for path, sha256 in files if _hash_file(Path(path)) != sha256]
             if bad:
                 log.warning(
                     "job %s: skipping checkpoint %s: %s fails its checksum",
-                    job, manifest.checkpoint_id, bad[0].path,
+                    job, manifest.checkpoint_id, bad[0],
                 )
                 continue
         return manifest
     return None
+
+
+# ---- deltas ---------------------------------------------------------------------------------
+
+
+def apply_delta(state: ShardState, delta: ShardState) -> ShardState:
+    """The full state `delta` describes, given the full state of its base. Pure: the inputs
+    are not changed (the result shares the tensors it takes from them unchanged). See
+    `apply_deltas`."""
+    return apply_deltas(state, [delta])
+
+
+def apply_deltas(state: ShardState, deltas: Sequence[ShardState]) -> ShardState:
+    """The full state after applying `deltas` in order to the full `state`: the first
+    builds on `state`, each later one on the one before. Pure; costs about one copy of each
+    changed table, however long the chain.
+
+    Per table: a table a delta holds whole replaces what came before; a row delta's rows
+    replace the rows of their keys (or are added), the keys it evicted go, and its
+    whole-table items (``sketch``, ``evicted_bits``) replace the earlier ones; a table no
+    delta holds is kept. Rows keep their order (a changed row its place), with the rows the
+    deltas add after them. CheckpointError when a delta does not build on the state before
+    it (or is of another job or shard); CheckpointCorruptError when a row delta does not fit
+    its table (another spec, missing tensors, no whole copy of the table before it).
+    """
+    if state.kind != FULL:
+        raise CheckpointError(
+            f"apply_deltas needs a full state to start from; {state.checkpoint_id!r} is a "
+            f"{state.kind} of {state.base!r}: resolve it first"
+        )
+    previous = state
+    for delta in deltas:
+        if delta.kind != DELTA or delta.base != previous.checkpoint_id:
+            raise CheckpointError(
+                f"checkpoint {delta.checkpoint_id!r} ({delta.kind}, base {delta.base!r}) "
+                f"does not build on {previous.checkpoint_id!r}; apply deltas in order"
+            )
+        if (delta.job, delta.shard, delta.num_shards) != (state.job, state.shard,
+                                                         state.num_shards):
+            raise CheckpointError(
+                f"checkpoint {delta.checkpoint_id!r} is shard {delta.shard}/{delta.num_shards} "
+                f"of job {delta.job!r}; {state.checkpoint_id!r} is shard "
+                f"{state.shard}/{state.num_shards} of {state.job!r}"
+            )
+        previous = delta
+    names = [t.name for t in state.tables]
+    for delta in deltas:
+        names += [t.name for t in delta.tables if t.name not in names]
+    tables = []
+    for name in names:
+        versions = [t for s in (state, *deltas) for t in s.tables if t.name == name]
+        whole = max((i for i, t in enumerate(versions) if t.kind == FULL), default=None)
+        if whole is None:
+            raise CheckpointCorruptError(
+                f"table {name!r} has a row delta in checkpoint {previous.checkpoint_id!r}'s "
+                "chain but no whole copy before it; the chain is corrupt"
+            )
+        tables.append(_merge_rows(versions[whole], versions[whole + 1:]))
+    return ShardState(
+        job=previous.job, shard=previous.shard, num_shards=previous.num_shards,
+        checkpoint_id=previous.checkpoint_id, clock=previous.clock, meta=previous.meta,
+        tables=tables,
+    )
+
+
+def _merge_rows(whole: TableState, deltas: Sequence[TableState]) -> TableState:
+    """`whole` with the row deltas `deltas` applied in order (see `apply_deltas`)."""
+    if not deltas:
+        return TableState(whole.name, whole.spec, dict(whole.tensors))
+    name = whole.name
+    per_row = [k for k in whole.tensors if k != "keys" and k not in WHOLE_TABLE_TENSORS]
+    for delta in deltas:
+        if delta.spec != whole.spec:
+            raise CheckpointCorruptError(
+                f"table {name!r}: a row delta with spec {delta.spec} builds on one with spec "
+                f"{whole.spec}; the chain is corrupt"
+            )
+        missing = {"keys", *per_row} - set(delta.tensors)
+        extra = set(delta.tensors) - {"keys", EVICTED_KEYS, *per_row, *WHOLE_TABLE_TENSORS}
+        if "keys" not in whole.tensors or missing or extra:
+            raise CheckpointCorruptError(
+                f"table {name!r}: a row delta's tensors {sorted(delta.tensors)} do not fit "
+                f"the table's {sorted(whole.tensors)}; the chain is corrupt"
+            )
+    # Every key a delta names, newest delta first and within one its rows before its
+    # evictions (a key evicted and created again between two snapshots is held): each key's
+    # first event there is its last in time, and says whether it is held, and where from.
+    events: list[np.ndarray] = []
+    sources: list[np.ndarray] = []
+    for i in range(len(deltas) - 1, -1, -1):
+        keys = _keys_of(deltas[i], "keys", name)
+        gone = _keys_of(deltas[i], EVICTED_KEYS, name)
+        events += [keys, gone]
+        sources += [np.stack([np.full(len(keys), i), np.arange(len(keys))], axis=1),
+                    np.stack([np.full(len(gone), i), np.full(len(gone), -1)], axis=1)]
+    all_keys = np.concatenate(events)
+    source = np.concatenate(sources)
+    index = KeyIndex(len(all_keys))
+    ids, _ = index.lookup_or_insert(all_keys)
+    _, first = np.unique(ids, return_index=True)
+    last = source[first]  # per key a delta names: (delta, its row there; -1: evicted)
+    # Rows of `whole` keep their place (a row a delta changed takes the new values there),
+    # less those evicted; rows for keys it did not hold follow, in delta and row order.
+    base_keys = _keys_of(whole, "keys", name)
+    event = index.lookup(base_keys)
+    named = np.flatnonzero(event >= 0)
+    in_base = np.zeros(len(last), dtype=bool)
+    in_base[event[named]] = True
+    evicted = named[last[event[named], 1] < 0]
+    changed = named[last[event[named], 1] >= 0]
+    changed_from = last[event[changed]]
+    changed_at = changed - np.searchsorted(evicted, changed)  # after the evicted rows go
+    kept = len(base_keys) - len(evicted)
+    added_from = last[~in_base & (last[:, 1] >= 0)]
+    added_from = added_from[np.lexsort((added_from[:, 1], added_from[:, 0]))]
+    keep = None
+    if len(evicted):
+        keep = torch.from_numpy(np.delete(np.arange(len(base_keys)), evicted))
+    writes = []  # per delta: (positions in the result, its rows)
+    for i in range(len(deltas)):
+        mine = changed_from[:, 0] == i
+        new = np.flatnonzero(added_from[:, 0] == i)
+        positions = np.concatenate([changed_at[mine], kept + new])
+        rows = np.concatenate([changed_from[mine, 1], added_from[new, 1]])
+        if len(rows):
+            writes.append((i, torch.from_numpy(positions), torch.from_numpy(rows)))
+    out: dict[str, torch.Tensor] = {}
+    for tensor_name in ["keys", *per_row]:
+        old = whole.tensors[tensor_name]
+        for delta in deltas:
+            part = delta.tensors[tensor_name]
+            if part.dtype != old.dtype or part.shape[1:] != old.shape[1:]:
+                raise CheckpointCorruptError(
+                    f"table {name!r}: a row delta's {tensor_name!r} is {part.dtype} "
+                    f"{list(part.shape)}, the table's {old.dtype} {list(old.shape)}; the chain "
+                    "is corrupt"
+                )
+        merged = torch.empty((kept + len(added_from), *old.shape[1:]), dtype=old.dtype)
+        if keep is None:
+            merged[:kept].copy_(old)
+        else:
+            torch.index_select(old, 0, keep, out=merged[:kept])
+        for i, where, taken in writes:
+            merged[where] = deltas[i].tensors[tensor_name].index_select(0, taken)
+        out[tensor_name] = merged
+    for item in WHOLE_TABLE_TENSORS:
+        newest = next((d.tensors[item] for d in reversed(deltas) if item in d.tensors),
+                      whole.tensors.get(item))
+        if newest is not None:
+            out[item] = newest
+    return TableState(name, whole.spec, out)
+
+
+def _keys_of(table: TableState, tensor_name: str, name: str) -> np.ndarray:
+    """A table's int64 key tensor as a contiguous numpy array (empty where it has none)."""
+    keys = table.tensors.get(tensor_name)
+    if keys is None:
+        return np.zeros(0, dtype=np.int64)
+    if keys.dtype != torch.int64 or keys.dim() != 1:
+        raise CheckpointCorruptError(
+            f"table {name!r}: {tensor_name!r} is {keys.dtype} {list(keys.shape)}, not 1-d int64"
+        )
+    return np.ascontiguousarray(keys.numpy())
+
+
+# ---- retention ------------------------------------------------------------------------------
+
+
+def prunable(checkpoints: Sequence[Manifest], keep: int, run: str, now_ns: int) -> list[str]:
+    """The checkpoints that retention removes: of run `run` only, those older than its
+    `keep` newest complete full checkpoints, older both in order (`list_checkpoints`') and in
+    clock (a checkpoint of a higher clock may be one a shard still writes, or one of a
+    timeline a rollback left, which training writes again under the same id); of those
+    that are incomplete, only ones untouched for STALE_TMP_AGE_S (a crashed writer's).
+    `checkpoints` are in `list_checkpoints` order. Nothing with `keep` 0, or before `keep`
+    full checkpoints exist. Pure: deltas keep the files they need (hard links), so a
+    checkpoint is never kept for another's sake.
+    """
+    if keep <= 0:
+        return []
+    ours = [m for m in checkpoints if m.run == run]
+    full = [m for m in ours if m.complete and m.kind == FULL]
+    if len(full) < keep:
+        return []
+    cutoff = full[-keep]
+    order = (cutoff.written_at_ns, cutoff.checkpoint_id)
+    stale_ns = int(STALE_TMP_AGE_S * 1e9)
+    return [m.checkpoint_id for m in ours
+            if (m.written_at_ns, m.checkpoint_id) < order and m.clock < cutoff.clock
+            and (m.complete or now_ns - m.written_at_ns > stale_ns)]
+
+
+def prune(directory: StrPath, job: str, keep: int, run: str = "",
+          now_ns: Callable[[], int] = time.time_ns) -> list[str]:
+    """Removes the checkpoints of `job` that `prunable` names (those marked bad too); returns
+    their ids. Each directory is renamed to a hidden name first (readers never see part of
+    one) and then deleted, so concurrent pruners and writers are safe: a kept checkpoint is
+    never touched, and a directory another pruner took is skipped. Leftovers of a pruner
+    that crashed go too. Blocks on file I/O; thread-safe and process-safe. CheckpointError
+    only for a bad job name or an unreadable job directory."""
+    job_dir = Path(directory) / job
+    doomed = prunable(_scan(directory, job, with_bad=True), keep, run, now_ns())
+    removed = []
+    for checkpoint_id in doomed:
+        hidden = job_dir / f".{checkpoint_id}.pruned-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            os.rename(job_dir / checkpoint_id, hidden)
+        except OSError as exc:  # another pruner took it first, or it cannot be removed
+            log.debug("job %s: not pruning checkpoint %s: %s", job, checkpoint_id, exc)
+            continue
+        removed.append(checkpoint_id)
+    with contextlib.suppress(OSError):
+        for name in os.listdir(job_dir):
+            if _PRUNED_RE.fullmatch(name):
+                shutil.rmtree(job_dir / name, ignore_errors=True)
+    if removed:
+        with contextlib.suppress(OSError):
+            _fsync_dir(job_dir)
+        log.info("job %s: pruned %d checkpoint(s) older than the %d newest full ones: %s",
+                 job, len(removed), keep, ", ".join(removed))
+    return removed
 
 
 # ---- the safetensors header -----------------------------------------------------------------
@@ -667,10 +1183,14 @@ def _build_header(state: ShardState) -> tuple[bytes, list[torch.Tensor]]:
             key = _tensor_key(table.name, tensor_name)
             items.append((key, _plain_tensor(tensor, f"{table.name!r}/{tensor_name!r}")))
             pairs.append([tensor_name, key])
-        tables_meta.append({"name": table.name, "spec": table.spec, "tensors": pairs})
+        described: dict[str, object] = {"name": table.name, "spec": table.spec, "tensors": pairs}
+        if table.kind != FULL:
+            described["kind"] = table.kind
+        tables_meta.append(described)
+    delta = state.kind == DELTA
     metadata = {
         "format": FORMAT,
-        "format_version": str(FORMAT_VERSION),
+        "format_version": str(DELTA_FORMAT_VERSION if delta else FORMAT_VERSION),
         "job": state.job,
         "shard": str(state.shard),
         "num_shards": str(state.num_shards),
@@ -679,6 +1199,8 @@ def _build_header(state: ShardState) -> tuple[bytes, list[torch.Tensor]]:
         "meta": _json_round_trips("meta", state.meta),
         "tables": json.dumps(tables_meta, ensure_ascii=False, separators=(",", ":")),
     }
+    if delta:
+        metadata.update(kind=DELTA, base=state.base, base_sha256=state.base_sha256)
     # Widest elements first keeps every tensor aligned to its element size (the header is
     # padded to 8), as safetensors itself does, so readers that map the file can use it in place.
     items.sort(key=lambda kv: (-kv[1].element_size(), kv[0]))
@@ -765,10 +1287,17 @@ def _state_from_meta(
 ) -> ShardState:
     try:
         version = int(meta["format_version"])
-        if version != FORMAT_VERSION:
+        if version not in (FORMAT_VERSION, DELTA_FORMAT_VERSION):
             raise ValueError(
-                f"format version {version}; this build reads version {FORMAT_VERSION}"
+                f"format version {version}; this build reads versions {FORMAT_VERSION} and "
+                f"{DELTA_FORMAT_VERSION}"
             )
+        kind = meta.get("kind", FULL)
+        if kind not in (FULL, DELTA) or (kind == DELTA) != (version == DELTA_FORMAT_VERSION):
+            raise ValueError(f"kind {kind!r} in a file of format version {version}")
+        base, base_sha256 = meta.get("base", ""), meta.get("base_sha256", "")
+        if kind == DELTA and not (_NAME_RE.fullmatch(base) and _SHA256_RE.fullmatch(base_sha256)):
+            raise ValueError(f"a delta with base {base!r} and base_sha256 {base_sha256!r}")
         tables: list[TableState] = []
         used: set[str] = set()
         for table in json.loads(meta["tables"]):
@@ -779,7 +1308,11 @@ def _state_from_meta(
             spec = table["spec"]
             if not isinstance(spec, dict):
                 raise TypeError(f"spec of table {table['name']!r} is not a JSON object")
-            tables.append(TableState(name=str(table["name"]), spec=spec, tensors=named))
+            table_kind = table.get("kind", FULL)
+            if table_kind not in (FULL, ROWS) or (table_kind == ROWS and kind != DELTA):
+                raise ValueError(f"table {table['name']!r} of kind {table_kind!r} in a {kind} file")
+            tables.append(TableState(name=str(table["name"]), spec=spec, tensors=named,
+                                     kind=table_kind))
         if used != set(tensors):
             raise ValueError(f"tensors not in any table: {sorted(set(tensors) - used)[:5]}")
         shard_meta = json.loads(meta["meta"])
@@ -793,6 +1326,9 @@ def _state_from_meta(
             clock=int(meta["clock"]),
             meta=shard_meta,
             tables=tables,
+            kind=kind,
+            base=base,
+            base_sha256=base_sha256,
         )
     except (ValueError, TypeError, KeyError) as exc:
         raise CheckpointCorruptError(
@@ -804,7 +1340,7 @@ def _state_from_meta(
 # ---- manifest entries -----------------------------------------------------------------------
 
 
-def _read_entry(path: Path, shard: int) -> dict[str, object]:
+def _read_entry(path: Path, shard: int) -> dict[str, Any]:
     try:
         entry = json.loads(path.read_bytes())
         if not isinstance(entry, dict) or entry.get("format") != ENTRY_FORMAT:
@@ -820,11 +1356,33 @@ def _read_entry(path: Path, shard: int) -> dict[str, object]:
             raise ValueError(f"shard {entry['shard']} of {entry['num_shards']} in this file")
         if Path(entry["file"]).name != entry["file"] or entry["file"].startswith("."):
             raise ValueError(f"file {entry['file']!r} is not a plain file name")
+        _check_entry_kind(entry)
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise CheckpointCorruptError(
             f"manifest entry {path} is unreadable or malformed ({exc}); the checkpoint is corrupt"
         ) from exc
     return entry
+
+
+def _check_entry_kind(entry: dict[str, Any]) -> None:
+    """ValueError unless the entry's kind, base and chain (where present) are well formed:
+    a delta names its base, and a chain of links (plain names beside the file) ending in it."""
+    kind, base, chain = entry.get("kind", FULL), entry.get("base", ""), entry.get("chain", [])
+    if kind == FULL and not base and not chain:
+        return
+    if kind != DELTA or not isinstance(base, str) or not _NAME_RE.fullmatch(base):
+        raise ValueError(f"kind {kind!r} with base {base!r}")
+    if not isinstance(chain, list) or not chain:
+        raise ValueError(f"a delta with chain {chain!r}")
+    for link in chain:
+        if not (isinstance(link, dict) and isinstance(link.get("checkpoint_id"), str)
+                and isinstance(link.get("file"), str) and isinstance(link.get("sha256"), str)
+                and isinstance(link.get("nbytes"), int)):
+            raise ValueError(f"chain link {link!r}")
+        if Path(link["file"]).name != link["file"] or link["file"].startswith("."):
+            raise ValueError(f"chain file {link['file']!r} is not a plain file name")
+    if chain[-1]["checkpoint_id"] != base:
+        raise ValueError(f"a chain ending in {chain[-1]['checkpoint_id']!r}, not the base {base!r}")
 
 
 def _manifest_json(manifest: Manifest) -> dict[str, object]:
@@ -838,7 +1396,8 @@ def _manifest_json(manifest: Manifest) -> dict[str, object]:
         "complete": manifest.complete,
         "written_at_ns": manifest.written_at_ns,
         "shards": {
-            str(k): {"file": Path(f.path).name, "sha256": f.sha256, "nbytes": f.nbytes}
+            str(k): {"file": Path(f.path).name, "sha256": f.sha256, "nbytes": f.nbytes,
+                     "kind": f.kind, **({"base": f.base} if f.base else {})}
             for k, f in sorted(manifest.shards.items())
         },
     }

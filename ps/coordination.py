@@ -20,24 +20,37 @@ from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 from ps.checkpoint import (
+    FULL,
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointLinkError,
     CheckpointNotFoundError,
     CheckpointUnsignedError,
+    ShardFile,
     ShardState,
     bad_reason,
     checkpoint_dir,
     list_checkpoints,
     load_checkpoint,
+    prune,
+    read_manifest,
     shard_file_name,
     write_manifest,
     write_shard,
 )
+from ps.deltas import WAIT_FOR_EARLIER_S
 from ps.errors import PSError
 from ps.reshard import reshard, shards_needed
 from ps.server import ParameterServer
+from ps.shard import Shard
 from scheduler.heartbeat import Heartbeat
-from scheduler.recovery import entry_signed, no_checkpoint_verifies, sign_entry
+from scheduler.recovery import (
+    built_on_bad,
+    chain_of,
+    entry_signed,
+    no_checkpoint_verifies,
+    sign_entry,
+)
 from scheduler.spec import JobSpec
 from scheduler.store import JobStore, ride_out
 
@@ -150,6 +163,8 @@ class ServerCoordinator:
             return
         checkpoint_id, clock = str(request["id"]), int(request["clock"])
         shard = self.server.shard
+        if request.get("full"):
+            shard.snapshots.ask_full(checkpoint_id)
         if self.spec.mode != "sync":
             # A consistent cut: it completes once every live worker has reached it. While
             # another is under way, the next beat asks again.
@@ -170,10 +185,8 @@ class ServerCoordinator:
             return
         started = time.monotonic()
         try:
-            written = write_shard(self.spec.checkpoint_dir, state)
-            write_manifest(self.spec.checkpoint_dir, state.checkpoint_id, state.job,
-                           state.clock, {state.shard: written}, state.num_shards,
-                           run=self.spec.run_id)
+            written = write_snapshot(self.server.shard, self.spec.checkpoint_dir, state,
+                                     self.spec.run_id)
         except PSError as exc:
             # One line, and an event in Redis: `pstrain status` shows it to whoever runs the job.
             error = str(exc)[:500]
@@ -187,7 +200,7 @@ class ServerCoordinator:
             self.server.config.security.secret, state.job, state.checkpoint_id, state.shard,
             state.num_shards, {"path": written.path, "sha256": written.sha256,
                                "nbytes": written.nbytes, "clock": state.clock,
-                               "run": self.spec.run_id})
+                               "run": self.spec.run_id, **_delta_fields(written)})
         with self._listed_lock:
             if self._listed is not None and self._listed[0] == state.checkpoint_id:
                 self._listed[1][state.shard] = entry
@@ -198,9 +211,30 @@ class ServerCoordinator:
         ride_out("checkpoint", lambda: self.store.event(
             "checkpoint", "server", state.shard, checkpoint=state.checkpoint_id, clock=state.clock,
             nbytes=written.nbytes), None)
-        log.info("shard %d: checkpoint %s at clock %d, %.1f MB in %.2f s", state.shard,
-                 state.checkpoint_id, state.clock, written.nbytes / 1e6,
+        log.info("shard %d: checkpoint %s (%s) at clock %d, %.1f MB in %.2f s", state.shard,
+                 state.checkpoint_id, written.kind, state.clock, written.nbytes / 1e6,
                  time.monotonic() - started)
+        if written.kind == FULL:
+            self._prune(state.checkpoint_id)
+
+    def _prune(self, checkpoint_id: str) -> None:
+        """Retention, once full checkpoint `checkpoint_id` is complete: older checkpoints of
+        the run go from disk and from Redis. Whichever shard completes it prunes (two at
+        once are safe: see ps.checkpoint.prune)."""
+        directory, keep = self.spec.checkpoint_dir, self.spec.checkpoint_keep
+        if not keep:
+            return
+        try:
+            manifest = read_manifest(checkpoint_dir(directory, self.spec.job, checkpoint_id))
+            if not manifest.complete or manifest.kind != FULL:
+                return
+            pruned = prune(directory, self.spec.job, keep, self.spec.run_id)
+        except PSError as exc:
+            log.warning("shard %d: retention after checkpoint %s failed: %s",
+                        self.server.config.shard, checkpoint_id, exc)
+            return
+        if pruned:
+            ride_out("checkpoint", lambda: self.store.forget_checkpoints(pruned), None)
 
     def _newest_clock(self) -> int:
         """The clock of the checkpoint listed now (its lock held)."""
@@ -220,6 +254,38 @@ class ServerCoordinator:
 
     def stop(self) -> None:
         self.heartbeat.stop(forget=True)
+
+
+def write_snapshot(shard: Shard, directory: str, state: ShardState, run: str = "",
+                   wait_s: float = WAIT_FOR_EARLIER_S) -> ShardFile:
+    """Writes a snapshot `shard` took, and its manifest entry, after the snapshots it took
+    before it (a delta needs its base's file: `SnapshotLog.wait_turn`), and tells the shard
+    how it went (a failure makes its next snapshot full). `run` is the job's run id. Blocks
+    on file I/O and on the earlier writes (at most `wait_s`); thread-safe. Raises
+    CheckpointError when the snapshot cannot be written."""
+    snapshots = shard.snapshots
+    done: ShardFile | None = None
+    deltas_ok, why = True, ""
+    try:
+        base = snapshots.wait_turn(state, wait_s)
+        written = write_shard(directory, state, base)
+        write_manifest(directory, state.checkpoint_id, state.job, state.clock,
+                       {state.shard: written}, state.num_shards, run=run)
+        done = written
+    except CheckpointLinkError as exc:
+        deltas_ok, why = False, str(exc)
+        raise
+    finally:
+        snapshots.written(state, done, deltas_ok, why)
+    return written
+
+
+def _delta_fields(written: ShardFile) -> dict[str, Any]:
+    """What a Redis entry says of a delta: its kind, base, and the ids of its chain."""
+    if written.kind == FULL:
+        return {}
+    return {"kind": written.kind, "base": written.base,
+            "chain": [c.checkpoint_id for c in written.chain]}
 
 
 class Found(NamedTuple):
@@ -255,7 +321,8 @@ def find_checkpoint(
     entries, as a directory that is not shared does) is passed over with a warning, and when
     nothing else can be restored the CheckpointError says which entries are missing.
 
-    A checkpoint marked bad (in Redis or its directory) is passed over. One whose file of
+    A checkpoint marked bad (in Redis or its directory), or a delta built on one that is
+    (its entries' chain), is passed over. One whose file of
     this shard cannot be read or fails its digest is skipped with a warning for the next
     older one; a file that fails verification marks the checkpoint bad, in its directory
     and in Redis, so no scheduler or server tries it again. When every one fails, a
@@ -272,12 +339,19 @@ def find_checkpoint(
     bad: dict[str, dict[str, Any]] = {}
     if store is not None:
         bad = ride_out("bad", store.bad_checkpoints, bad)
+    def marked(checkpoint_id: str) -> str | None:
+        return (bad.get(checkpoint_id) or {}).get("reason") or (
+            bad_reason(directory, job, checkpoint_id) if directory else None)
+
     # (id, what is missing) of incomplete checkpoints of another count found on disk.
     partial: list[tuple[str, str]] = []
     for checkpoint_id, entries, count in _candidates(store, spec, num_shards, job, directory,
                                                      from_disk, secret, resume_from, partial):
-        reason = (bad.get(checkpoint_id) or {}).get("reason") or (
-            bad_reason(directory, job, checkpoint_id) if directory else None)
+        reason = marked(checkpoint_id)
+        if reason is None:
+            on_bad = built_on_bad({c: r for c in chain_of(entries) if (r := marked(c))},
+                                  {checkpoint_id: chain_of(entries)})
+            reason = on_bad.get(checkpoint_id)
         if reason is not None:
             log.info("shard %d: passing over checkpoint %r, marked bad (%s)", shard,
                      checkpoint_id, reason)
@@ -380,7 +454,7 @@ def _candidates(
         yield manifest.checkpoint_id, {
             k: sign_entry(secret, job, manifest.checkpoint_id, k, count,
                           {"path": f.path, "sha256": f.sha256, "nbytes": f.nbytes,
-                           "clock": manifest.clock, "run": manifest.run})
+                           "clock": manifest.clock, "run": manifest.run, **_delta_fields(f)})
             for k, f in manifest.shards.items()}, count
 
 

@@ -4,10 +4,11 @@ worker/serving.py).
 
 A checkpoint is found on disk, without Redis: ``<checkpoint-dir>/<job>/<id>``, the given id
 or the newest complete one (ps/checkpoint.py's order). Every shard file is hashed against its
-manifest entry before anything is written; a missing, incomplete or corrupt checkpoint is
-refused with a message naming the file. Dense tables are reassembled from their shards' row
-ranges (the placement workers route by), sparse tables from their hash shards into one
-key-sorted table. Optimizer state, steps and the written flags are left out; dtypes are
+manifest entry before anything is written, and a delta checkpoint is resolved through its
+chain as a restore resolves it; a missing, incomplete or corrupt checkpoint (or a file of its
+chain) is refused with a message naming the file. Dense tables are reassembled from their
+shards' row ranges (the placement workers route by), sparse tables from their hash shards
+into one key-sorted table. Optimizer state, steps and the written flags are left out; dtypes are
 kept (a float16 or bfloat16 table exports as such).
 
 Unknown ids: the server would create a never-seen id's row from the table's init rule; a
@@ -51,7 +52,7 @@ from ps.checkpoint import (
     checkpoint_dir,
     latest_complete,
     read_manifest,
-    read_shard,
+    read_resolved,
 )
 from ps.errors import PSError
 from ps.tables import TableSpec
@@ -86,13 +87,14 @@ def find(directory: str | Path, job: str, checkpoint_id: str | None = None) -> M
 
 
 def read_states(manifest: Manifest) -> list[ShardState]:
-    """Every shard of `manifest`, each hashed against its recorded sha256 while read (blocks
-    on reading the whole checkpoint), with only the tensors an export holds (values and
-    keys). CheckpointCorruptError names a file that fails."""
+    """Every shard of `manifest`, each hashed against its recorded sha256 while read, a
+    delta resolved through its chain as a restore does (`read_resolved`; blocks on reading
+    the whole checkpoint), with only the tensors an export holds (values and keys).
+    CheckpointCorruptError names a file that fails."""
     states = []
     for shard in range(manifest.num_shards):
         recorded = manifest.shards[shard]
-        state = read_shard(recorded.path, recorded.sha256)
+        state = read_resolved(recorded.path, recorded.sha256)
         if (state.job, state.checkpoint_id, state.shard, state.num_shards) != (
                 manifest.job, manifest.checkpoint_id, shard, manifest.num_shards):
             raise ExportError(f"{recorded.path} holds shard {state.shard}/{state.num_shards} of "

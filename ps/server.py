@@ -64,6 +64,7 @@ class ServerConfig:
     transport: str = "auto"  # bulk transport: auto, or one of protos.transport.PREFERENCE
     limits: Limits = field(default_factory=Limits)
     checkpoint_dir: str = ""  # where Restore finds checkpoints by id ("" : it cannot)
+    checkpoint_full_every: int = 1  # a full snapshot every this many, the others deltas
     security: Security = field(default_factory=Security)  # TLS and the job secret, when on
 
     def __post_init__(self) -> None:
@@ -97,7 +98,7 @@ class ServerConfig:
             shard=self.shard, num_shards=self.num_shards, job=self.job,
             incarnation=self.incarnation, mode=self.mode, staleness=self.staleness,
             quorum=Quorum(self.workers, self.backups), max_wait_s=self.max_wait_s,
-            limits=self.limits,
+            limits=self.limits, checkpoint_full_every=self.checkpoint_full_every,
         )
 
 

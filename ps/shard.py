@@ -27,9 +27,10 @@ from protos.codec import tensor_from_bytes
 from protos.modes import ASYNC, Mode
 from protos.partition import RowRange, dense_placement
 from ps.aggregate import Aggregate, DenseSum, SparseSum
-from ps.checkpoint import ShardState, TableState
+from ps.checkpoint import DELTA, FULL, ROWS, ShardState, TableState
 from ps.clocks import ClockBoard, Quorum
 from ps.consistency import ClockView, Decision, Policy, make_policy
+from ps.deltas import SnapshotLog
 from ps.errors import (
     CallEndedError,
     ClockWaitTimeoutError,
@@ -163,6 +164,8 @@ class ShardConfig:
     # How long a retried push waits for its first attempt, still being applied, to finish.
     inflight_wait_s: float = 30.0
     limits: Limits = field(default_factory=Limits)
+    # A full snapshot every this many, the others deltas (ps/deltas.py); 1: all full.
+    checkpoint_full_every: int = 1
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -173,6 +176,11 @@ class ShardConfig:
             )
         if self.staleness < 0:
             raise InvalidArgumentError(f"staleness must be >= 0, got {self.staleness}")
+        if self.checkpoint_full_every < 1:
+            raise InvalidArgumentError(
+                f"checkpoint_full_every must be >= 1 (1: every checkpoint full), got "
+                f"{self.checkpoint_full_every}"
+            )
         if self.mode.staleness not in (None, self.staleness):
             raise InvalidArgumentError(
                 f"mode {self.mode} and staleness {self.staleness} disagree; give the bound once"
@@ -348,6 +356,8 @@ class Shard:
         self._sums: dict[str, Aggregate] = {}
         self._pull_log: collections.deque[PullRecord] = collections.deque(maxlen=PULL_LOG_SIZE)
         self._pending_snapshot: tuple[int, str, Callable[[ShardState | None], None]] | None = None
+        # Full or delta, and what a delta builds on; whoever writes a snapshot reports to it.
+        self.snapshots = SnapshotLog(config.checkpoint_full_every)
         self._periodic: tuple[int, Callable[[ShardState | None], None]] | None = None
         # The async/ssp cut under way (guarded by self._clocks), who writes cuts a worker
         # starts here, and the ids of recent cuts (a late marker of one starts nothing).
@@ -949,8 +959,9 @@ class Shard:
     # ---- checkpoints -----------------------------------------------------------------------
 
     def snapshot(self, checkpoint_id: str) -> ShardState:
-        """A consistent copy of the shard: tables, optimizer state, clocks, ledger. Blocks
-        pushes for as long as the copies take."""
+        """A consistent copy of the shard: tables, optimizer state, clocks, ledger; full, or
+        a delta of the snapshot before (`self.snapshots` decides; whoever writes it reports
+        how the write went there). Blocks pushes for as long as the copies take."""
         with self._clocks:
             return self._snapshot(checkpoint_id)
 
@@ -1089,19 +1100,31 @@ class Shard:
     def _snapshot(self, checkpoint_id: str, cut: Mapping[int, int] | None = None) -> ShardState:
         """Caller holds self._clocks. `cut`: each worker's cut clock (an async or ssp cut);
         None takes each worker at its clock here, with the position of its newest tick
-        (sync: the clocks as the rollback restores them)."""
+        (sync: the clocks as the rollback restores them). Full or a delta of the snapshot
+        before, as `self.snapshots` plans (every trigger comes here); whoever writes it
+        reports how it went to `self.snapshots`."""
         with self._lock:
             tables = list(self._tables.items())
+        kind, base = self.snapshots.plan(checkpoint_id)
+        states = []
+        for name, table in tables:
+            spec = table.spec.to_dict()
+            changes = table.snapshot_changes() if kind == DELTA else None
+            if changes is None:
+                states.append(TableState(name, spec, table.snapshot()))
+            elif changes:
+                states.append(TableState(name, spec, changes, kind=ROWS))
         meta: dict[str, object] = {
             "mode": str(self.config.mode), "incarnation": self.config.incarnation,
             **self.board.to_meta(cut), "ledger": self.ledger.to_meta(),
         }
-        return ShardState(
+        state = ShardState(
             job=self.config.job or "standalone", shard=self.config.shard,
             num_shards=self.config.num_shards, checkpoint_id=checkpoint_id,
-            clock=self.board.open_clock, meta=meta,
-            tables=[TableState(n, t.spec.to_dict(), t.snapshot()) for n, t in tables],
+            clock=self.board.open_clock, meta=meta, tables=states, kind=kind, base=base,
         )
+        self.snapshots.taken(state)
+        return state
 
     def restore(self, state: ShardState | None, generation: int | None = None) -> None:
         """Replaces every table, clock and ledger entry with `state` (None: an empty shard).
@@ -1120,7 +1143,13 @@ class Shard:
                 f"{state.num_shards}; this server is shard {self.config.shard} of "
                 f"{self.config.num_shards}"
             )
+        if state is not None and state.kind != FULL:
+            raise FailedPreconditionError(
+                f"checkpoint {state.checkpoint_id} is a {state.kind} of {state.base!r}, not a "
+                "whole state: restore what ps.checkpoint.load_checkpoint returns"
+            )
         with self._clocks:
+            self.snapshots.reset()
             if generation is not None:
                 self.generation = max(self.generation, generation)
             with self._lock:

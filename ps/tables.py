@@ -26,6 +26,7 @@ import torch
 from protos import modes
 from protos.codec import FLOAT_DTYPES
 from protos.partition import RowRange, shard_of_keys
+from ps.checkpoint import EVICTED_KEYS
 from ps.errors import FailedPreconditionError, InvalidArgumentError
 from ps.index import SLOT_BYTES, KeyIndex, capacity_for
 from ps.initializers import InitSpec, init_rows
@@ -392,6 +393,10 @@ class DenseTable(_Counted):
         # Whether the block was ever written (an assign, an applied gradient, a restore of
         # saved values); until then it holds the spec's initial values.
         self.written = False
+        # Whether the block changed since the last snapshot (a new one has: a delta holds it
+        # whole). Set after each change and cleared before each copy, so a change racing a
+        # snapshot is in it or in the next one.
+        self._changed = True
 
     @staticmethod
     def block_shape_for(spec: TableSpec, placement: RowRange) -> tuple[int, ...]:
@@ -461,6 +466,7 @@ class DenseTable(_Counted):
                     for offset, part in parts:
                         flat[offset : offset + part.numel()].copy_(part)
                     self.written = True
+                    self._changed = True
             else:
                 if not self.written:  # set once: later gradients need not take the lock
                     with self._written_lock:
@@ -480,17 +486,25 @@ class DenseTable(_Counted):
                     step = before.clone()
                     self.optimizer.apply_dense(flat[offset:end], part, state, step)
                 self.step.copy_(step)
+                self._changed = True
         self.count(pushes_applied=1, rows_pushed=self.placement.rows)
         return True
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Copies of the block, its optimizer state and step (whole pushes only), and
-        whether it was ever written (a 0-d bool tensor)."""
+        whether it was ever written (a 0-d bool tensor). The block counts as unchanged from
+        here on (`snapshot_changes`)."""
         with self._update_lock, self._written_lock:
+            self._changed = False
             out = {"value": self.value.clone(), "step": self.step.clone(),
                    "written": torch.tensor(self.written)}
             out.update({f"state.{k}": v.clone() for k, v in self.state.items()})
         return out
+
+    def snapshot_changes(self) -> dict[str, torch.Tensor] | None:
+        """What changed since the last snapshot, for a delta: {} when nothing did, None when
+        the block did (a delta holds a dense block whole: take `snapshot`). Thread-safe."""
+        return None if self._changed else {}
 
     def restore(self, tensors: dict[str, torch.Tensor]) -> None:
         """Loads what `snapshot` made (of a table with this spec and placement).
@@ -505,6 +519,7 @@ class DenseTable(_Counted):
             for k, v in self.state.items():
                 v.copy_(tensors[f"state.{k}"].reshape(v.shape))
             self.written = True if written is None else bool(written.item())
+            self._changed = True
 
     def stats(self) -> TableStats:
         value_bytes = self.value.numel() * self.value.element_size()
@@ -556,8 +571,20 @@ class SparseTable(_Counted):
         self._clock_now = 0  # the latest worker clock seen (observe_clock)
         self._ttl_cursor = 0  # where the next TTL scan starts
         self._lru_cursor = 0  # where the next max_rows window starts, past EVICT_SCAN_ROWS
+        # Change tracking, for delta snapshots: per row slot, whether the row changed since
+        # the last snapshot (values, optimizer state, step or touch stamp; or created), set
+        # after each change and cleared before the copy, so a change racing a snapshot is in
+        # it or in the next one. The keys evicted since it, and whether the sketch or the
+        # evicted-id bits changed. `_whole`: the next snapshot holds the table whole (it is
+        # new, restored, or evicted more keys since the last one than it lists).
+        self._changed = np.zeros(0, dtype=np.uint8)
+        self._gone: list[np.ndarray] = []
+        self._gone_count = 0
+        self._items_changed = False
+        self._whole = True
         # Guards the index, row creation and eviction: lookup, insert, delete, growth,
-        # initialisation, the sketch and the per-slot arrays above.
+        # initialisation, the sketch, the per-slot arrays and the change tracking above
+        # (the marks of updated rows are set under the storage lock instead).
         self._index_lock = threading.Lock()
         # Shared by every read and update of rows; exclusive while storage is reallocated.
         self._storage = RWLock()
@@ -795,6 +822,8 @@ class SparseTable(_Counted):
             else:
                 self.optimizer.apply_rows(self.value, rows, values, self.state, self.step,
                                           trusted=True)
+            # After the update: a snapshot that clears the mark first copies the new values.
+            self._changed[rows.numpy()] = 1
 
     def _rows(self, keys: np.ndarray, unique: bool = False, sight: bool = False) -> torch.Tensor:
         with self._index_lock:
@@ -844,6 +873,7 @@ class SparseTable(_Counted):
             held = rows[rows >= 0]
             self._touched_clock[held] = self._clock_now
             self._touched_s[held] = self._time()
+            self._changed[held] = 1  # the stamp a snapshot holds
         return torch.from_numpy(rows)
 
     def _admitted(self, fresh: np.ndarray, sight: bool) -> np.ndarray | None:
@@ -853,6 +883,8 @@ class SparseTable(_Counted):
         if rule.kind == "prob":
             return admitted_by_probability(fresh, self.spec.seed, rule.probability)
         if self._sketch is not None:
+            if sight:
+                self._items_changed = True
             seen = self._sketch.add(fresh) if sight else self._sketch.estimate(fresh)
             return seen >= rule.count
         return None
@@ -883,6 +915,7 @@ class SparseTable(_Counted):
                 rows_scatter_(slot, new_rows, self.optimizer.init_slot(name, init))
             if self.step is not None:
                 self.step.index_fill_(0, new_rows, 0)
+        self._changed[rows] = 1
         readmitted = 0
         if self._evict.active:
             self._slot_key[rows] = keys
@@ -943,6 +976,14 @@ class SparseTable(_Counted):
             self._evicted_in_window = len(slots)
         bits = self._evicted_bit(keys)
         np.bitwise_or.at(self._evicted_bits, bits >> 3, (1 << (bits & 7)).astype(np.uint8))
+        self._items_changed = True
+        if not self._whole:
+            self._gone.append(keys)
+            self._gone_count += len(keys)
+            # A list longer than the table's storage is no delta worth writing: the next
+            # snapshot holds the table whole, and the list goes.
+            if self._gone_count > max(self._capacity, INITIAL_SPARSE_ROWS):
+                self._whole, self._gone, self._gone_count = True, [], 0
         self.count(evicted=len(slots))
 
     def evict(self) -> int:
@@ -979,6 +1020,7 @@ class SparseTable(_Counted):
                 self._slot_key = _resized(self._slot_key, capacity, used, 0)
                 self._touched_clock = _resized(self._touched_clock, capacity, used, -1)
                 self._touched_s = _resized(self._touched_s, capacity, used, 0.0)
+            self._changed = _resized(self._changed, capacity, used, 0)
             self._capacity = capacity
 
     # ---- checkpoints ------------------------------------------------------------------------
@@ -986,8 +1028,10 @@ class SparseTable(_Counted):
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Copies of the keys, values, optimizer state and steps of every row held (rows in
         slot order; an evicted row is not there), the clock each was last touched and the
-        evicted-id bits (under eviction) and the admission sketch (under count:K)."""
+        evicted-id bits (under eviction) and the admission sketch (under count:K). Every row
+        counts as unchanged from here on (`snapshot_changes`)."""
         with self._index_lock, self._storage.shared(), self._update_lock:
+            self._forget_changes()
             if self.index.row_limit == len(self.index):  # no holes: rows 0..n-1
                 rows = len(self.index)
                 out = {"keys": torch.from_numpy(self.index.keys_by_row()),
@@ -1011,6 +1055,57 @@ class SparseTable(_Counted):
             if self._sketch is not None:
                 out["sketch"] = torch.from_numpy(self._sketch.counters.copy())
         return out
+
+    def snapshot_changes(self) -> dict[str, torch.Tensor] | None:
+        """A row delta of what changed since the last snapshot (ps/checkpoint.py): the keys
+        of the rows changed or created, with copies of their values, optimizer state, steps
+        and (under eviction) touch stamps; the keys evicted since (under eviction); the
+        sketch and the evicted-id bits if they changed. {} when nothing changed; None when
+        the table must be snapshot whole (`snapshot`): it is new or restored since, or
+        evicted too many keys to list. Every row counts as unchanged from here on. Blocking
+        (copies the changed rows); thread-safe."""
+        with self._index_lock, self._storage.shared(), self._update_lock:
+            if self._whole:
+                return None
+            limit = self.index.row_limit
+            slots = np.flatnonzero(self._changed[:limit])
+            # Cleared before the copy: a row updated from now on is marked again.
+            self._changed[slots] = 0
+            gone = np.concatenate(self._gone) if self._gone else np.zeros(0, dtype=np.int64)
+            items = self._items_changed
+            self._gone, self._gone_count, self._items_changed = [], 0, False
+            if self._evict.active:
+                slots = slots[self._touched_clock[slots] >= 0]  # a freed slot holds no row
+                keys = self._slot_key[slots]
+            elif limit == len(self.index):  # no holes: rows 0..n-1
+                keys = self.index.keys_by_row()[slots]
+            else:
+                held_keys, held = self.index.items()
+                by_slot = np.empty(limit, dtype=np.int64)
+                by_slot[held] = held_keys
+                keys = by_slot[slots]
+            if not len(slots) and not len(gone) and not items:
+                return {}
+            at = torch.from_numpy(slots.astype(np.int64))
+            out = {"keys": torch.from_numpy(np.ascontiguousarray(keys, dtype=np.int64)),
+                   "value": self.value.index_select(0, at)}
+            out.update({f"state.{k}": v.index_select(0, at) for k, v in self.state.items()})
+            if self.step is not None:
+                out["step"] = self.step.index_select(0, at)
+            if self._evict.active:
+                out["touched"] = torch.from_numpy(self._touched_clock[slots])
+                out[EVICTED_KEYS] = torch.from_numpy(gone)
+                if items:
+                    out["evicted_bits"] = torch.from_numpy(self._evicted_bits.copy())
+            if self._sketch is not None and items:
+                out["sketch"] = torch.from_numpy(self._sketch.counters.copy())
+        return out
+
+    def _forget_changes(self) -> None:
+        """Every row counts as unchanged from now on. Caller holds the index lock."""
+        self._changed[:] = 0
+        self._gone, self._gone_count = [], 0
+        self._items_changed = self._whole = False
 
     def restore(self, tensors: dict[str, torch.Tensor]) -> None:
         """Replaces every row with what `snapshot` made (or a snapshot from before admission
@@ -1057,6 +1152,7 @@ class SparseTable(_Counted):
                     self._evict_slots(least_recent(
                         self._touched_clock[:n], self._touched_s[:n], excess
                     ).astype(np.int64))
+            self._whole = True
 
     def stats(self) -> TableStats:
         rows = len(self.index)

@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -69,11 +70,34 @@ def _spec_flags(p: argparse.ArgumentParser, defaults: bool) -> None:
     p.add_argument("--checkpoint-every-clocks", type=int,
                    default=d and d.checkpoint_every_clocks,
                    help="sync: clocks between checkpoints (0: off)")
+    p.add_argument("--checkpoint-full-every", type=at_least(1, "1: every checkpoint full"),
+                   default=d and d.checkpoint_full_every, metavar="N",
+                   help="a full checkpoint every N checkpoints, the others deltas of the one "
+                        "before (default 10; 1: every checkpoint full)")
+    p.add_argument("--checkpoint-keep", type=at_least(0, "0: keep every checkpoint"),
+                   default=None if d is None else d.checkpoint_keep, metavar="K",
+                   help="keep the K newest full checkpoints and the deltas after them; older "
+                        "ones of the run are removed (default 3; 0: keep all)")
+
+
+def at_least(low: int, note: str) -> Callable[[str], int]:
+    """An argparse type: an int >= `low`; argparse names the flag and the value it refuses."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low} ({note}), got {value}")
+        return value
+
+    return parse
 
 
 _SPEC_FIELDS = ("mode", "staleness", "servers", "workers", "backups", "heartbeat_interval_s",
                 "heartbeat_misses", "suspect_timeout_s", "checkpoint_dir", "checkpoint_every_s",
-                "checkpoint_every_clocks")
+                "checkpoint_every_clocks", "checkpoint_full_every", "checkpoint_keep")
 
 
 def _mode(text: str) -> modes.Mode:
@@ -180,6 +204,8 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("checkpoint", help="ask a job's servers for a checkpoint now")
     _redis_flags(c)
     c.add_argument("--wait-s", type=float, default=120.0, help="how long to wait for it")
+    c.add_argument("--full", action="store_true",
+                   help="a full checkpoint, not a delta of the one before")
 
     h = sub.add_parser("health", help="ask a server's gRPC health service; exit 0 if SERVING")
     h.add_argument("address", help="the server's HOST:PORT")
@@ -296,7 +322,7 @@ def _run(a: argparse.Namespace) -> int:
         return _status(JobStore.connect(a.redis, a.job), a.json)
     if a.command == "checkpoint":
         _need_redis(a)
-        return _checkpoint(JobStore.connect(a.redis, a.job), a.wait_s)
+        return _checkpoint(JobStore.connect(a.redis, a.job), a.wait_s, a.full)
     raise CoordinationError(f"unknown command {a.command!r}")
 
 
@@ -419,7 +445,7 @@ def _clock_ahead(store: JobStore, spec: JobSpec) -> int:
     return second + (second - first) + 2
 
 
-def _checkpoint(store: JobStore, wait_s: float) -> int:
+def _checkpoint(store: JobStore, wait_s: float, full: bool = False) -> int:
     spec = store.spec()
     if spec is None:
         raise CoordinationError(f"no job {store.keys.job!r} in this Redis")
@@ -429,7 +455,7 @@ def _checkpoint(store: JobStore, wait_s: float) -> int:
         )
     at_clock = _clock_ahead(store, spec) if spec.mode == "sync" else -1
     checkpoint_id = f"manual-{int(time.time() * 1000):015d}"
-    store.request_checkpoint(checkpoint_id, at_clock)
+    store.request_checkpoint(checkpoint_id, at_clock, full=full)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         entries = store.checkpoint(checkpoint_id)

@@ -33,6 +33,7 @@ from typing import Any
 
 from protos.security import Security
 from scheduler.errors import ConfigError, CoordinationError
+from scheduler.recovery import built_on_bad, chain_of
 from scheduler.spec import RESTART_EXIT_CODE, STOPPED_EXIT_CODE, JobSpec
 from scheduler.store import JobStore, ride_out
 
@@ -226,7 +227,9 @@ class Cluster:
                 "--suspect-timeout-s", str(s.suspect_timeout_s),
                 "--checkpoint-dir", s.checkpoint_dir,
                 "--checkpoint-every-s", str(s.checkpoint_every_s),
-                "--checkpoint-every-clocks", str(s.checkpoint_every_clocks)]
+                "--checkpoint-every-clocks", str(s.checkpoint_every_clocks),
+                "--checkpoint-full-every", str(s.checkpoint_full_every),
+                "--checkpoint-keep", str(s.checkpoint_keep)]
 
     def _start_redis(self) -> None:
         binary = shutil.which("redis-server")
@@ -589,8 +592,9 @@ def status_of(store: JobStore, events: int = 20) -> dict[str, Any]:
     out["run"] = store.run() or ({"id": spec.run_id} if spec and spec.run_id else None)
     out["bad_checkpoints"] = store.bad_checkpoints()
     out["stopped"] = store.stopped()
-    latest = next((c for c in store.complete(spec.servers) if c[0] not in out["bad_checkpoints"]),
-                  None) if spec else None
+    bad = {c: str(v.get("reason", "")) for c, v in out["bad_checkpoints"].items()}
+    latest = next((c for c in store.complete(spec.servers) if c[0] not in bad
+                   and not built_on_bad(bad, {c[0]: chain_of(c[1])})), None) if spec else None
     out["latest_checkpoint"] = None if latest is None else {"id": latest[0],
                                                             "shards": latest[1]}
     return out

@@ -9,8 +9,9 @@
 - `next_generation` never repeats a rollback generation, even after Redis lost its count.
 - `rollback_target` picks the newest checkpoint every shard has, or says to wait for the
   one the restarted server restored to be listed again.
-- `choose_rollback` does the same over the checkpoints not marked bad, and says to stop the
-  job when there were checkpoints and none of them verifies.
+- `choose_rollback` does the same over the checkpoints not marked bad (nor built on one:
+  `built_on_bad`), and says to stop the job when there were checkpoints and none of them
+  verifies.
 - `sign_entry` and `entry_signed` sign a checkpoint's entry in Redis with the job's secret
   and check it, so that a restarting server and a rollback use only entries a holder of the
   secret wrote (here, not in `ps`, because the scheduler checks them too and may not import
@@ -22,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,16 +123,24 @@ class RollbackChoice:
 
 
 def choose_rollback(restored: str, complete: list[tuple[str, int]],
-                    bad: Mapping[str, str]) -> RollbackChoice:
+                    bad: Mapping[str, str],
+                    chains: Mapping[str, Iterable[object]] | None = None,
+                    unsigned: Collection[str] = ()) -> RollbackChoice:
     """The checkpoint a sync job rolls back to. Pure.
 
     `complete` lists (id, clock) of the checkpoints every shard has written, newest listed
-    first; `bad` maps the ids that failed verification (on any shard) to what failed.
-    The newest that is not bad wins; with none, and some checkpoint written, the job stops
-    (going back to the initial state would silently throw the training away); with none
-    written at all it goes back to the initial state. A `restored` checkpoint not listed
+    first; `bad` maps the ids not to use to why: they failed verification (on any shard),
+    or, for those also in `unsigned`, an entry in Redis is not signed. `chains` maps a delta
+    checkpoint's id to the ids it builds on (its entries' chains): one that builds on a
+    checkpoint that failed verification counts as bad too (`built_on_bad`); one built on a
+    checkpoint with an unsigned entry does not (its own signed entry and its file vouch for
+    its chain). The newest that is not bad wins; with none, and some checkpoint written, the
+    job stops (going back to the initial state would silently throw the training away); with
+    none written at all it goes back to the initial state. A `restored` checkpoint not listed
     (Redis came back empty) is waited for, unless it is bad.
     """
+    verified_bad = {c: reason for c, reason in bad.items() if c not in unsigned}
+    bad = {**bad, **built_on_bad(verified_bad, chains or {})}
     usable = [(c, clock) for c, clock in complete if c not in bad]
     if restored and restored not in bad and restored not in {c for c, _ in usable}:
         return RollbackChoice(wait=True)
@@ -141,6 +150,32 @@ def choose_rollback(restored: str, complete: list[tuple[str, int]],
     failed = sorted(set(bad) | {c for c, _ in complete})
     return RollbackChoice(stop=True, reason=no_checkpoint_verifies(
         {c: bad.get(c, "not verified") for c in failed}))
+
+
+def built_on_bad(bad: Mapping[str, str], chains: Mapping[str, Iterable[object]]
+                 ) -> dict[str, str]:
+    """The checkpoints of `chains` (id -> the ids of the checkpoints it builds on, as its
+    entries list them) that build on one in `bad` (id -> what failed in it), each with why:
+    a delta is no better than the checkpoints it needs. Pure."""
+    out: dict[str, str] = {}
+    for checkpoint_id, chain in chains.items():
+        if checkpoint_id in bad:
+            continue
+        on_bad = sorted(str(c) for c in chain if str(c) in bad)
+        if on_bad:
+            out[checkpoint_id] = f"builds on checkpoint {on_bad[0]}, which failed: {bad[on_bad[0]]}"
+    return out
+
+
+def chain_of(entries: Mapping[int, Mapping[str, Any]]) -> set[str]:
+    """The ids every shard's entry of a checkpoint says it builds on (none for a full one).
+    Pure; tolerates entries without the field (full checkpoints, older writers)."""
+    out: set[str] = set()
+    for entry in entries.values():
+        chain = entry.get("chain") if isinstance(entry, Mapping) else None
+        if isinstance(chain, list):
+            out.update(c for c in chain if isinstance(c, str))
+    return out
 
 
 def no_checkpoint_verifies(bad: Mapping[str, str]) -> str:

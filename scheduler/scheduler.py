@@ -30,6 +30,7 @@ from scheduler.finishing import Departures
 from scheduler.membership import MembershipTracker, Transition
 from scheduler.recovery import (
     RedisWatch,
+    chain_of,
     choose_rollback,
     entry_signed,
     next_generation,
@@ -427,12 +428,16 @@ class Scheduler:
             bad = {c: str(v.get("reason", "marked bad"))
                    for c, v in self.store.bad_checkpoints().items()}
             skip = set(bad) | set(rollback.unreadable)
+            before = set(skip)
             listed, complete = self._signed_checkpoints(skip)
+            rollback.unsigned |= skip - before
             for checkpoint_id in skip - set(bad):
                 reason = rollback.unreadable.setdefault(
                     checkpoint_id, "an entry in Redis is not signed with the job's secret")
                 bad[checkpoint_id] = reason
-            choice = choose_rollback(rollback.restored, complete, bad)
+            chains = {c: chain_of(entries) for c, entries in listed.items()}
+            choice = choose_rollback(rollback.restored, complete, bad, chains,
+                                     unsigned=rollback.unsigned)
             if choice.stop:
                 self._stop(choice.reason)
                 return
@@ -544,6 +549,9 @@ class _Rollback:
     # Checkpoints some shard could not read or verify, or with an entry not signed with the
     # job's secret: the rollback goes to an older one.
     unreadable: dict[str, str] = field(default_factory=dict)  # id -> what failed
+    # Those of them passed over only for an entry not signed: the deltas built on them stay
+    # usable (a delta's own signed entry and file vouch for its chain).
+    unsigned: set[str] = field(default_factory=set)
     # The chosen checkpoint's entries (shard -> {path, sha256, nbytes, clock, mac}).
     entries: dict[int, dict[str, Any]] = field(default_factory=dict)
 

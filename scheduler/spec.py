@@ -36,6 +36,11 @@ class JobSpec:
     checkpoint_dir: str = ""
     checkpoint_every_s: float = 0.0  # async and ssp: 0 turns periodic checkpoints off
     checkpoint_every_clocks: int = 0  # sync: 0 turns periodic checkpoints off
+    # A full checkpoint every this many, the others deltas of the one before; 1: all full.
+    checkpoint_full_every: int = 10
+    # Retention: the newest this many full checkpoints (and those after them) are kept, older
+    # ones of the run removed once a newer full one is complete; 0 keeps every one.
+    checkpoint_keep: int = 3
     created_s: float = 0.0  # when the job was created (set by JobStore.create_job)
     run_id: str = ""  # this run of the job (set by JobStore.create_job; see store.new_run_id)
 
@@ -64,6 +69,8 @@ class JobSpec:
             ("suspect_timeout_s", self.suspect_timeout_s >= 0, ">= 0"),
             ("checkpoint_every_s", self.checkpoint_every_s >= 0, ">= 0"),
             ("checkpoint_every_clocks", self.checkpoint_every_clocks >= 0, ">= 0"),
+            ("checkpoint_full_every", self.checkpoint_full_every >= 1, ">= 1 (1: all full)"),
+            ("checkpoint_keep", self.checkpoint_keep >= 0, ">= 0 (0: keep all)"),
         ]
         for name, ok, rule in checks:
             if not ok:

@@ -10,9 +10,9 @@ Every key of a job lives under the prefix ``pstrain:{job}:``:
 | ``workers`` | hash | rank -> JSON {incarnation, pid, host} |
 | ``hb:{role}:{id}`` | string | the latest heartbeat as JSON; expires after the misses allowed |
 | ``events`` | stream | joined, dead, restored, resharded, rollback, checkpoint, claimed, left... |
-| ``checkpoint:request`` | string | JSON {id, clock} of the newest checkpoint asked for |
+| ``checkpoint:request`` | string | JSON {id, clock[, full]} of the newest checkpoint asked for |
 | ``checkpoints`` | sorted set | checkpoint ids by time of completion of their first shard |
-| ``checkpoint:{id}`` | hash | shard -> JSON {path, sha256, nbytes, clock[, mac]} (mac: signed) |
+| ``checkpoint:{id}`` | hash | shard -> JSON entry {path, sha256, nbytes, clock, run, ...} (below) |
 | ``generation`` | integer | raised by each sync rollback, never to a used value; workers restart |
 | ``rank:{rank}`` | string | the `pstrain worker` holding the rank: {holder, pid, host}; expires |
 | ``finished`` | set | ranks done (`ctx.finish()`, or exit status 0); never claimed again |
@@ -27,6 +27,10 @@ Every key of a job lives under the prefix ``pstrain:{job}:``:
 | ``bad`` | hash | checkpoint id -> JSON {reason, shard, time}: failed verification; not retried |
 | ``stopped`` | string | JSON {reason, time}: no checkpoint verifies, so the job ends |
 
+A checkpoint entry also holds, for a delta, its ``kind`` ("delta"), ``base`` (the id it
+builds on) and ``chain`` (the ids of every checkpoint it needs, full one first), and, in a
+job with a secret, its ``mac`` (scheduler/recovery.py's `sign_entry`).
+
 Blocking calls with a socket timeout; thread-safe (redis-py pools connections).
 """
 
@@ -38,7 +42,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit, urlunsplit
@@ -693,9 +697,13 @@ class JobStore:
 
     # ---- checkpoints -------------------------------------------------------------------------
 
-    def request_checkpoint(self, checkpoint_id: str, clock: int) -> None:
-        self.redis.set(self.keys.checkpoint_request(),
-                       json.dumps({"id": checkpoint_id, "clock": clock, "time": time.time()}))
+    def request_checkpoint(self, checkpoint_id: str, clock: int, full: bool = False) -> None:
+        """Asks the servers for checkpoint `checkpoint_id` at sync clock `clock` (-1: now);
+        `full`: a full one, not a delta."""
+        request: dict[str, Any] = {"id": checkpoint_id, "clock": clock, "time": time.time()}
+        if full:
+            request["full"] = True
+        self.redis.set(self.keys.checkpoint_request(), json.dumps(request))
 
     def checkpoint_request(self) -> dict[str, Any] | None:
         raw = self.redis.get(self.keys.checkpoint_request())
@@ -718,6 +726,17 @@ class JobStore:
         for shard, entry in entries.items():
             pipe.hsetnx(self.keys.checkpoint(checkpoint_id), str(shard), json.dumps(dict(entry)))
         pipe.zadd(self.keys.checkpoints(), {checkpoint_id: time.time()}, nx=True)
+        pipe.execute()
+
+    def forget_checkpoints(self, checkpoint_ids: Iterable[str]) -> None:
+        """Lists checkpoints no more (retention removed them from disk), bad marks included."""
+        ids = list(checkpoint_ids)
+        if not ids:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zrem(self.keys.checkpoints(), *ids)
+        pipe.delete(*(self.keys.checkpoint(c) for c in ids))
+        pipe.hdel(self.keys.bad(), *ids)
         pipe.execute()
 
     def mark_bad(self, checkpoint_id: str, reason: str, shard: int = -1) -> bool:

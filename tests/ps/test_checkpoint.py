@@ -638,3 +638,333 @@ def test_a_checkpoint_keeps_whether_each_dense_block_was_written(tmp_path: Path)
     assert result.outcomes == [PushOutcome.KEPT, PushOutcome.APPLIED, PushOutcome.KEPT]
     assert [t.tolist() for t in result.pulled if isinstance(t, torch.Tensor)] == [
         [1.0] * 3, [7.0] * 3, [1.0] * 3]
+
+
+# ---- deltas ---------------------------------------------------------------------------------
+
+SPARSE_SPEC: dict[str, object] = {"kind": "sparse", "dim": 2}
+
+
+def _rows(keys: list[int], *, dim: int = 2, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """Rows whose values name their key (key * scale), with a step per row."""
+    k = torch.tensor(keys, dtype=torch.int64)
+    return {"keys": k, "value": (k.to(torch.float32) * scale)[:, None].repeat(1, dim),
+            "step": k * 10}
+
+
+def _by_key(table: TableState) -> dict[int, tuple[list[float], int]]:
+    t = table.tensors
+    return {int(k): (t["value"][i].tolist(), int(t["step"][i]))
+            for i, k in enumerate(t["keys"].tolist())}
+
+
+def _full(checkpoint_id: str, tables: list[TableState], clock: int = 1) -> ShardState:
+    return ShardState(JOB, 0, 1, checkpoint_id, clock, {"at": checkpoint_id}, tables)
+
+
+def _delta(checkpoint_id: str, base: str, tables: list[TableState], clock: int = 2
+           ) -> ShardState:
+    return ShardState(JOB, 0, 1, checkpoint_id, clock, {"at": checkpoint_id}, tables,
+                      kind=ckpt.DELTA, base=base)
+
+
+def test_a_delta_replaces_adds_and_evicts_rows_by_key_and_keeps_what_it_does_not_name() -> None:
+    base = _full("c1", [
+        TableState("emb", SPARSE_SPEC, {**_rows([1, 2, 3, 4]), "sketch": torch.zeros(3)}),
+        TableState("w", {"kind": "dense"}, {"value": torch.zeros(2)}),
+        TableState("still", {"kind": "dense"}, {"value": torch.ones(2)}),
+    ])
+    changed = _rows([2, 9, 4], scale=-1.0)
+    delta = _delta("c2", "c1", [
+        # 2 changed; 9 new; 3 evicted; 4 evicted, then created again; 7 created, then evicted
+        TableState("emb", SPARSE_SPEC, {**changed, "evicted_keys": torch.tensor([3, 4, 7]),
+                                        "sketch": torch.full((3,), 5.0)}, kind=ckpt.ROWS),
+        TableState("w", {"kind": "dense"}, {"value": torch.full((2,), 3.0)}),
+        TableState("new", SPARSE_SPEC, _rows([5])),  # declared since c1: whole
+    ])
+    merged = ckpt.apply_delta(base, delta)
+    assert (merged.kind, merged.base, merged.checkpoint_id, merged.clock, merged.meta) == (
+        ckpt.FULL, "", "c2", 2, {"at": "c2"})
+    tables = {t.name: t for t in merged.tables}
+    assert list(tables) == ["emb", "w", "still", "new"]
+    assert _by_key(tables["emb"]) == {1: ([1.0, 1.0], 10), 2: ([-2.0, -2.0], 20),
+                                      9: ([-9.0, -9.0], 90), 4: ([-4.0, -4.0], 40)}
+    assert tables["emb"].tensors["sketch"].tolist() == [5.0] * 3
+    assert tables["w"].tensors["value"].tolist() == [3.0, 3.0]
+    assert tables["still"].tensors["value"].tolist() == [1.0, 1.0]
+    assert _by_key(tables["new"]) == {5: ([5.0, 5.0], 50)}
+    # The inputs are left as they were.
+    assert _by_key(base.tables[0]) == {k: ([float(k)] * 2, 10 * k) for k in (1, 2, 3, 4)}
+    assert base.tables[0].tensors["sketch"].tolist() == [0.0] * 3
+
+
+def test_a_chain_applied_at_once_equals_one_delta_at_a_time() -> None:
+    base = _full("c1", [TableState("emb", SPARSE_SPEC, _rows([1, 2, 3]))])
+    d2 = _delta("c2", "c1", [TableState("emb", SPARSE_SPEC, {
+        **_rows([2, 4], scale=2.0), "evicted_keys": torch.tensor([1])}, kind=ckpt.ROWS)])
+    d3 = _delta("c3", "c2", [TableState("emb", SPARSE_SPEC, {
+        **_rows([1, 4], scale=3.0), "evicted_keys": torch.tensor([2, 3])}, kind=ckpt.ROWS)],
+        clock=3)
+    at_once = ckpt.apply_deltas(base, [d2, d3])
+    in_turn = ckpt.apply_delta(ckpt.apply_delta(base, d2), d3)
+    expected = {1: ([3.0, 3.0], 10), 4: ([12.0, 12.0], 40)}
+    assert _by_key(at_once.tables[0]) == _by_key(in_turn.tables[0]) == expected
+    assert at_once.checkpoint_id == "c3" and at_once.clock == 3
+
+
+@pytest.mark.parametrize(("deltas", "error", "message"), [
+    (lambda: [_delta("c3", "c2", [])], CheckpointError, "does not build on 'c1'"),
+    (lambda: [_delta("c2", "c1", []), _delta("c4", "c1", [])], CheckpointError,
+     "does not build on 'c2'"),
+    (lambda: [dataclasses.replace(_delta("c2", "c1", []), shard=1, num_shards=2)],
+     CheckpointError, "is shard 1/2"),
+    (lambda: [_delta("c2", "c1", [TableState("other", SPARSE_SPEC, _rows([1]),
+                                             kind=ckpt.ROWS)])],
+     CheckpointCorruptError, "table 'other' has a row delta .* but no whole copy"),
+    (lambda: [_delta("c2", "c1", [TableState("emb", {"kind": "sparse", "dim": 3},
+                                             _rows([1]), kind=ckpt.ROWS)])],
+     CheckpointCorruptError, "with spec .* builds on one with spec"),
+    (lambda: [_delta("c2", "c1", [TableState("emb", SPARSE_SPEC, {"keys": torch.tensor([1])},
+                                             kind=ckpt.ROWS)])],
+     CheckpointCorruptError, "do not fit the table's"),
+])
+def test_a_delta_that_does_not_fit_is_refused(deltas: Any, error: type[Exception],
+                                              message: str) -> None:
+    base = _full("c1", [TableState("emb", SPARSE_SPEC, _rows([1, 2]))])
+    with pytest.raises(error, match=message):
+        ckpt.apply_deltas(base, deltas())
+
+
+def _sparse_push(name: str, seq: int, dim: int, keys: list[int]) -> Any:
+    from ps.shard import SparsePush  # noqa: PLC0415
+    gen = torch.Generator().manual_seed(seq)
+    values = torch.randn(len(keys), dim, generator=gen)
+    return SparsePush(name, PushMeta(0, 1, seq), torch.float32, dim,
+                      torch.tensor(keys, dtype=torch.int64).numpy(),
+                      memoryview(values.numpy()).cast("B"))
+
+
+class _Trained:
+    """A shard of every kind of table, trained a step at a time, its snapshots written by
+    `write_snapshot` as a server writes them."""
+
+    def __init__(self, root: Path, full_every: int) -> None:
+        from ps.tables import OptimizerConfig  # noqa: PLC0415
+        self.root = root
+        self.shard = Shard(ShardConfig(shard=0, num_shards=1, job=JOB, mode=modes.ASYNC,
+                                       checkpoint_full_every=full_every))
+        self.shard.declare([
+            TableSpec("w", "dense", torch.float32, shape=(4, 3),
+                      optimizer=OptimizerConfig("adam", (("lr", 0.01),))),
+            TableSpec("frozen", "dense", torch.float32, shape=(2,)),
+            TableSpec("emb", "sparse", torch.float32, dim=4,
+                      optimizer=OptimizerConfig("adagrad", (("lr", 0.1),))),
+            TableSpec("hot", "sparse", torch.float32, dim=2, admit="count:2", max_rows=25,
+                      optimizer=OptimizerConfig("adam", (("lr", 0.1),))),
+        ])
+        self.seq = 0
+        self.clock = 0  # worker 0's: the shard's clock closes as it ends each iteration
+        self.gen = torch.Generator().manual_seed(5)
+        self.files: dict[str, ShardFile] = {}
+
+    def step(self, dense: bool = True) -> None:
+        """Pulls (creating rows, counting sights, stamping rows) and pushes gradients to
+        random keys; some rows are only pulled, some only pushed."""
+        emb = torch.randperm(200, generator=self.gen)[:12].tolist()
+        hot = torch.randperm(60, generator=self.gen)[:15].tolist()
+        self.seq += 1
+        read_only = [1000 + 2 * self.seq, 1001 + 2 * self.seq]  # rows pulls create
+        self.shard.exchange(Exchange(
+            worker=0, incarnation=1, generation=0, push_clock=self.clock, pushes=[],
+            end_iteration=False, pull_clock=self.clock,
+            pulls=[Pull("hot", torch.tensor(hot).numpy()),
+                   Pull("emb", torch.tensor(emb[:4] + read_only).numpy())]))
+        pushes: list[Any] = [_sparse_push("emb", self.seq * 10 + 1, 4, emb),
+                             _sparse_push("hot", self.seq * 10 + 2, 2, hot[:10])]
+        if dense:
+            pushes.append(DensePush("w", PushMeta(0, 1, self.seq * 10 + 3), torch.float32,
+                                    (4, 3), [(0, torch.randn(12, generator=self.gen))]))
+        self.shard.exchange(Exchange(
+            worker=0, incarnation=1, generation=0, push_clock=self.clock, pushes=pushes,
+            end_iteration=True, pull_clock=self.clock + 1, pulls=[]))
+        self.clock += 1
+
+    def checkpoint(self, checkpoint_id: str, full: bool = False) -> ShardState:
+        from ps.coordination import write_snapshot  # noqa: PLC0415
+        if full:
+            self.shard.snapshots.ask_full(checkpoint_id)
+        state = self.shard.snapshot(checkpoint_id)
+        self.files[checkpoint_id] = write_snapshot(self.shard, str(self.root), state, "r1")
+        return state
+
+
+def _tensors_by_key(state: ShardState) -> dict[str, dict[str, bytes]]:
+    """Every tensor of every table as bytes, sparse rows ordered by key."""
+    out: dict[str, dict[str, bytes]] = {}
+    for table in state.tables:
+        tensors = dict(table.tensors)
+        if "keys" in tensors:
+            order = torch.argsort(tensors["keys"])
+            tensors = {k: v if k in ckpt.WHOLE_TABLE_TENSORS else v[order]
+                       for k, v in tensors.items()}
+        out[table.name] = {k: repr((v.dtype, tuple(v.shape))).encode()
+                           + bytes(v.contiguous().reshape(-1).view(torch.uint8).numpy())
+                           for k, v in tensors.items()}
+    return out
+
+
+def test_a_full_and_three_deltas_restore_the_bytes_of_one_full_checkpoint(
+        tmp_path: Path) -> None:
+    trained = _Trained(tmp_path, full_every=10)
+    kinds = []
+    for i in range(4):
+        for _ in range(3):
+            trained.step(dense=i != 2)  # no dense change before c2: it leaves "w" out
+        kinds.append(trained.checkpoint(f"c{i}"))
+    assert [(s.kind, s.base) for s in kinds] == [
+        ("full", ""), ("delta", "c0"), ("delta", "c1"), ("delta", "c2")]
+    assert {t.name: t.kind for t in kinds[2].tables} == {"emb": "rows", "hot": "rows"}
+    hot = next(t for t in kinds[3].tables if t.name == "hot")
+    assert len(hot.tensors["evicted_keys"]) > 0  # eviction is exercised
+    reference = trained.checkpoint("ref", full=True)  # the same cut, whole
+    assert reference.kind == "full"
+    resolved = load_checkpoint(tmp_path, JOB, "c3", 0, 1, trained.files["c3"].sha256)
+    assert (resolved.kind, resolved.checkpoint_id, resolved.clock, resolved.meta) == (
+        "full", "c3", reference.clock, reference.meta)
+    assert _tensors_by_key(resolved) == _tensors_by_key(reference)
+    # A delta holds the rows that changed, and a fresh shard restored from the chain holds
+    # the state of the cut.
+    emb = {s.checkpoint_id: len(next(t for t in s.tables if t.name == "emb").tensors["keys"])
+           for s in (kinds[3], reference)}
+    assert 0 < emb["c3"] < emb["ref"] / 2, emb
+    back = Shard(ShardConfig(shard=0, num_shards=1, job=JOB, mode=modes.ASYNC))
+    back.restore(resolved)
+    assert _tensors_by_key(back.snapshot("again")) == _tensors_by_key(reference)
+
+
+def test_a_corrupt_delta_or_base_is_refused_naming_the_file_and_passed_over(
+        tmp_path: Path) -> None:
+    trained = _Trained(tmp_path, full_every=10)
+    for i in range(5):
+        trained.step()
+        trained.checkpoint(f"c{i}")
+    files = trained.files
+
+    def flip_end(path: Path) -> None:  # in place: every link to the file sees it
+        data = bytearray(path.read_bytes())
+        data[-4:] = bytes(b ^ 0xFF for b in data[-4:])
+        with open(path, "r+b") as f:
+            f.write(bytes(data))
+
+    own = Path(files["c4"].path)
+    flip_end(own)
+    with pytest.raises(CheckpointCorruptError, match=f"{own} fails its checksum"):
+        load_checkpoint(tmp_path, JOB, "c4", 0, 1, files["c4"].sha256)
+    assert "fails its checksum" in str(bad_reason(tmp_path, JOB, "c4"))
+    assert bad_reason(tmp_path, JOB, "c3") is None  # the deltas before it are fine
+    # The base file c1 is the same file as its link in c2 (and c3, c4): damage there is
+    # caught through the chain, marks c2 (read) and c1, and c3, built on them, is passed
+    # over from then on without a mark of its own.
+    base = Path(files["c1"].path)
+    link = tmp_path / JOB / "c2" / "shard-0-of-1.base-c1.safetensors"
+    assert os.path.samefile(base, link)
+    flip_end(base)
+    assert latest_complete(tmp_path, JOB).checkpoint_id == "c3"  # type: ignore[union-attr]
+    verified = latest_complete(tmp_path, JOB, verify_checksums=True)  # hashes the chains too
+    assert verified is not None and verified.checkpoint_id == "c0"
+    with pytest.raises(CheckpointCorruptError, match=f"builds on 'c1'.*{link} fails its"):
+        load_checkpoint(tmp_path, JOB, "c2", 0, 1, files["c2"].sha256)
+    assert "builds on 'c1'" in str(bad_reason(tmp_path, JOB, "c2"))
+    assert str(link) in str(bad_reason(tmp_path, JOB, "c1"))
+    assert bad_reason(tmp_path, JOB, "c3") is None
+    assert [m.checkpoint_id for m in list_checkpoints(tmp_path, JOB)] == ["c0"]
+    latest = latest_complete(tmp_path, JOB)
+    assert latest is not None and latest.checkpoint_id == "c0"
+
+
+def test_a_missing_link_is_refused_naming_it(tmp_path: Path) -> None:
+    trained = _Trained(tmp_path, full_every=10)
+    for i in range(3):
+        trained.step()
+        trained.checkpoint(f"c{i}")
+    link = tmp_path / JOB / "c2" / "shard-0-of-1.base-c0.safetensors"
+    link.unlink()
+    with pytest.raises(CheckpointError, match=f"builds on 'c0'.*cannot open .*{link}"):
+        read_checkpoint(tmp_path, JOB, "c2", 0, 1, trained.files["c2"].sha256)
+    assert [m.checkpoint_id for m in list_checkpoints(tmp_path, JOB)] == ["c0", "c1"]
+
+
+def test_a_delta_outlives_its_base_rewritten_or_removed(tmp_path: Path) -> None:
+    trained = _Trained(tmp_path, full_every=10)
+    for i in range(3):
+        trained.step()
+        trained.checkpoint(f"c{i}")
+    expected = _tensors_by_key(read_checkpoint(tmp_path, JOB, "c2", 0, 1,
+                                               trained.files["c2"].sha256))
+    # Another run writes c0 and c1 again, then they go altogether: c2's links keep its chain.
+    again = _Trained(tmp_path, full_every=10)
+    again.step()
+    again.checkpoint("c0")
+    again.checkpoint("c1")
+    assert _tensors_by_key(read_checkpoint(tmp_path, JOB, "c2", 0, 1,
+                                           trained.files["c2"].sha256)) == expected
+    for checkpoint_id in ("c0", "c1"):
+        for path in (tmp_path / JOB / checkpoint_id).iterdir():
+            path.unlink()
+        (tmp_path / JOB / checkpoint_id).rmdir()
+    assert _tensors_by_key(read_checkpoint(tmp_path, JOB, "c2", 0, 1,
+                                           trained.files["c2"].sha256)) == expected
+
+
+def _manifest(checkpoint_id: str, at: int, clock: int, kind: str = "full",
+              complete: bool = True, run: str = "r1") -> ckpt.Manifest:
+    shard = ShardFile(f"/x/{checkpoint_id}", "0" * 64, 1, kind=kind,
+                      base="b" if kind == "delta" else "")
+    return ckpt.Manifest(JOB, checkpoint_id, clock, 1, {0: shard}, complete, Path("/x"),
+                         at * 10**9, run)
+
+
+HOUR = 3600
+
+
+@pytest.mark.parametrize(("checkpoints", "keep", "pruned"), [
+    # keep the 2 newest full ones (f3, f5) and everything after the older of them
+    ([_manifest("f1", 1, 10), _manifest("d2", 2, 20, "delta"), _manifest("f3", 3, 30),
+      _manifest("d4", 4, 40, "delta"), _manifest("f5", 5, 50), _manifest("d6", 6, 60, "delta")],
+     2, ["f1", "d2"]),
+    ([_manifest("f1", 1, 10), _manifest("f3", 3, 30)], 0, []),  # 0 keeps all
+    ([_manifest("f1", 1, 10), _manifest("d2", 2, 20, "delta")], 2, []),  # fewer than keep
+    # another run's checkpoints are left alone
+    ([_manifest("f1", 1, 10, run="r0"), _manifest("f3", 3, 30), _manifest("f5", 5, 50)], 1,
+     ["f3"]),
+    # an incomplete one is a writer's at work, unless untouched for an hour
+    ([_manifest("i1", 1, 10, complete=False), _manifest("f3", 3, 30),
+      _manifest("i4", 3 * HOUR, 20, complete=False), _manifest("f5", 3 * HOUR + 1, 50)],
+     1, ["i1", "f3"]),
+    # written before the cut but of a higher clock (another timeline, or a shard behind)
+    ([_manifest("d9", 1, 90, "delta"), _manifest("f3", 3, 30)], 1, []),
+    # a full checkpoint with a shard that is a delta is no full checkpoint
+    ([_manifest("f1", 1, 10), _manifest("d2", 2, 20, "delta")], 1, []),
+])
+def test_prunable(checkpoints: list[ckpt.Manifest], keep: int, pruned: list[str]) -> None:
+    now = checkpoints[-1].written_at_ns + 10**9
+    assert ckpt.prunable(checkpoints, keep, "r1", now) == pruned
+
+
+def test_pruning_keeps_every_checkpoint_after_the_kept_full_ones_restorable(
+        tmp_path: Path) -> None:
+    trained = _Trained(tmp_path, full_every=3)
+    for i in range(8):  # c0 F, c1 D, c2 D, c3 F, c4 D, c5 D, c6 F, c7 D
+        trained.step()
+        trained.checkpoint(f"c{i}")
+    assert ckpt.prune(tmp_path, JOB, 2, "r1") == ["c0", "c1", "c2"]
+    assert ckpt.prune(tmp_path, JOB, 2, "r1") == []  # again, or at once elsewhere: nothing
+    left = list_checkpoints(tmp_path, JOB)
+    assert [(m.checkpoint_id, m.kind) for m in left] == [
+        ("c3", "full"), ("c4", "delta"), ("c5", "delta"), ("c6", "full"), ("c7", "delta")]
+    assert sorted(p.name for p in (tmp_path / JOB).iterdir()) == [
+        "c3", "c4", "c5", "c6", "c7"]
+    for manifest in left:
+        state = read_checkpoint(tmp_path, JOB, manifest.checkpoint_id, 0, 1,
+                                manifest.shards[0].sha256)
+        assert state.kind == "full"

@@ -1,5 +1,6 @@
 """A server's checkpoint entries in Redis, signed with the job's secret: written by a real
-server, altered in a real Redis, and skipped by `find_checkpoint` and a restarting server."""
+server, altered in a real Redis, and skipped by `find_checkpoint` and a restarting server;
+and how a server writes its snapshots, full or delta (`write_snapshot`)."""
 
 from __future__ import annotations
 
@@ -19,15 +20,20 @@ from protos.partition import dense_placement, shard_of_keys
 from ps import coordination
 from ps.checkpoint import (
     CheckpointError,
+    CheckpointLinkError,
     CheckpointUnsignedError,
     ShardState,
     TableState,
     list_checkpoints,
+    mark_bad,
+    read_checkpoint,
+    read_manifest,
     read_shard,
     write_manifest,
     write_shard,
 )
-from ps.coordination import find_checkpoint, resharded_id, write_resharded
+from ps.coordination import find_checkpoint, resharded_id, write_resharded, write_snapshot
+from ps.shard import Exchange, Pull, Shard, ShardConfig
 from ps.tables import DenseTable, OptimizerConfig, SparseTable, TableSpec
 from scheduler.recovery import entry_signed
 from scheduler.spec import JobSpec
@@ -291,3 +297,73 @@ def test_a_directory_with_only_this_server_s_entries_says_what_is_missing(
     with pytest.raises(CheckpointError, match=r"lacks shard-1\.json\. Resharding needs one "
                                               r"checkpoint directory shared by all servers"):
         find_checkpoint(None, spec, 0, 3, JOB, str(tmp_path), from_disk=True)
+
+
+# ---- writing snapshots: full or delta ----------------------------------------------------------
+
+
+def _delta_shard(full_every: int = 10) -> Shard:
+    shard = Shard(ShardConfig(shard=0, num_shards=1, job=JOB,
+                              checkpoint_full_every=full_every))
+    shard.declare([TableSpec("emb", "sparse", torch.float32, dim=2)])
+    return shard
+
+
+def _touch(shard: Shard, *keys: int) -> None:
+    shard.exchange(Exchange(worker=0, incarnation=1, generation=0, push_clock=0, pushes=[],
+                            end_iteration=False, pull_clock=0,
+                            pulls=[Pull("emb", np.array(keys, dtype=np.int64))]))
+
+
+def test_a_failed_write_makes_the_next_snapshot_full(tmp_path: Path) -> None:
+    shard = _delta_shard()
+    write_snapshot(shard, str(tmp_path), shard.snapshot("c1"))
+    _touch(shard, 1)
+    (tmp_path / JOB / "c2").write_text("a file where the checkpoint's directory goes")
+    failing = shard.snapshot("c2")
+    assert failing.kind == "delta"
+    with pytest.raises(CheckpointError, match="c2"):
+        write_snapshot(shard, str(tmp_path), failing)
+    _touch(shard, 2)
+    after = shard.snapshot("c3")
+    assert (after.kind, after.base) == ("full", "")  # the rows of c2 are in it
+    write_snapshot(shard, str(tmp_path), after)
+    keys = read_checkpoint(tmp_path, JOB, "c3", 0, 1,
+                           read_manifest(tmp_path / JOB / "c3").shards[0].sha256
+                           ).tables[0].tensors["keys"]
+    assert sorted(keys.tolist()) == [1, 2]
+
+
+def test_without_hard_links_every_later_snapshot_is_full(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shard = _delta_shard()
+    write_snapshot(shard, str(tmp_path), shard.snapshot("c1"))
+
+    def no_links(src: object, dst: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    with pytest.raises(CheckpointLinkError, match="--checkpoint-full-every 1"):
+        write_snapshot(shard, str(tmp_path), shard.snapshot("c2"))
+    for checkpoint_id in ("c3", "c4"):
+        state = shard.snapshot(checkpoint_id)
+        assert state.kind == "full"
+        write_snapshot(shard, str(tmp_path), state)
+
+
+def test_a_server_passes_over_deltas_built_on_a_checkpoint_marked_bad(tmp_path: Path) -> None:
+    shard = _delta_shard()
+    for i in range(4):  # c0 full, c1..c3 deltas
+        _touch(shard, i)
+        write_snapshot(shard, str(tmp_path), shard.snapshot(f"c{i}"), run="r")
+    spec = JobSpec(job=JOB, checkpoint_dir=str(tmp_path), run_id="r")
+    found = find_checkpoint(None, spec, 0, 1, JOB, str(tmp_path), from_disk=False)
+    assert found is not None
+    state, entries = found
+    assert state.checkpoint_id == "c3" and state.kind == "full"
+    assert sorted(state.tables[0].tensors["keys"].tolist()) == [0, 1, 2, 3]
+    assert (entries[0]["kind"], entries[0]["base"], entries[0]["chain"]) == (
+        "delta", "c2", ["c0", "c1", "c2"])
+    mark_bad(tmp_path, JOB, "c1", "shard 0: damaged")
+    found = find_checkpoint(None, spec, 0, 1, JOB, str(tmp_path), from_disk=False)
+    assert found is not None and found[0].checkpoint_id == "c0"

@@ -23,6 +23,7 @@ from protos.exported import (
 )
 from protos.partition import dense_placement, shard_of_keys
 from ps.checkpoint import CheckpointCorruptError, ShardFile, write_manifest, write_shard
+from ps.coordination import write_snapshot
 from ps.export import ExportError, export, find, main
 from ps.shard import DensePush, Exchange, Pull, PushMeta, Shard, ShardConfig, SparsePush
 from ps.tables import SparseRows, TableSpec
@@ -44,8 +45,9 @@ SPECS = [
 class Cluster:
     """SHARDS real shards holding SPECS, with known dense values and pulled sparse rows."""
 
-    def __init__(self) -> None:
-        self.shards = [Shard(ShardConfig(shard=k, num_shards=SHARDS, job=JOB))
+    def __init__(self, full_every: int = 1) -> None:
+        self.shards = [Shard(ShardConfig(shard=k, num_shards=SHARDS, job=JOB,
+                                         checkpoint_full_every=full_every))
                        for k in range(SHARDS)]
         for shard in self.shards:
             shard.declare(SPECS)
@@ -96,6 +98,13 @@ class Cluster:
                 push = SparsePush(name, PushMeta(0, 1, self.seq), torch.float32, 4, mine,
                                   memoryview(grads.numpy()).cast("B"))
                 self.exchange(k, [push], [])
+
+    def write(self, root: Path, checkpoint_id: str, full: bool = False) -> None:
+        """A checkpoint as servers write it: full or a delta, as each shard plans."""
+        for shard in self.shards:
+            if full:
+                shard.snapshots.ask_full(checkpoint_id)
+            write_snapshot(shard, str(root), shard.snapshot(checkpoint_id))
 
     def checkpoint(self, root: Path, checkpoint_id: str) -> list[ShardFile]:
         files = [write_shard(root, s.snapshot(checkpoint_id)) for s in self.shards]
@@ -223,6 +232,25 @@ def test_a_delta_of_more_training_applied_to_the_first_export_gives_the_second(
     save(tmp_path / "b2", apply_delta(tmp_path / "a", tmp_path / "d"))
     for name in sorted(p.name for p in (tmp_path / "b").iterdir()):
         assert sha256_file(tmp_path / "b2" / name) == sha256_file(tmp_path / "b" / name), name
+
+
+def test_a_delta_checkpoint_exports_as_a_full_one_of_the_same_cut(tmp_path: Path) -> None:
+    cluster = Cluster(full_every=10)
+    cluster.write(tmp_path, "c1")
+    cluster.touch("emb", [100, 101])
+    cluster.train("emb", [17, 2])
+    cluster.assign("bias", torch.tensor([0.0, 4.0, 0.0]))
+    cluster.write(tmp_path, "c2")
+    assert find(tmp_path, JOB, "c2").kind == "delta"
+    cluster.write(tmp_path, "ref", full=True)
+    assert find(tmp_path, JOB, "ref").kind == "full"
+    export(tmp_path, JOB, tmp_path / "d", checkpoint_id="c2")
+    export(tmp_path, JOB, tmp_path / "f", checkpoint_id="ref")
+    tables = sorted(p.name for p in (tmp_path / "f").iterdir() if p.name != "manifest.json")
+    assert len(tables) == len(SPECS)
+    for name in tables:
+        assert sha256_file(tmp_path / "d" / name) == sha256_file(tmp_path / "f" / name), name
+    assert read_export(tmp_path / "d").tables["bias"].value.tolist() == [0.0, 4.0, 0.0]
 
 
 def test_the_command_line_exports_and_refuses_with_a_message(

@@ -921,3 +921,98 @@ def test_racing_pulls_and_pushes_on_an_evicting_table_see_only_their_own_rows(
 def test_grown_capacity(rows: int, capacity: int, spare: int | None, max_rows: int,
                         grown: int) -> None:
     assert grown_capacity(rows, capacity, spare, max_rows) == grown
+
+
+# ---- change tracking (delta snapshots) ---------------------------------------------------------
+
+
+def changed_keys(table: SparseTable) -> list[int]:
+    changes = table.snapshot_changes()
+    assert changes is not None
+    return sorted(changes["keys"].tolist()) if changes else []
+
+
+def test_a_new_or_restored_table_is_snapshot_whole_then_only_its_changes() -> None:
+    table = SparseTable(sparse_spec(optimizer=ADAM), 0, 1)
+    table.pull(keys(1, 2, 3))
+    assert table.snapshot_changes() is None  # new since the last snapshot: whole
+    snap = table.snapshot()
+    assert table.snapshot_changes() == {}  # nothing changed since
+    table.pull(keys(1, 2, 4))  # 4 is created; 1 and 2 are only read
+    table.apply(keys(2, 5), torch.ones(2, 4), assign=False)  # 5 created by the push
+    changes = table.snapshot_changes()
+    assert changes is not None and sorted(changes["keys"].tolist()) == [2, 4, 5]
+    rows = {int(k): i for i, k in enumerate(changes["keys"].tolist())}
+    assert torch.equal(changes["value"][rows[2]], pulled(table, 2)[0])
+    assert int(changes["step"][rows[2]]) == 1 and int(changes["step"][rows[4]]) == 0
+    assert set(changes) == {"keys", "value", "state.exp_avg", "state.exp_avg_sq", "step"}
+    assert table.snapshot_changes() == {}  # taken: unchanged again
+    back = SparseTable(sparse_spec(optimizer=ADAM), 0, 1)
+    back.snapshot()
+    back.restore(snap)
+    assert back.snapshot_changes() is None
+
+
+def test_changes_survive_storage_growth() -> None:
+    table = SparseTable(sparse_spec(), 0, 1)
+    table.pull(keys(1, 2))
+    table.snapshot()
+    table.apply(keys(1), torch.ones(1, 4), assign=False)
+    capacity = table.capacity
+    table.pull(np.arange(10, 10 + 3 * capacity, dtype=np.int64))  # storage moves
+    assert table.capacity > capacity
+    assert changed_keys(table) == [1, *range(10, 10 + 3 * capacity)]
+
+
+def test_under_eviction_a_delta_lists_the_keys_evicted_and_the_stamps_and_bits() -> None:
+    now = FakeTime()
+    table = SparseTable(sparse_spec(max_rows=2), 0, 1, clock=now)
+    pulled(table, 1, 2)
+    table.snapshot()
+    now.now += 1
+    table.observe_clock(3)
+    pulled(table, 2)  # touched: its stamp changed
+    now.now += 1
+    pulled(table, 3)  # 1 is evicted for 3
+    changes = table.snapshot_changes()
+    assert changes is not None
+    assert sorted(changes["keys"].tolist()) == [2, 3]
+    assert changes["evicted_keys"].tolist() == [1]
+    assert changes["touched"].tolist() == [3, 3]
+    assert "evicted_bits" in changes
+    assert table.snapshot_changes() == {}
+
+
+def test_more_evictions_than_the_table_holds_make_the_next_snapshot_whole() -> None:
+    now = FakeTime()
+    table = SparseTable(sparse_spec(max_rows=4), 0, 1, clock=now)
+    table.snapshot()
+    for start in range(0, 4 * table.capacity, 500):
+        pulled(table, *range(start, start + 500))
+        now.now += 1
+    assert table.snapshot_changes() is None
+    table.snapshot()
+    assert table.snapshot_changes() == {}
+
+
+def test_a_dense_block_is_whole_in_a_delta_when_it_changed() -> None:
+    table = DenseTable(dense_spec(), RowRange(0, 0, 6))
+    assert table.snapshot_changes() is None  # new
+    table.snapshot()
+    assert table.snapshot_changes() == {}
+    table.apply([(0, torch.full((18,), 0.25))], assign=False)
+    assert table.snapshot_changes() is None
+    table.snapshot()
+    kept = table.apply([(0, torch.ones(18))], assign=True, if_absent=True)
+    assert not kept and table.snapshot_changes() == {}  # an assign if absent that kept it
+
+
+def test_a_delta_holds_the_admission_sketch_when_pulls_counted_sights() -> None:
+    table = SparseTable(sparse_spec(admit="count:3"), 0, 1)
+    table.snapshot()
+    table.apply(keys(1), torch.ones(1, 4), assign=False)  # a push counts no sight
+    assert table.snapshot_changes() == {}
+    pulled(table, 1, 2)
+    changes = table.snapshot_changes()
+    assert changes is not None and list(changes["keys"]) == []
+    assert int(changes["sketch"].max()) == 1

@@ -9,7 +9,8 @@ import pytest
 from procs import REPO, Procs, wait_ready
 
 from protos import modes
-from ps.__main__ import parser
+from ps.__main__ import build, parser
+from ps.errors import InvalidArgumentError
 from scheduler import cli
 
 
@@ -111,3 +112,38 @@ def test_up_takes_the_mode_grammar_into_the_job_spec(
 ) -> None:
     spec = cli._spec("j", cli._parser().parse_args(["up", *flags, "script.py"]))
     assert (spec.mode, spec.staleness) == (mode, staleness)
+
+
+@pytest.mark.parametrize(("command", "message"), [
+    (["up", "--checkpoint-full-every", "0", "script.py"],
+     "argument --checkpoint-full-every: must be >= 1 (1: every checkpoint full), got 0"),
+    (["up", "--checkpoint-keep", "-1", "script.py"],
+     "argument --checkpoint-keep: must be >= 0 (0: keep every checkpoint), got -1"),
+    (["scheduler", "--job", "j", "--checkpoint-full-every", "x"],
+     "argument --checkpoint-full-every: 'x' is not an integer"),
+])
+def test_bad_checkpoint_retention_flags_are_refused_naming_flag_and_value(
+        command: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli._parser().parse_args(command)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_checkpoint_retention_flags_go_into_the_job_spec() -> None:
+    spec = cli._spec("j", cli._parser().parse_args(["up", "script.py"]))
+    assert (spec.checkpoint_full_every, spec.checkpoint_keep) == (10, 3)
+    spec = cli._spec("j", cli._parser().parse_args([
+        "up", "--checkpoint-full-every", "1", "--checkpoint-keep", "0", "script.py"]))
+    assert (spec.checkpoint_full_every, spec.checkpoint_keep) == (1, 0)
+    assert cli._parser().parse_args(["checkpoint", "--job", "j", "--full"]).full
+
+
+def test_a_server_refuses_retention_flags_it_cannot_use(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--checkpoint-full-every", "0"])
+    assert "argument --checkpoint-full-every: must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(InvalidArgumentError, match="--checkpoint-keep 2: a standalone server "
+                                                   "writes no checkpoints"):
+        build(["--bind", "127.0.0.1:0", "--checkpoint-keep", "2"])

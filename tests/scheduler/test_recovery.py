@@ -14,6 +14,8 @@ from protos.security import Security
 from scheduler.recovery import (
     RedisWatch,
     RollbackChoice,
+    built_on_bad,
+    chain_of,
     choose_rollback,
     entry_mac,
     entry_signed,
@@ -133,6 +135,47 @@ def test_choose_rollback_stops_when_no_checkpoint_verifies(
     assert choice.reason.startswith("recovery has no way back: none of the job's")
     for checkpoint_id, reason in bad.items():
         assert f"{checkpoint_id}: {reason}" in choice.reason
+
+
+@pytest.mark.parametrize(("complete", "bad", "chains", "expected"), [
+    # clock-60 builds on clock-40, which failed: both are passed over
+    ([C60, C40, C20], {"clock-40": "sha"}, {"clock-60": ["clock-20", "clock-40"]},
+     RollbackChoice(checkpoint="clock-20")),
+    # ... though built on a full checkpoint that did not fail, it is fine
+    ([C60, C40, C20], {"clock-40": "sha"}, {"clock-60": ["clock-20"]},
+     RollbackChoice(checkpoint="clock-60")),
+    # and a chain naming a checkpoint no longer listed is no reason to pass one over
+    ([C60], {}, {"clock-60": ["clock-0"]}, RollbackChoice(checkpoint="clock-60")),
+])
+def test_choose_rollback_passes_over_the_deltas_built_on_a_bad_checkpoint(
+    complete: list[tuple[str, int]], bad: dict[str, str], chains: dict[str, list[str]],
+    expected: RollbackChoice,
+) -> None:
+    assert choose_rollback("", complete, bad, chains) == expected
+
+
+def test_a_delta_built_on_a_checkpoint_with_an_unsigned_entry_is_used() -> None:
+    # Someone changed the older checkpoint's entry in Redis: it is passed over, but the
+    # delta's own signed entry and file vouch for the chain it needs.
+    choice = choose_rollback("", [C60, C40], {"clock-40": "an entry is not signed"},
+                             {"clock-60": ["clock-40"]}, unsigned={"clock-40"})
+    assert choice == RollbackChoice(checkpoint="clock-60")
+
+
+def test_when_only_deltas_of_a_bad_checkpoint_are_left_the_job_stops_naming_why() -> None:
+    choice = choose_rollback("", [C60, C40], {"clock-40": "shard 0: sha256 mismatch"},
+                             {"clock-60": ["clock-40"]})
+    assert choice.stop
+    assert ("clock-60: builds on checkpoint clock-40, which failed: shard 0: sha256 mismatch"
+            in choice.reason)
+
+
+def test_chain_of_and_built_on_bad() -> None:
+    entries = {0: {"chain": ["c1", "c2"]}, 1: {"chain": ["c2"]}, 2: {"sha256": "x"}}
+    assert chain_of(entries) == {"c1", "c2"}
+    assert chain_of({0: {"chain": "c1"}, 1: {}}) == set()  # malformed: no chain
+    assert built_on_bad({"c1": "why"}, {"c3": {"c1", "c2"}, "c4": {"c2"}, "c1": set()}) == {
+        "c3": "builds on checkpoint c1, which failed: why"}
 
 
 # ---- checkpoint entries signed with the job's secret -----------------------------------------

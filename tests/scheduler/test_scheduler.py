@@ -17,6 +17,7 @@ import torch
 from beats import server_pid, worker_clock
 from procs import REPO, Proc, Procs, wait_until
 
+from ps.checkpoint import latest_complete, list_checkpoints
 from scheduler.launcher import status_of
 from scheduler.store import JobStore
 from worker.client import PSClient
@@ -224,13 +225,13 @@ OUTAGE_STEPS = 600
 
 
 def up_sync_job(procs: Procs, redis: str, job: str, steps: int = OUTAGE_STEPS,
-                restart: bool = False) -> Proc:
+                restart: bool = False, flags: tuple[str, ...] = ()) -> Proc:
     return procs.pstrain([
         "up", "--redis", redis, "--job", job, "--servers", "2", "--workers", "2", "--mode",
         "sync", *(["--restart"] if restart else []), "--checkpoint-dir",
         str(procs.workdir / "ckpt"), "--checkpoint-every-clocks", "20", "--log-dir",
-        str(procs.workdir / "logs"), "--no-view", JOB_WORKER, "--", "--steps", str(steps),
-        "--sleep-ms", "20", "--out", str(procs.workdir / "out")], "up")
+        str(procs.workdir / "logs"), "--no-view", *flags, JOB_WORKER, "--", "--steps",
+        str(steps), "--sleep-ms", "20", "--out", str(procs.workdir / "out")], "up")
 
 
 def worker_restarts(up: Proc) -> int:
@@ -357,12 +358,16 @@ def test_redis_wiped_around_a_server_restart_neither_wedges_nor_repeats_a_genera
 @pytest.mark.timeout(180)
 def test_server_killed_during_a_redis_outage_rolls_back_to_the_newest_checkpoint(
         procs: Procs) -> None:
+    # Periodic checkpoints of clocks 20, 40, 60, 80...: full, delta, delta, full... (a full
+    # one every 3), and only the newest full one and those after it kept.
     steps = 250  # the job stalls from the kill (sync) until the rollback: enough left
     redis_proc = procs.redis()
     redis = redis_proc.address
     port = int(redis.rsplit(":", 1)[1].split("/")[0])
     store = JobStore.connect(redis, "died")
-    up = up_sync_job(procs, redis, "died", steps=steps, restart=True)
+    directory = procs.workdir / "ckpt"
+    up = up_sync_job(procs, redis, "died", steps=steps, restart=True,
+                     flags=("--checkpoint-full-every", "3", "--checkpoint-keep", "1"))
     wait_until(lambda: worker_clock(store, 0) >= 45 and store.latest_checkpoint(2), 90,
                "training to pass a checkpoint")
     victim = server_pid(store, 0)
@@ -370,17 +375,36 @@ def test_server_killed_during_a_redis_outage_rolls_back_to_the_newest_checkpoint
     procs.kill(redis_proc, signal.SIGKILL)
     os.kill(victim, signal.SIGKILL)  # restarted by pstrain up, it cannot register yet
     time.sleep(6)
+    # No clock closes without server 0: the newest checkpoint on disk stays the newest.
+    newest = latest_complete(directory, "died")
+    assert newest is not None and newest.kind == "delta", newest
     procs.redis(port=port)  # back, and empty: no checkpoint listed
     fresh = JobStore.connect(redis, "died")
     rollback = wait_until(
         lambda: next((e for e in fresh.events() if e.type == "rollback"), None), 90,
         "the rollback")
-    # The newest checkpoint on disk (re-listed by the servers), not the empty model.
+    # The newest checkpoint on disk (re-listed by the servers), not the empty model: a
+    # delta, restored through its chain, as the uninterrupted result below shows.
+    assert rollback.detail["checkpoint"] == newest.checkpoint_id, rollback  # type: ignore[attr-defined]
     assert int(rollback.detail["clock"]) >= 40, rollback  # type: ignore[attr-defined]
     assert rollback.detail["generation"] == 1  # type: ignore[attr-defined]
+    # A full checkpoint asked for by hand is full, whatever the count says.
+    asked = subprocess.run([sys.executable, "-m", "scheduler.cli", "checkpoint", "--redis",
+                            redis, "--job", "died", "--full", "--wait-s", "60"],
+                           capture_output=True, text=True, cwd=REPO, timeout=90, check=False)
+    assert asked.returncode == 0, asked
+    assert {e.get("kind", "full") for e in json.loads(asked.stdout)["shards"].values()} == {
+        "full"}, asked.stdout
     assert worker_clock(fresh, 0) < steps, "the job ended too soon: raise steps"
     assert_uninterrupted_result(procs, up, steps)
     assert worker_restarts(up) == 2, up.log()
+    # Retention: the newest full checkpoint and the deltas after it are all that is left.
+    left = list_checkpoints(directory, "died")
+    full = [m for m in left if m.kind == "full"]
+    assert len(full) == 1 and full[0].clock >= 200, [(m.checkpoint_id, m.kind) for m in left]
+    assert all(m.clock >= full[0].clock for m in left), left
+    assert sorted(p.name for p in (directory / "died").iterdir()) == sorted(
+        m.checkpoint_id for m in left)
 
 
 # Enough steps for a job that stalls (a sync server stopped) from before its rollback: it

@@ -43,3 +43,18 @@ def test_bad_modes_are_refused(mode: str, message: str) -> None:
 def test_a_stored_spec_with_a_bad_mode_is_refused() -> None:
     with pytest.raises(SpecError, match="unknown consistency mode 'bsp'"):
         JobSpec.from_json('{"job": "j", "mode": "bsp"}')
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"checkpoint_full_every": 0}, "checkpoint_full_every must be >= 1 (1: all full), got 0"),
+    ({"checkpoint_keep": -2}, "checkpoint_keep must be >= 0 (0: keep all), got -2"),
+])
+def test_bad_checkpoint_retention_is_refused(fields: dict[str, int], message: str) -> None:
+    with pytest.raises(SpecError) as err:
+        JobSpec("j", **fields)  # type: ignore[arg-type]
+    assert message in str(err.value)
+
+
+def test_a_spec_stored_before_deltas_reads_with_the_defaults() -> None:
+    spec = JobSpec.from_json('{"job": "j", "mode": "sync"}')
+    assert (spec.checkpoint_full_every, spec.checkpoint_keep) == (10, 3)

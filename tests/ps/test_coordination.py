@@ -359,7 +359,7 @@ def test_a_server_passes_over_deltas_built_on_a_checkpoint_marked_bad(tmp_path: 
     spec = JobSpec(job=JOB, checkpoint_dir=str(tmp_path), run_id="r")
     found = find_checkpoint(None, spec, 0, 1, JOB, str(tmp_path), from_disk=False)
     assert found is not None
-    state, entries = found
+    state, entries, _ = found
     assert state.checkpoint_id == "c3" and state.kind == "full"
     assert sorted(state.tables[0].tensors["keys"].tolist()) == [0, 1, 2, 3]
     assert (entries[0]["kind"], entries[0]["base"], entries[0]["chain"]) == (

@@ -22,7 +22,7 @@ from procs import REPO, Proc, Procs, wait_until
 from protos import rpc
 from protos.partition import shard_of_keys
 from protos.rpc import Stubs
-from ps.checkpoint import ShardState, latest_complete, read_manifest, read_shard
+from ps.checkpoint import ShardState, latest_complete, read_manifest, read_resolved
 from ps.coordination import find_checkpoint
 from scheduler.errors import CoordinationError
 from scheduler.spec import JobSpec
@@ -338,10 +338,10 @@ def test_an_async_checkpoint_is_one_cut_and_the_resumed_job_trains_each_sample_o
 
 
 def _shards(ckpt: Path, job: str, checkpoint_id: str) -> list[ShardState]:
-    """Every shard of a complete checkpoint, read and verified."""
+    """Every shard of a complete checkpoint, read and verified (a delta through its chain)."""
     manifest = read_manifest(ckpt / job / checkpoint_id)
     assert manifest.complete, manifest
-    return [read_shard(f.path, f.sha256) for _, f in sorted(manifest.shards.items())]
+    return [read_resolved(f.path, f.sha256) for _, f in sorted(manifest.shards.items())]
 
 
 def _tensors(state: ShardState, table: str) -> dict[str, torch.Tensor]:

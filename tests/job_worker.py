@@ -45,10 +45,21 @@ def local_sync_run(workers: int, steps: int, dim: int = 16, lr: float = 0.5,
     """What a sync job computes: SGD on the mean of the workers' gradients per clock (of the
     workers that still take steps at that clock, with `steps_of` giving some fewer)."""
     counts = [(steps_of or {}).get(r, steps) for r in range(workers)]
+    # One thread, as the workers run (PSTRAIN_TORCH_THREADS): a matrix product split over
+    # more threads may round differently.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _sync_steps(counts, dim, lr)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _sync_steps(counts: list[int], dim: int, lr: float) -> torch.Tensor:
     w = torch.zeros(dim)
     for t in range(max(counts)):
         grads = []
-        for r in range(workers):
+        for r in range(len(counts)):
             if t < counts[r]:
                 x, y = batch(r, t, dim)
                 grads.append(x.T @ (torch.sigmoid(x @ w) - y) / len(y))

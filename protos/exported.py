@@ -45,6 +45,11 @@ from safetensors.torch import save as st_save
 FORMAT: Final = "pstrain.export"
 FORMAT_VERSION: Final = 1
 MANIFEST_NAME: Final = "manifest.json"
+# A publisher's directory (``pstrain export --publish-every``): this file names the newest
+# full export in it and the deltas after it, in order ({"format", "job", "full", "deltas",
+# "checkpoint_id", "clock"}), and is replaced atomically after each export.
+PUBLISHED_NAME: Final = "published.json"
+PUBLISHED_FORMAT: Final = "pstrain.published"
 
 ExportKind = Literal["full", "delta"]
 

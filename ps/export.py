@@ -19,21 +19,37 @@ With ``--delta --since PREV`` the output holds only what changed since the expor
 sparse table the rows whose key is new or whose values differ bit for bit, and the keys gone;
 each dense table that changed at all, whole; and the tables dropped.
 `worker.serving.apply_delta(PREV, delta)` gives the full export again.
+
+With ``--publish-every T`` it keeps publishing while the job trains (`Publisher`): every T
+seconds the newest complete checkpoint (with ``--redis``, one it asks the job for then) is
+exported into ``OUT/<n>-full-<id>`` or, as a delta against the export published before it,
+``OUT/<n>-delta-<id>``, a full one every ``--full-every``; after each, ``OUT/published.json``
+(written atomically) names the newest full export and the deltas after it, in order:
+`worker.serving.load_published(OUT)` builds the newest model from them, and an online store
+applies each new delta to what it serves.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import math
+import os
+import shutil
+import signal
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from protos.exported import (
     MANIFEST_NAME,
+    PUBLISHED_FORMAT,
+    PUBLISHED_NAME,
     BaseRef,
     DenseTable,
     Export,
@@ -186,6 +202,92 @@ def export(directory: str | Path, job: str, out: str | Path, checkpoint_id: str 
     return written
 
 
+class Publisher:
+    """Publishes a training job's model into `out` as it trains: a full export of the newest
+    complete checkpoint first, then each newer checkpoint as a delta against the export
+    published before it (every `full_every`-th a full one again), and after each
+    ``published.json`` (atomically): the newest full export and the deltas after it, in the
+    order to apply them, with the checkpoint id and clock of the last. Exports of the
+    checkpoint before the previous full one are removed. `request`, when given, asks the job
+    for a checkpoint and returns its id (or None when it could not be taken): each publish
+    then exports that one. Not thread-safe; blocks on file I/O."""
+
+    def __init__(self, directory: str | Path, job: str, out: str | Path, full_every: int = 10,
+                 request: Callable[[], str | None] | None = None) -> None:
+        if full_every < 1:
+            raise ExportError(f"--full-every must be >= 1 (1: every export full), got "
+                              f"{full_every}")
+        self.directory, self.job, self.out = directory, job, Path(out)
+        self.full_every, self.request = full_every, request
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._base: Export | None = None  # the newest model published (deltas applied)
+        self._chain: list[str] = []  # the newest full export's name, then its deltas'
+        self._seq = 0
+        self._published = ""  # the checkpoint id published last
+
+    def publish_once(self) -> Path | None:
+        """Publishes the newest checkpoint if it is newer than the last one published; returns
+        the new export's directory (None: nothing new)."""
+        checkpoint_id = self.request() if self.request is not None else None
+        manifest = find(self.directory, self.job, checkpoint_id)
+        if manifest.checkpoint_id == self._published:
+            return None
+        full = export_states(read_states(manifest), manifest.clock)
+        whole = self._base is None or len(self._chain) >= self.full_every
+        kind = "full" if whole else "delta"
+        name = f"{self._seq:06d}-{kind}-{manifest.checkpoint_id}"
+        if whole:
+            result = full
+        else:
+            previous = self.out / self._chain[-1] / MANIFEST_NAME
+            assert self._base is not None
+            result = delta(self._base, full, sha256_file(previous))
+        write_export(self.out / name, result)
+        dropped = self._chain if whole else []
+        self._chain = [name] if whole else [*self._chain, name]
+        self._base, self._published, self._seq = full, manifest.checkpoint_id, self._seq + 1
+        self._write_published(manifest.checkpoint_id, manifest.clock)
+        self._remove_before(dropped)
+        log.info("published %s: checkpoint %s, clock %d, %d tables", name,
+                 manifest.checkpoint_id, manifest.clock, len(result.tables))
+        return self.out / name
+
+    def run(self, every_s: float, stop: threading.Event, count: int = 0) -> int:
+        """Publishes every `every_s` seconds until `stop` is set (or `count` publishes, when
+        > 0); returns how many it published. A checkpoint that cannot be exported (none yet,
+        one being written) is logged and tried again at the next turn."""
+        done = 0
+        while not stop.is_set():
+            try:
+                if self.publish_once() is not None:
+                    done += 1
+            except (PSError, ExportFormatError) as exc:
+                log.warning("nothing published this turn: %s", exc)
+            if count and done >= count:
+                break
+            stop.wait(every_s)
+        return done
+
+    def _write_published(self, checkpoint_id: str, clock: int) -> None:
+        data = json.dumps({"format": PUBLISHED_FORMAT, "job": self.job, "full": self._chain[0],
+                           "deltas": self._chain[1:], "checkpoint_id": checkpoint_id,
+                           "clock": clock}, indent=2).encode()
+        tmp = self.out / f".{PUBLISHED_NAME}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.out / PUBLISHED_NAME)
+
+    def _remove_before(self, chain: list[str]) -> None:
+        """Removes the exports published before `chain` (the chain a new full export ended):
+        a reader that read the previous published.json still finds that chain whole."""
+        keep = set(chain) | set(self._chain)
+        for entry in self.out.iterdir():
+            if entry.is_dir() and entry.name[:6].isdigit() and entry.name not in keep:
+                shutil.rmtree(entry, ignore_errors=True)
+
+
 # ---- helpers ----------------------------------------------------------------------------------
 
 
@@ -255,6 +357,17 @@ def parser() -> argparse.ArgumentParser:
                    help="write only what changed since the export given by --since")
     p.add_argument("--since", default=None, metavar="EXPORT_DIR",
                    help="with --delta: the earlier full export to compare against")
+    p.add_argument("--publish-every", type=float, default=0.0, metavar="SECONDS",
+                   help="keep publishing while the job trains: every SECONDS the newest "
+                        "checkpoint goes to OUT as a full export or a delta against the one "
+                        "before, named in OUT/published.json (stop with Ctrl-C or SIGTERM)")
+    p.add_argument("--full-every", type=int, default=10, metavar="N",
+                   help="with --publish-every: every N-th export a full one (default 10)")
+    p.add_argument("--redis", default="", metavar="URL",
+                   help="with --publish-every: ask the job (in this Redis) for a checkpoint "
+                        "at each turn, instead of taking the newest one the job wrote")
+    p.add_argument("--count", type=int, default=0,
+                   help="with --publish-every: stop after this many exports (0: never)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p
 
@@ -264,14 +377,53 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     if a.delta != (a.since is not None):
         p.error("--delta and --since EXPORT_DIR go together")
+    if a.publish_every < 0 or a.count < 0:
+        p.error(f"--publish-every and --count must be >= 0, got {a.publish_every:g} and "
+                f"{a.count}")
+    if a.publish_every and (a.delta or a.checkpoint):
+        p.error("--publish-every takes the newest checkpoints: leave out --delta, --since "
+                "and --checkpoint")
+    if not a.publish_every and (a.redis or a.count):
+        p.error("--redis and --count go with --publish-every")
     logging.basicConfig(level=a.log_level.upper(),
                         format="%(asctime)s %(levelname)s export %(name)s: %(message)s")
+    if a.publish_every:
+        return _publish(a)
     try:
         written = export(a.checkpoint_dir, a.job, a.out, a.checkpoint, a.since)
     except (PSError, CheckpointError, ExportFormatError) as exc:
         print(f"pstrain export: {exc}", file=sys.stderr)
         return 2
     print(written)
+    return 0
+
+
+def _publish(a: argparse.Namespace) -> int:
+    request: Callable[[], str | None] | None = None
+    if a.redis:
+        # Here, not at the top: only a publisher that asks the job needs Redis.
+        from scheduler.admin import take_checkpoint  # noqa: PLC0415
+        from scheduler.store import JobStore  # noqa: PLC0415
+
+        store = JobStore.connect(a.redis, a.job)
+
+        def request() -> str | None:
+            taken = take_checkpoint(store, max(30.0, 2 * a.publish_every), prefix="publish")
+            if isinstance(taken, str):
+                log.warning("no checkpoint this turn: %s", taken)
+                return None
+            return taken[0]
+
+    try:
+        publisher = Publisher(a.checkpoint_dir, a.job, a.out, a.full_every, request)
+    except PSError as exc:
+        print(f"pstrain export: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    published = publisher.run(a.publish_every, stop, a.count)
+    print(json.dumps({"published": published, "out": str(a.out)}))
     return 0
 
 

@@ -3,7 +3,9 @@ and the health probe behind `pstrain health`."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -12,7 +14,9 @@ from protos import pstrain_pb2 as pb
 from protos import rpc
 from protos.rpc import Stubs
 from protos.security import Security
-from scheduler.errors import ConfigError
+from scheduler.errors import ConfigError, CoordinationError
+from scheduler.spec import JobSpec
+from scheduler.store import JobStore
 
 
 class ServerAdmin:
@@ -79,3 +83,47 @@ def health(address: str, service: str = "", timeout_s: float = 2.0,
         except grpc.RpcError as exc:
             return f"{exc.code().name}: {exc.details()}"
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+def take_checkpoint(store: JobStore, wait_s: float, full: bool = False,
+                    prefix: str = "manual") -> tuple[str, dict[int, dict[str, Any]]] | str:
+    """Asks the job's servers for a checkpoint now (`full`: not a delta) and waits up to
+    `wait_s` for every shard to record it: (its id, shard -> entry), or a sentence saying
+    why it is not complete. Sync jobs cut at a clock every shard has still to reach; async
+    and ssp jobs at the workers' next steps (a consistent cut). CoordinationError when the
+    job does not exist or has no checkpoint directory. Blocks."""
+    spec = store.spec()
+    if spec is None:
+        raise CoordinationError(f"no job {store.keys.job!r} in this Redis")
+    if not spec.checkpoint_dir:
+        raise CoordinationError(
+            f"job {spec.job!r} has no checkpoint directory; start it with --checkpoint-dir"
+        )
+    at_clock = _clock_ahead(store, spec) if spec.mode == "sync" else -1
+    checkpoint_id = f"{prefix}-{int(time.time() * 1000):015d}"
+    store.request_checkpoint(checkpoint_id, at_clock, full=full)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        entries = store.checkpoint(checkpoint_id)
+        if len(entries) == spec.servers:
+            return checkpoint_id, entries
+        time.sleep(0.2)
+    return (f"{checkpoint_id} not complete after {wait_s:g} s "
+            f"({len(store.checkpoint(checkpoint_id))} of {spec.servers} shards)")
+
+
+def _open_clock(store: JobStore, spec: JobSpec) -> int:
+    beats = store.heartbeats("server", list(range(spec.servers)))
+    return max((int(b.get("open_clock", 0)) for b in beats.values() if b), default=0)
+
+
+def _clock_ahead(store: JobStore, spec: JobSpec) -> int:
+    """A sync clock every shard has still to reach when the request arrives.
+
+    Heartbeats report clocks up to one interval late, so aim as many clocks ahead as the
+    job runs in two intervals (measured), plus two.
+    """
+    first = _open_clock(store, spec)
+    time.sleep(spec.heartbeat_interval_s * 2)
+    second = _open_clock(store, spec)
+    return second + (second - first) + 2

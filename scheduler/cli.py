@@ -25,7 +25,7 @@ from typing import Any
 from protos import modes, security
 from protos.transport import ENV_VAR as ENV_TRANSPORT
 from protos.transport import PREFERENCE, TransportError, parse_choice
-from scheduler.admin import check_address, health
+from scheduler.admin import check_address, health, take_checkpoint
 from scheduler.errors import ConfigError, CoordinationError
 from scheduler.launcher import UpConfig, status_of, up
 from scheduler.runner import WorkerRunConfig, run_worker
@@ -428,44 +428,14 @@ def _status(store: JobStore, as_json: bool) -> int:
     return 0
 
 
-def _open_clock(store: JobStore, spec: JobSpec) -> int:
-    beats = store.heartbeats("server", list(range(spec.servers)))
-    return max((int(b.get("open_clock", 0)) for b in beats.values() if b), default=0)
-
-
-def _clock_ahead(store: JobStore, spec: JobSpec) -> int:
-    """A sync clock every shard has still to reach when the request arrives.
-
-    Heartbeats report clocks up to one interval late, so aim as many clocks ahead as the
-    job runs in two intervals (measured), plus two.
-    """
-    first = _open_clock(store, spec)
-    time.sleep(spec.heartbeat_interval_s * 2)
-    second = _open_clock(store, spec)
-    return second + (second - first) + 2
-
-
 def _checkpoint(store: JobStore, wait_s: float, full: bool = False) -> int:
-    spec = store.spec()
-    if spec is None:
-        raise CoordinationError(f"no job {store.keys.job!r} in this Redis")
-    if not spec.checkpoint_dir:
-        raise CoordinationError(
-            f"job {spec.job!r} has no checkpoint directory; start it with --checkpoint-dir"
-        )
-    at_clock = _clock_ahead(store, spec) if spec.mode == "sync" else -1
-    checkpoint_id = f"manual-{int(time.time() * 1000):015d}"
-    store.request_checkpoint(checkpoint_id, at_clock, full=full)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        entries = store.checkpoint(checkpoint_id)
-        if len(entries) == spec.servers:
-            print(json.dumps({"checkpoint": checkpoint_id, "shards": entries}, indent=2))
-            return 0
-        time.sleep(0.2)
-    print(f"pstrain checkpoint: {checkpoint_id} not complete after {wait_s:g} s "
-          f"({len(store.checkpoint(checkpoint_id))} of {spec.servers} shards)", file=sys.stderr)
-    return 1
+    taken = take_checkpoint(store, wait_s, full)
+    if isinstance(taken, str):
+        print(f"pstrain checkpoint: {taken}", file=sys.stderr)
+        return 1
+    checkpoint_id, entries = taken
+    print(json.dumps({"checkpoint": checkpoint_id, "shards": entries}, indent=2))
+    return 0
 
 
 def _certs(a: argparse.Namespace) -> int:

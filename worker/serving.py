@@ -16,6 +16,7 @@ format module (protos/exported.py) are imported: never `ps`.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -24,6 +25,8 @@ from torch import nn
 
 from protos.exported import (
     MANIFEST_NAME,
+    PUBLISHED_FORMAT,
+    PUBLISHED_NAME,
     DenseTable,
     Export,
     ExportFormatError,
@@ -36,7 +39,8 @@ from protos.exported import (
 
 __all__ = [
     "DenseTable", "Export", "ExportFormatError", "ServingEmbedding", "ServingEmbeddingBag",
-    "SparseTable", "apply_delta", "load", "load_dense", "save", "trainable_parameters",
+    "SparseTable", "apply_delta", "load", "load_dense", "load_published", "save",
+    "trainable_parameters",
 ]
 
 _BAG_MODES = ("sum", "mean", "max")
@@ -46,6 +50,25 @@ def load(path: str | Path) -> Export:
     """The export at `path` (its directory or manifest.json), every file checked against the
     manifest's sha256. Blocks on reading it; ExportFormatError naming a bad file."""
     return read_export(path)
+
+
+def load_published(path: str | Path) -> Export:
+    """The newest model a publisher (``pstrain export --publish-every``) wrote to directory
+    `path`: the full export its published.json names with every delta after it applied in
+    order, each checked against the one before. ExportFormatError when the directory holds
+    no readable published.json or an export it names is missing or bad."""
+    path = Path(path)
+    try:
+        listing = json.loads((path / PUBLISHED_NAME).read_text())
+        if listing.get("format") != PUBLISHED_FORMAT:
+            raise ValueError(f"format {listing.get('format')!r}, not {PUBLISHED_FORMAT!r}")
+        full, deltas = str(listing["full"]), [str(d) for d in listing["deltas"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ExportFormatError(f"{path / PUBLISHED_NAME} cannot be read: {exc}") from exc
+    model: Export | Path = path / full
+    for name in deltas:
+        model = apply_delta(model, path / name)
+    return model if isinstance(model, Export) else read_export(model)
 
 
 def save(path: str | Path, export: Export) -> Path:

@@ -24,10 +24,10 @@ from protos.exported import (
 from protos.partition import dense_placement, shard_of_keys
 from ps.checkpoint import CheckpointCorruptError, ShardFile, write_manifest, write_shard
 from ps.coordination import write_snapshot
-from ps.export import ExportError, export, find, main
+from ps.export import ExportError, Publisher, export, find, main
 from ps.shard import DensePush, Exchange, Pull, PushMeta, Shard, ShardConfig, SparsePush
 from ps.tables import SparseRows, TableSpec
-from worker.serving import apply_delta, save
+from worker.serving import apply_delta, load_published, save
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = "exp"
@@ -269,3 +269,52 @@ def test_the_command_line_exports_and_refuses_with_a_message(
     with pytest.raises(SystemExit):
         main([*flags, "--delta", "--out", str(tmp_path / "o3")])
     assert "--delta and --since EXPORT_DIR go together" in capsys.readouterr().err
+
+
+def test_a_publisher_writes_a_full_export_then_deltas_that_build_the_newest_model(
+    tmp_path: Path,
+) -> None:
+    cluster, out = Cluster(), tmp_path / "published"
+    publisher = Publisher(tmp_path, JOB, out, full_every=3)
+    cluster.checkpoint(tmp_path, "c1")
+    first = publisher.publish_once()
+    assert first is not None and first.name == "000000-full-c1"
+    assert publisher.publish_once() is None  # nothing newer
+    for n, keys in enumerate(([100, 101], [17, 2], [5]), start=2):
+        cluster.train("emb", keys)
+        cluster.checkpoint(tmp_path, f"c{n}")
+        published = publisher.publish_once()
+        assert published is not None
+        # What an online store serves, from the full export and the deltas in order, is
+        # the newest checkpoint's full export, table for table.
+        export(tmp_path, JOB, tmp_path / f"ref{n}", checkpoint_id=f"c{n}")
+        save(tmp_path / f"got{n}", load_published(out))
+        for name in sorted(p.name for p in (tmp_path / f"ref{n}").iterdir()):
+            assert sha256_file(tmp_path / f"got{n}" / name) == sha256_file(
+                tmp_path / f"ref{n}" / name), (n, name)
+    listing = json.loads((out / "published.json").read_text())
+    # Three exports from the full one on, the fourth is full again; the chain before the
+    # previous full one is gone.
+    assert listing["full"] == "000003-full-c4" and listing["deltas"] == []
+    assert listing["checkpoint_id"] == "c4"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "000000-full-c1", "000001-delta-c2", "000002-delta-c3", "000003-full-c4",
+        "published.json"]
+    with pytest.raises(ExportError, match="--full-every must be >= 1"):
+        Publisher(tmp_path, JOB, out, full_every=0)
+
+
+def test_the_command_line_publishes_and_refuses_flags_that_do_not_go_together(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    Cluster().checkpoint(tmp_path, "c1")
+    flags = ["--job", JOB, "--checkpoint-dir", str(tmp_path), "--out", str(tmp_path / "p")]
+    assert main([*flags, "--publish-every", "0.01", "--count", "1"]) == 0
+    assert json.loads((tmp_path / "p" / "published.json").read_text())["full"] == (
+        "000000-full-c1")
+    for bad, said in ((["--publish-every", "-1"], "--publish-every and --count must be >= 0"),
+                      (["--publish-every", "1", "--checkpoint", "c1"], "leave out --delta"),
+                      (["--count", "2"], "--redis and --count go with --publish-every")):
+        with pytest.raises(SystemExit):
+            main([*flags, *bad])
+        assert said in capsys.readouterr().err

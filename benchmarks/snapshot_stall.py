@@ -75,7 +75,8 @@ def measure(mb: float = 1024.0, batch: int = 1024, checkpoints: int = 4, every_s
     log = (work / "up.log").open("w")
     up = subprocess.Popen(
         [sys.executable, "-m", "scheduler.cli", "up", "--redis", url, "--job", JOB,
-         "--servers", "2", "--workers", "2", "--mode", "async", "--checkpoint-dir",
+         "--servers", "2", "--workers", "2", "--mode", "async", "--log-dir", str(work / "logs"),
+         "--checkpoint-dir",
          str(work / "ckpt"), "--no-view", *(up_flags or []),
          str(REPO / "benchmarks" / "stall_worker.py"), "--", "--rows", str(rows),
          "--batch", str(batch), "--out", str(out), "--stop", str(stop)],
@@ -108,12 +109,20 @@ def measure(mb: float = 1024.0, batch: int = 1024, checkpoints: int = 4, every_s
         redis.terminate()
         redis.wait(30)
         log.close()
-        shutil.rmtree(work, ignore_errors=True)
+        if os.environ.get("PSTRAIN_BENCH_KEEP"):
+            print(f"kept {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
     def during(start: float, end: float) -> bool:
         return any(end >= a and start <= b for a, b in windows)
 
     inside = sorted(e - s for s, e in steps if during(s, e))
+    # Where in its checkpoint each slow step (over 5x the median outside) began, in seconds
+    # from the request: what holds steps up shows in when it does.
+    slow_at = sorted(round(s - a, 3) for s, e in steps for a, b in windows
+                     if a <= s <= b and e - s > 5 * statistics.median(
+                         e2 - s2 for s2, e2 in steps))
     outside = sorted(e - s for s, e in steps if not during(s, e))
     median = statistics.median(outside)
     p99 = float(np.percentile(inside, 99))
@@ -126,6 +135,7 @@ def measure(mb: float = 1024.0, batch: int = 1024, checkpoints: int = 4, every_s
         "max_step_during_checkpoint_ms": round(inside[-1] * 1e3, 2),
         "snapshot_stall_p99_ratio": round(p99 / median, 3),
         "checkpoint_s": [round(b - a, 2) for a, b in windows],
+        "slow_steps_at_s": slow_at,
     }
 
 

@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+from procs import free_port, wait_until  # noqa: E402
 
 from scheduler.store import JobStore  # noqa: E402
 
@@ -47,27 +49,11 @@ JOB = "stall"
 ROW_BYTES = 2 * 64 * 4 + 8  # value and Adagrad sum (float32 x 64) and the key
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait(predicate: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
-
-
 def measure(mb: float = 1024.0, batch: int = 1024, checkpoints: int = 4, every_s: float = 4.0,
             up_flags: list[str] | None = None, directory: str = "/tmp") -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="pstrain-stall-", dir=directory))
     rows = int(mb * 1e6 / ROW_BYTES)
-    port = _free_port()
+    port = free_port()
     redis = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
                               "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
@@ -83,9 +69,9 @@ def measure(mb: float = 1024.0, batch: int = 1024, checkpoints: int = 4, every_s
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     windows: list[tuple[float, float]] = []
     try:
-        _wait(lambda: redis.poll() is None and _store(url) is not None, 30, "redis")
+        wait_until(lambda: redis.poll() is None and _store(url) is not None, 30, "redis")
         store = JobStore.connect(url, JOB)
-        _wait(lambda: all((out / f"ready-{r}").exists() for r in range(2)) or up.poll(), 900,
+        wait_until(lambda: all((out / f"ready-{r}").exists() for r in range(2)) or up.poll(), 900,
               "the table to fill")
         if up.poll() is not None:
             raise RuntimeError(f"pstrain up ended early; see {work / 'up.log'}")
@@ -94,7 +80,7 @@ def measure(mb: float = 1024.0, batch: int = 1024, checkpoints: int = 4, every_s
             checkpoint_id = f"stall-{n}"
             start = time.time()
             store.request_checkpoint(checkpoint_id, -1)
-            _wait(lambda: len(store.checkpoint(checkpoint_id)) == 2,  # noqa: B023
+            wait_until(lambda: len(store.checkpoint(checkpoint_id)) == 2,  # noqa: B023
                   300, f"checkpoint {checkpoint_id}")
             windows.append((start, time.time()))
             time.sleep(every_s)

@@ -30,7 +30,7 @@ from ps.errors import InvalidArgumentError, PSError
 from ps.server import MiB, ParameterServer, ServerConfig, run
 from ps.shard import Limits, parse_size
 from scheduler.errors import CoordinationError
-from scheduler.spec import JobSpec
+from scheduler.spec import JobSpec, at_least
 from scheduler.store import JobStore, ride_out
 
 log = logging.getLogger("ps")
@@ -39,21 +39,6 @@ log = logging.getLogger("ps")
 def _int(env: str) -> int | None:
     value = os.environ.get(env)
     return int(value) if value else None
-
-
-def _at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an int >= `low` (argparse names the flag and the value refused)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    return parse
 
 
 def parser() -> argparse.ArgumentParser:
@@ -99,10 +84,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", default=env.get("PSTRAIN_CHECKPOINT_DIR", ""),
                    help="standalone: where --restore latest looks (env PSTRAIN_CHECKPOINT_DIR); "
                         "in a job, the job's directory")
-    p.add_argument("--checkpoint-full-every", type=_at_least(1), default=None, metavar="N",
+    p.add_argument("--checkpoint-full-every", type=at_least(1, "1: every checkpoint full"),
+                   default=None, metavar="N",
                    help="with --redis: a full checkpoint every N, the others deltas (default: "
                         "the job's; a value given must agree with it)")
-    p.add_argument("--checkpoint-keep", type=_at_least(0), default=None, metavar="K",
+    p.add_argument("--checkpoint-keep", type=at_least(0, "0: keep every checkpoint"),
+                   default=None, metavar="K",
                    help="with --redis: keep the K newest full checkpoints (default: the "
                         "job's; a value given must agree with it)")
     p.add_argument("--spec-wait-s", type=float, default=60.0,

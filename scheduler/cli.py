@@ -17,7 +17,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -30,7 +29,7 @@ from scheduler.errors import ConfigError, CoordinationError
 from scheduler.launcher import UpConfig, status_of, up
 from scheduler.runner import WorkerRunConfig, run_worker
 from scheduler.scheduler import Scheduler
-from scheduler.spec import JobSpec
+from scheduler.spec import JobSpec, at_least
 from scheduler.store import JobStore
 
 ENV_REDIS = "PSTRAIN_REDIS"
@@ -78,21 +77,6 @@ def _spec_flags(p: argparse.ArgumentParser, defaults: bool) -> None:
                    default=None if d is None else d.checkpoint_keep, metavar="K",
                    help="keep the K newest full checkpoints and the deltas after them; older "
                         "ones of the run are removed (default 3; 0: keep all)")
-
-
-def at_least(low: int, note: str) -> Callable[[str], int]:
-    """An argparse type: an int >= `low`; argparse names the flag and the value it refuses."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low} ({note}), got {value}")
-        return value
-
-    return parse
 
 
 _SPEC_FIELDS = ("mode", "staleness", "servers", "workers", "backups", "heartbeat_interval_s",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
 from protos import modes
@@ -115,3 +117,20 @@ class JobSpec:
                 f"this process disagrees with job {self.job!r}:\n  " + "\n  ".join(clashes)
                 + "\nDrop the flag to take the job's value, or start a job under another name"
             )
+
+
+def at_least(low: int, note: str = "") -> Callable[[str], int]:
+    """An argparse type for a spec's count flags: an int >= `low` (`note` says what the
+    bound means); argparse names the flag and the value it refuses."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(
+                f"must be >= {low}{f' ({note})' if note else ''}, got {value}")
+        return value
+
+    return parse

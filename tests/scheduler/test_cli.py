@@ -143,7 +143,8 @@ def test_a_server_refuses_retention_flags_it_cannot_use(
         capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parser().parse_args(["--checkpoint-full-every", "0"])
-    assert "argument --checkpoint-full-every: must be >= 1, got 0" in capsys.readouterr().err
+    assert ("argument --checkpoint-full-every: must be >= 1 (1: every checkpoint full), got 0"
+            in capsys.readouterr().err)
     with pytest.raises(InvalidArgumentError, match="--checkpoint-keep 2: a standalone server "
                                                    "writes no checkpoints"):
         build(["--bind", "127.0.0.1:0", "--checkpoint-keep", "2"])

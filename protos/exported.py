@@ -338,3 +338,17 @@ def _fsync_dir(directory: Path) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def read_published(path: Path | str) -> tuple[str, list[str]]:
+    """What a publisher's directory `path` says it holds: the newest full export's name and
+    the deltas after it, in order (see PUBLISHED_NAME). ExportFormatError when its listing
+    cannot be read."""
+    listing_path = Path(path) / PUBLISHED_NAME
+    try:
+        listing = json.loads(listing_path.read_text())
+        if listing.get("format") != PUBLISHED_FORMAT:
+            raise ValueError(f"format {listing.get('format')!r}, not {PUBLISHED_FORMAT!r}")
+        return str(listing["full"]), [str(d) for d in listing["deltas"]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ExportFormatError(f"{listing_path} cannot be read: {exc}") from exc

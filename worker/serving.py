@@ -16,7 +16,6 @@ format module (protos/exported.py) are imported: never `ps`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -25,14 +24,13 @@ from torch import nn
 
 from protos.exported import (
     MANIFEST_NAME,
-    PUBLISHED_FORMAT,
-    PUBLISHED_NAME,
     DenseTable,
     Export,
     ExportFormatError,
     SparseTable,
     Table,
     read_export,
+    read_published,
     sha256_file,
     write_export,
 )
@@ -58,13 +56,7 @@ def load_published(path: str | Path) -> Export:
     order, each checked against the one before. ExportFormatError when the directory holds
     no readable published.json or an export it names is missing or bad."""
     path = Path(path)
-    try:
-        listing = json.loads((path / PUBLISHED_NAME).read_text())
-        if listing.get("format") != PUBLISHED_FORMAT:
-            raise ValueError(f"format {listing.get('format')!r}, not {PUBLISHED_FORMAT!r}")
-        full, deltas = str(listing["full"]), [str(d) for d in listing["deltas"]]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ExportFormatError(f"{path / PUBLISHED_NAME} cannot be read: {exc}") from exc
+    full, deltas = read_published(path)
     model: Export | Path = path / full
     for name in deltas:
         model = apply_delta(model, path / name)

@@ -815,13 +815,14 @@ def test_the_manifests_train_to_completion_through_killed_processes(
         assert result["train_samples"] == 40000 and result["epochs"] == 4, result
         assert result["test_auc"] > 0.7, result
 
-    # Checkpoints: each server's claim holds its own shard of every checkpoint, and nothing
-    # of the other's.
+    # Checkpoints: each server's claim holds its own shard of every checkpoint (and, in a
+    # delta's directory, links to its own files of the chain), and nothing of the other's.
     volumes = cluster.root / "volumes"
     for k in (0, 1):
         files = {p.name for p in (volumes / f"checkpoints-pstrain-server-{k}").rglob(
             "shard-*.safetensors")}
-        assert files == {f"shard-{k}-of-2.safetensors"}, files
+        assert f"shard-{k}-of-2.safetensors" in files, files
+        assert all(name.startswith(f"shard-{k}-of-2.") for name in files), files
     # What keeps running is still up: the servers answer their probes, one scheduler leads
     # and the other stands by, and `pstrain status` (run in a scheduler's pod) shows it.
     for server in servers:

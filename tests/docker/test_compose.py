@@ -486,9 +486,10 @@ def test_compose_cluster_trains_to_completion_through_a_killed_server_and_worker
         result = last_json(replica.proc)
         assert result["train_samples"] == 8000 and result["epochs"] == 20, result
         assert result["test_auc"] > 0.6, result
-    # Checkpoints are in the named volume: both shards of each clock.
+    # Checkpoints are in the named volume: both shards of each clock (a delta's directory
+    # also links the files of its chain, `shard-<k>-of-2.base-<id>.safetensors`).
     written = [p.relative_to(cluster.volume_root / "checkpoints" / job) for p in
-               (cluster.volume_root / "checkpoints" / job).glob("*/shard-*.safetensors")]
+               (cluster.volume_root / "checkpoints" / job).glob("*/shard-?-of-2.safetensors")]
     by_clock: dict[str, set[str]] = {}
     for path in written:
         by_clock.setdefault(path.parent.name, set()).add(path.name)

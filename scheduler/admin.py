@@ -85,6 +85,11 @@ def health(address: str, service: str = "", timeout_s: float = 2.0,
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
 
+# How long a sync checkpoint request may go unanswered before it is asked again at a later
+# clock (at least ten heartbeat intervals).
+SYNC_RETRY_S = 5.0
+
+
 def take_checkpoint(store: JobStore, wait_s: float, full: bool = False,
                     prefix: str = "manual") -> tuple[str, dict[int, dict[str, Any]]] | str:
     """Asks the job's servers for a checkpoint now (`full`: not a delta) and waits up to
@@ -99,17 +104,25 @@ def take_checkpoint(store: JobStore, wait_s: float, full: bool = False,
         raise CoordinationError(
             f"job {spec.job!r} has no checkpoint directory; start it with --checkpoint-dir"
         )
-    at_clock = _clock_ahead(store, spec) if spec.mode == "sync" else -1
-    checkpoint_id = f"{prefix}-{int(time.time() * 1000):015d}"
-    store.request_checkpoint(checkpoint_id, at_clock, full=full)
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        entries = store.checkpoint(checkpoint_id)
-        if len(entries) == spec.servers:
-            return checkpoint_id, entries
-        time.sleep(0.2)
-    return (f"{checkpoint_id} not complete after {wait_s:g} s "
-            f"({len(store.checkpoint(checkpoint_id))} of {spec.servers} shards)")
+    while True:
+        at_clock = _clock_ahead(store, spec) if spec.mode == "sync" else -1
+        checkpoint_id = f"{prefix}-{int(time.time() * 1000):015d}"
+        store.request_checkpoint(checkpoint_id, at_clock, full=full)
+        # A sync clock aimed at from late heartbeats may be passed before a shard hears of
+        # it (the shard skips it): then ask again at a later one. An async cut completes
+        # or is given up by the servers themselves.
+        again = time.monotonic() + max(SYNC_RETRY_S, 10 * spec.heartbeat_interval_s)
+        while time.monotonic() < deadline:
+            entries = store.checkpoint(checkpoint_id)
+            if len(entries) == spec.servers:
+                return checkpoint_id, entries
+            if spec.mode == "sync" and time.monotonic() >= again:
+                break
+            time.sleep(0.2)
+        if time.monotonic() >= deadline:
+            return (f"{checkpoint_id} not complete after {wait_s:g} s "
+                    f"({len(store.checkpoint(checkpoint_id))} of {spec.servers} shards)")
 
 
 def _open_clock(store: JobStore, spec: JobSpec) -> int:

@@ -104,13 +104,12 @@ def measure(mb: float = 1024.0, batch: int = 1024, checkpoints: int = 4, every_s
         return any(end >= a and start <= b for a, b in windows)
 
     inside = sorted(e - s for s, e in steps if during(s, e))
+    outside = sorted(e - s for s, e in steps if not during(s, e))
+    median = statistics.median(outside)
     # Where in its checkpoint each slow step (over 5x the median outside) began, in seconds
     # from the request: what holds steps up shows in when it does.
     slow_at = sorted(round(s - a, 3) for s, e in steps for a, b in windows
-                     if a <= s <= b and e - s > 5 * statistics.median(
-                         e2 - s2 for s2, e2 in steps))
-    outside = sorted(e - s for s, e in steps if not during(s, e))
-    median = statistics.median(outside)
+                     if a <= s <= b and e - s > 5 * median)
     p99 = float(np.percentile(inside, 99))
     return {
         "model_mb": round(rows * ROW_BYTES / 1e6), "batch": batch, "servers": 2, "workers": 2,

@@ -369,8 +369,8 @@ class Scheduler:
         heartbeat as "finished". Runs before the failure detector sees the beats, so a
         finished worker is never suspected, declared dead or fenced: it may still pull (to
         evaluate) after it has left."""
-        left = self.store.left_workers()
-        self.departures.update(self.store.finished_ranks(),
+        finished, left = self.store.departures()
+        self.departures.update(finished,
                                {r: int(v.get("incarnation", 0)) for r, v in left.items()},
                                self.workers.alive)
         departed = self.departures.departed(

@@ -611,10 +611,17 @@ class JobStore:
         pipe.delete(self.keys.heartbeat("worker", rank))
         pipe.execute()
 
-    def left_workers(self) -> dict[int, dict[str, Any]]:
-        """Rank -> {incarnation, clock, time} of each worker that called `ctx.finish()`."""
-        raw = self.redis.hgetall(self.keys.left())
-        return {int(k): json.loads(v) for k, v in raw.items()}
+    def departures(self) -> tuple[set[int], dict[int, dict[str, Any]]]:
+        """The finished ranks, and rank -> {incarnation, clock, time} of each worker that
+        called `ctx.finish()`, read together: a `finish_worker` lands in both or in neither
+        (read apart, a finish between the reads shows a finished rank with no record of the
+        clock it finished at)."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.smembers(self.keys.finished())
+        pipe.hgetall(self.keys.left())
+        finished, left = pipe.execute()
+        return ({int(_text(r)) for r in finished},
+                {int(k): json.loads(v) for k, v in left.items()})
 
     def set_live_workers(self, ranks: list[int]) -> None:
         self.redis.set(self.keys.live(), json.dumps(sorted(ranks)))

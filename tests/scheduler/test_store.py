@@ -221,3 +221,15 @@ def test_a_stopped_job_adopted_with_another_server_count_takes_it(procs: Procs) 
     assert store.members("server") == {}
     # Without a count, adopting keeps the job's.
     assert store.create_job(JobSpec("rescaled", servers=1), adopt=True) == adopted
+
+
+def test_departures_read_a_finish_and_an_exit_together(procs: Procs) -> None:
+    # finish_worker records the rank and the clock it finished at; mark_finished (the
+    # script exited 0 without ctx.finish()) the rank alone.
+    store = JobStore.connect(procs.redis().address, "departures", timeout_s=5)
+    assert store.departures() == (set(), {})
+    store.finish_worker(1, incarnation=4, clock=12)
+    store.mark_finished(0)
+    finished, left = store.departures()
+    assert finished == {0, 1}
+    assert {rank: (r["incarnation"], r["clock"]) for rank, r in left.items()} == {1: (4, 12)}

@@ -24,6 +24,26 @@ TRANSPORTS = [
 ]
 
 
+# Test files that bound how long something takes or lean on heartbeat deadlines. They carry
+# the `alone` mark: scripts/test.sh runs every other test two at a time, then these one at a
+# time, so that no neighbour's load pushes them past a bound.
+ALONE = (
+    "tests/scheduler/test_detector.py",  # suspect and dead deadlines under pauses and a CPU hog
+    "tests/scheduler/test_heartbeat.py",  # beats within a bound through a Redis stall
+    "tests/worker/test_context.py",  # a barrier answered within a second
+    "tests/worker/test_lane.py",  # linger and timeouts of a fraction of a second
+    "tests/ps/test_concurrency.py",  # waits for a thread within bounds
+    "tests/ps/test_consistency_processes.py",  # ssp waits and answers within bounds
+    "tests/protos/test_ucx.py",  # a transfer cut within a bound
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.split("::")[0] in ALONE:
+            item.add_marker(pytest.mark.alone)
+
+
 @pytest.fixture(params=TRANSPORTS)
 def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Forces one bulk transport on this test's servers and clients (through the

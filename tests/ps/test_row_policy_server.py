@@ -128,14 +128,15 @@ def test_evicted_slots_are_reused_so_server_memory_stays_flat(
         client.pull_sparse("churn", keys)
         client.push_sparse("churn", keys, grads)
 
-    for k in range(4):
+    # Warm-up: by the end of it every server thread that may answer has its buffers.
+    for k in range(10):
         cycle(k)
     before = rss_bytes(pid)
-    for k in range(4, 24):
+    for k in range(10, 30):
         cycle(k)
     grown = rss_bytes(pid) - before
     stats = table_stats(client, "churn")
-    assert (stats.rows, stats.evicted) == (rows, 23 * rows)
+    assert (stats.rows, stats.evicted) == (rows, 29 * rows)
     # 20 cycles of new rows without reuse: 20 * 4000 * 64 * 8 bytes (values and Adagrad
     # state) = 41 MB.
     assert grown < 4 << 20, f"server RSS grew {grown / 2**20:.1f} MiB"

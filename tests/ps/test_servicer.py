@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -184,8 +185,9 @@ def _then_pull(table: str, span: pb.Span | None = None) -> Callable[
     return add
 
 
-@pytest.fixture
-def raw(procs: Procs) -> Iterator[Raw]:
+@contextmanager
+def started(procs: Procs) -> Iterator[Raw]:
+    """A server with tight limits, holding dense "w" and sparse "e", and raw access to it."""
     server = procs.server(extra=["--max-message-mib", "4", "--chunk-mib", "1",
                                  "--max-answer-mib", "0.001", "--max-table-mib", "1",
                                  "--max-dim", "64", "--max-tables", "45",
@@ -194,9 +196,26 @@ def raw(procs: Procs) -> Iterator[Raw]:
     client.declare_dense("w", (8, 4), optimizer="sgd", lr=1.0, init=("uniform", -1, 1))
     client.declare_sparse("e", 4, optimizer="adagrad", lr=0.1)
     channel = grpc.insecure_channel(server.address)
-    yield Raw(channel, client, server)
-    channel.close()
-    client.close()
+    try:
+        yield Raw(channel, client, server)
+    finally:
+        channel.close()
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def raw(module_procs: Procs) -> Iterator[Raw]:
+    """One server for the module's tests that change nothing on it (each checks it did not,
+    and declares no table)."""
+    with started(module_procs) as shared:
+        yield shared
+
+
+@pytest.fixture
+def own(procs: Procs) -> Iterator[Raw]:
+    """A server of the test's own, for a test that changes what the server holds."""
+    with started(procs) as alone:
+        yield alone
 
 
 def _values(n: int, dim: int = 4, dtype: torch.dtype = torch.float32) -> memoryview:
@@ -431,25 +450,25 @@ def test_bad_input_gets_status_and_changes_nothing(
     assert {t.name for t in raw.client.stats()[0].tables} == {"w", "e"}
 
 
-def test_an_assign_if_absent_answers_whether_it_was_kept(raw: Raw) -> None:
+def test_an_assign_if_absent_answers_whether_it_was_kept(own: Raw) -> None:
     """A refused if_absent (no assign) leaves the block unwritten: the next assign if absent
     takes, and every later one is answered `kept` with nothing changed."""
     with pytest.raises(grpc.RpcError):
-        raw.exchange(_assign_w(3.0, assign=False))
-    first = raw.exchange(_assign_w(5.0)).pushes[0]
+        own.exchange(_assign_w(3.0, assign=False))
+    first = own.exchange(_assign_w(5.0)).pushes[0]
     assert (first.kept, first.duplicate, first.elements) == (False, False, 32)
-    assert raw.exchange(_assign_w(6.0)).pushes[0].kept
-    torch.testing.assert_close(raw.client.pull_dense("w"), torch.full((8, 4), 5.0))
-    stats = next(t for t in raw.client.stats()[0].tables if t.name == "w")
+    assert own.exchange(_assign_w(6.0)).pushes[0].kept
+    torch.testing.assert_close(own.client.pull_dense("w"), torch.full((8, 4), 5.0))
+    stats = next(t for t in own.client.stats()[0].tables if t.name == "w")
     assert (stats.pushes_applied, stats.pushes_kept) == (1, 1)
 
 
-def test_non_finite_allowed_per_table(raw: Raw) -> None:
-    raw.client.declare_sparse("loose", 4, optimizer="sgd", lr=1.0, init=("zeros", 0, 0),
+def test_non_finite_allowed_per_table(own: Raw) -> None:
+    own.client.declare_sparse("loose", 4, optimizer="sgd", lr=1.0, init=("zeros", 0, 0),
                               allow_non_finite=True)
     keys = np.array([1], dtype=np.int64)
-    raw.client.push_sparse("loose", keys, torch.tensor([[float("nan"), 1.0, 0.0, 0.0]]))
-    row = raw.client.pull_sparse("loose", keys)[0]
+    own.client.push_sparse("loose", keys, torch.tensor([[float("nan"), 1.0, 0.0, 0.0]]))
+    row = own.client.pull_sparse("loose", keys)[0]
     assert torch.isnan(row[0]) and row[1].item() == -1.0
 
 
@@ -538,21 +557,21 @@ def test_an_undecodable_streamed_part_is_invalid_argument(raw: Raw) -> None:
         err.value.details() or "")
 
 
-def test_not_found_names_a_few_tables_however_many_there_are(raw: Raw) -> None:
-    raw.call("DeclareTables", _declare(*[_sparse_spec(f"t{i:02d}", 4) for i in range(40)]))
+def test_not_found_names_a_few_tables_however_many_there_are(own: Raw) -> None:
+    own.call("DeclareTables", _declare(*[_sparse_spec(f"t{i:02d}", 4) for i in range(40)]))
     with pytest.raises(grpc.RpcError) as err:
-        raw.exchange(_sparse_pull(codec.keys_bytes(KEYS).tobytes(), "nope"))
+        own.exchange(_sparse_pull(codec.keys_bytes(KEYS).tobytes(), "nope"))
     details = err.value.details() or ""
     assert err.value.code() is grpc.StatusCode.NOT_FOUND
     assert "no table 'nope' (tables: 'e', 't00', 't01', 't02', 't03' and 37 more)" in details
     assert len(details) < 200
 
 
-def test_a_clock_past_the_limit_leaves_stats_and_membership_working(raw: Raw) -> None:
+def test_a_clock_past_the_limit_leaves_stats_and_membership_working(own: Raw) -> None:
     with pytest.raises(grpc.RpcError):
-        raw.exchange(_exchange(_clock(2**63 - 1)))
-    raw.client.stats()
-    raw.call("SetMembership", pb.MembershipRequest(live_workers=[0, 1]).SerializeToString())
+        own.exchange(_exchange(_clock(2**63 - 1)))
+    own.client.stats()
+    own.call("SetMembership", pb.MembershipRequest(live_workers=[0, 1]).SerializeToString())
 
 
 def test_stalled_streams_are_cancelled_and_free_their_threads(procs: Procs) -> None:

@@ -198,7 +198,9 @@ def test_redis_outage_pauses_coordination_not_training(procs: Procs) -> None:
     address = str(store.heartbeats("server", [0])[0]["address"])  # type: ignore[index]
     out = procs.workdir / "out"
     workers = [start_worker(procs, redis, "outage", r, out, 1500, 10.0) for r in range(2)]
-    wait_until(lambda: event(store, "joined", "worker", 1), 60, "the workers")
+    # Both joined: a worker still starting when Redis goes cannot register, and exits.
+    wait_until(lambda: all(event(store, "joined", "worker", r) for r in range(2)), 60,
+               "the workers")
     procs.kill(redis_proc, signal.SIGKILL)
     before = pushes_applied(address)
     time.sleep(10)

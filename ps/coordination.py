@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
+from protos.runtime import run_in_background
 from ps.checkpoint import (
     FULL,
     CheckpointCorruptError,
@@ -183,6 +184,7 @@ class ServerCoordinator:
             log.warning("shard %d: a checkpoint's cut was missed or given up; skipping it",
                         self.server.config.shard)
             return
+        run_in_background()  # this thread's own, started for this write
         started = time.monotonic()
         try:
             written = write_snapshot(self.server.shard, self.spec.checkpoint_dir, state,

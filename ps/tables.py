@@ -64,10 +64,8 @@ _MAPPED_BYTES = 4 << 20
 _STAMP_BYTES = 4 + 4
 # The largest clock an evicting table stamps; a request past it is refused.
 STAMP_CLOCK_MAX = 2**31 - 1
-# Clock stamps that are no clock: a free row slot, and a row the running request uses (so
-# that making room for its new rows never evicts it).
+# The clock stamp of a free row slot.
 _FREE = -1
-_PINNED = -2
 # Bits remembering evicted ids (hashed), to count those that come back (readmitted). They
 # are cleared after _EVICTED_BITS // 8 evictions, which keeps the share of bits set, and so
 # the overcount, under about 12% (1 - e^-1/8): readmitted counts ids evicted within that
@@ -859,6 +857,10 @@ class SparseTable(_Counted):
         eviction steps). Stamps the rows under eviction. Caller holds the index lock."""
         rows = self.index.lookup(keys)
         absent = rows < 0
+        now_s = np.float32(self._now_s() if self._evict.active else 0.0)
+        if self._evict.active:
+            # Stamped before any room is made: rows touched this instant are not evicted.
+            self._stamp(rows[~absent], now_s)
         if absent.any():
             # Only the new keys, each once, go to the index: it reserves room for what it is
             # given, so a read of known keys never grows it and new keys grow it by what the
@@ -881,24 +883,27 @@ class SparseTable(_Counted):
                 fresh_admitted = fresh
             if len(fresh_admitted):
                 if self._evict.max_rows:
-                    self._make_room(len(fresh_admitted), rows[~absent])
+                    self._make_room(len(fresh_admitted), now_s)
                 slots = self._take_slots(len(fresh_admitted))
                 before = self.index.capacity
                 self.index.insert_rows(fresh_admitted, slots)
                 if self.index.capacity != before:
                     _return_freed_pages()
                 self._init_rows(fresh_admitted, slots)
+                if self._evict.active:
+                    self._stamp(slots, now_s)
                 if admitted is None:
                     created = slots
                 else:
                     created[admitted] = slots
             rows[absent] = created if where is None else created[where]
-        if self._evict.active:
-            held = rows[rows >= 0]
-            self._touched_clock[held] = self._clock_now
-            self._touched_s[held] = self._now_s()
-            self._changed[held] = 1  # the stamp a snapshot holds
         return torch.from_numpy(rows)
+
+    def _stamp(self, rows: np.ndarray, now_s: np.float32) -> None:
+        """Stamps `rows` as touched now. Caller holds the index lock."""
+        self._touched_clock[rows] = self._clock_now
+        self._touched_s[rows] = now_s
+        self._changed[rows] = 1  # the stamp a snapshot holds
 
     def _admitted(self, fresh: np.ndarray, sight: bool) -> np.ndarray | None:
         """Which of `fresh` (distinct keys without rows) get one now; None: all. Under
@@ -982,34 +987,34 @@ class SparseTable(_Counted):
         if excess > 0:
             self._evict_least_recent(excess, whole_pass=False)
 
-    def _make_room(self, new: int, used: np.ndarray) -> None:
+    def _make_room(self, new: int, now_s: np.float32) -> None:
         """Evicts the least recently touched rows until `new` more rows fit within max_rows,
-        none of `used` (rows the running request resolved, which go back to its caller):
-        window after window, and no further than once round the index, so fewer when the
-        rest are in use. Caller holds the index lock."""
+        none stamped at this clock and second `now_s` (the running request stamped the rows it
+        resolved so, which go back to its caller): window after window, and no further than
+        once round the index, so fewer when the rest were touched now. Caller holds the index
+        lock."""
         need = len(self.index) + new - self._evict.max_rows
-        if need <= 0:
-            return
-        self._touched_clock[used] = _PINNED
-        try:
-            self._evict_least_recent(need, whole_pass=True)
-        finally:
-            self._touched_clock[used] = self._clock_now
+        if need > 0:
+            self._evict_least_recent(need, whole_pass=True, spare_s=now_s)
 
-    def _evict_least_recent(self, n: int, whole_pass: bool) -> None:
+    def _evict_least_recent(self, n: int, whole_pass: bool,
+                            spare_s: np.float32 | None = None) -> None:
         """Evicts the `n` least recently touched rows of the window at the least-recent
-        cursor (pinned rows never); with `whole_pass`, window after window until `n` went or
-        the cursor went once round the index. A key a window meets twice (moved back across
-        the wrap by a deletion) is deleted once: `_evict_keys` frees only what the index
-        removed. Caller holds the index lock."""
+        cursor, but none stamped at the current clock and `spare_s` or later; with
+        `whole_pass`, window after window until `n` went or the cursor went once round the
+        index. A key a window meets twice (moved back across the wrap by a deletion) is
+        deleted once: `_evict_keys` frees only what the index removed. Caller holds the index
+        lock."""
         walked, slots = 0, self.index.capacity
         while n > 0 and walked < slots:
             start = self._lru_cursor
             keys, rows, self._lru_cursor = self.index.scan(
                 start, EVICT_SCAN_SLOTS, EVICT_SCAN_ROWS)
             walked += (self._lru_cursor or slots) - start
-            chosen = least_recent(self._touched_clock[rows], self._touched_s[rows], n)
-            n -= self._evict_keys(keys[chosen])
+            clocks, seconds = self._touched_clock[rows], self._touched_s[rows]  # copies
+            if spare_s is not None:
+                clocks[(clocks == self._clock_now) & (seconds >= spare_s)] = _FREE
+            n -= self._evict_keys(keys[least_recent(clocks, seconds, n)])
             if not whole_pass:
                 return
 

@@ -1265,8 +1265,19 @@ class SparseTable(_Counted):
 
 
 def _resized(array: np.ndarray, capacity: int, used: int, fill: float) -> np.ndarray:
-    out = np.full(capacity, fill, dtype=array.dtype)
+    """A per-slot array of `capacity` slots holding `array`'s first `used`, `fill` after.
+
+    Large ones are mapped on their own, as storage is (_storage): the old array of a grown
+    table then goes back to the OS when it is dropped, instead of staying resident as free heap.
+    """
+    nbytes = capacity * array.dtype.itemsize
+    if nbytes < _MAPPED_BYTES:
+        out = np.empty(capacity, dtype=array.dtype)
+    else:
+        # The array holds the mapping, which is unmapped when the last view of it goes.
+        out = np.frombuffer(mmap.mmap(-1, nbytes), dtype=array.dtype)
     out[:used] = array[:used]
+    out[used:] = fill
     return out
 
 

@@ -582,8 +582,7 @@ class SparseTable(_Counted):
         # Evicting tables only, per row slot: the clock and second (from _epoch_s) it was last
         # touched (clock _FREE: a free slot), and the free slots, a stack of _free_len. A row's
         # key is the key index's alone (scan, items).
-        self._touched_clock = np.zeros(0, dtype=np.int32)
-        self._touched_s = np.zeros(0, dtype=np.float32)
+        self._set_stamps(np.full(0, _stamp_pair(_FREE, 0.0), dtype=np.int64))
         self._epoch_s = clock()
         self._free = np.zeros(0, dtype=np.int64)
         self._free_len = 0
@@ -913,10 +912,23 @@ class SparseTable(_Counted):
             rows[absent] = created if where is None else created[where]
         return torch.from_numpy(rows)
 
+    def _set_stamps(self, stamps: np.ndarray) -> None:
+        """Takes `stamps` (int64, one per row slot) as the table's stamps. A row's clock and
+        second share 8 bytes, so that reading or writing the stamps of rows scattered over
+        the table misses the cache once per row, not twice. Caller holds the index lock."""
+        self._stamps = stamps
+        self._touched_clock = stamps.view(np.int32)[0::2]  # views of `stamps`
+        self._touched_s = stamps.view(np.float32)[1::2]
+
+    def _stamps_of(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the clocks and seconds of `rows`, read in one pass. Caller holds the
+        index lock."""
+        both = self._stamps[rows]
+        return both.view(np.int32)[0::2], both.view(np.float32)[1::2]
+
     def _stamp(self, rows: np.ndarray, now_s: np.float32) -> None:
         """Stamps `rows` as touched now. Caller holds the index lock."""
-        self._touched_clock[rows] = self._clock_now
-        self._touched_s[rows] = now_s
+        self._stamps[rows] = _stamp_pair(self._clock_now, now_s)
         self._changed[rows] = 1  # the stamp a snapshot holds
 
     def _admitted(self, fresh: np.ndarray, sight: bool) -> np.ndarray | None:
@@ -994,8 +1006,7 @@ class SparseTable(_Counted):
         if rule.ttl_clocks or rule.ttl_s:
             keys, rows, self._ttl_cursor = self.index.scan(
                 self._ttl_cursor, EVICT_SCAN_SLOTS, EVICT_SCAN_ROWS)
-            gone = expired(rule, self._touched_clock[rows], self._touched_s[rows],
-                           self._clock_now, self._now_s())
+            gone = expired(rule, *self._stamps_of(rows), self._clock_now, self._now_s())
             self._evict_keys(keys[gone])
         excess = len(self.index) - rule.max_rows if rule.max_rows else 0
         if excess > 0:
@@ -1025,7 +1036,7 @@ class SparseTable(_Counted):
             keys, rows, self._lru_cursor = self.index.scan(
                 start, EVICT_SCAN_SLOTS, EVICT_SCAN_ROWS)
             walked += (self._lru_cursor or slots) - start
-            clocks, seconds = self._touched_clock[rows], self._touched_s[rows]  # copies
+            clocks, seconds = self._stamps_of(rows)
             if spare_s is not None:
                 clocks[(clocks == self._clock_now) & (seconds >= spare_s)] = _FREE
             n -= self._evict_keys(keys[least_recent(clocks, seconds, n)])
@@ -1040,7 +1051,7 @@ class SparseTable(_Counted):
         rows = self.index.delete(keys)
         held = rows >= 0
         slots, keys = rows[held], keys[held]
-        self._touched_clock[slots] = _FREE
+        self._stamps[slots] = _stamp_pair(_FREE, 0.0)
         need = self._free_len + len(slots)
         if need > len(self._free):
             free = np.empty(max(need, 2 * len(self._free)), dtype=np.int64)
@@ -1101,8 +1112,8 @@ class SparseTable(_Counted):
                     step[:used].copy_(self.step[:used])
                 self.step = step
             if self._evict.active:
-                self._touched_clock = _resized(self._touched_clock, capacity, used, _FREE)
-                self._touched_s = _resized(self._touched_s, capacity, used, 0.0)
+                self._set_stamps(
+                    _resized(self._stamps, capacity, used, _stamp_pair(_FREE, 0.0)))
             self._changed = _resized(self._changed, capacity, used, 0)
             self._capacity = capacity
 
@@ -1276,6 +1287,15 @@ class SparseTable(_Counted):
             state_bytes, self.index.nbytes, self.counters(), memory_bytes=self.memory_bytes(),
             metadata_bytes=metadata,
         )
+
+
+def _stamp_pair(clock: int, seconds: float | np.floating[Any]) -> int:
+    """The 8 bytes of an evicting table's stamps of one row (SparseTable._set_stamps), as
+    the int64 they read as."""
+    pair = np.empty(1, dtype=np.int64)
+    pair.view(np.int32)[0] = clock
+    pair.view(np.float32)[1] = seconds
+    return int(pair[0])
 
 
 def _resized(array: np.ndarray, capacity: int, used: int, fill: float) -> np.ndarray:

@@ -58,6 +58,11 @@ INITIAL_SPARSE_ROWS = 1024
 _STEP_BYTES = 8
 # Sparse storage blocks from this size on are mapped on their own (see _storage).
 _MAPPED_BYTES = 4 << 20
+# New rows are initialised in parts of about this many bytes of float32 values: the initial
+# values and optimizer state of a whole request (tens of MiB for 64K rows of dim 64, and as
+# much again in hashing scratch) would raise the high-water mark of the heap of every handler
+# thread that creates rows, which a server keeps resident (protos.runtime.tune_malloc).
+_INIT_BYTES = 1 << 20
 # What an evicting table keeps per row slot: the clock it was last touched (int32) and the
 # second (float32, counted from the table's epoch: its creation or last restore; steps of
 # under 8 ms for a day from it, under 2 s for a year).
@@ -967,16 +972,20 @@ class SparseTable(_Counted):
         needed = self.index.row_limit
         if needed > self._capacity:
             self._grow(grown_capacity(needed, self._capacity, max_rows=self._evict.max_rows))
-        new_rows = torch.from_numpy(rows)
-        init = init_rows(keys, self.spec.dim, self.spec.init, self.spec.seed, self.spec.dtype)
         with self._storage.shared():
             # New rows are invisible to other requests until the index lock is released,
             # so writing them needs no update lock.
-            rows_scatter_(self.value, new_rows, init)
-            for name, slot in self.state.items():
-                rows_scatter_(slot, new_rows, self.optimizer.init_slot(name, init))
-            if self.step is not None:
-                self.step.index_fill_(0, new_rows, 0)
+            per_part = max(1, _INIT_BYTES // (4 * self.spec.dim))
+            for start in range(0, len(rows), per_part):
+                part = slice(start, start + per_part)
+                new_rows = torch.from_numpy(rows[part])
+                init = init_rows(keys[part], self.spec.dim, self.spec.init, self.spec.seed,
+                                 self.spec.dtype)
+                rows_scatter_(self.value, new_rows, init)
+                for name, slot in self.state.items():
+                    rows_scatter_(slot, new_rows, self.optimizer.init_slot(name, init))
+                if self.step is not None:
+                    self.step.index_fill_(0, new_rows, 0)
         self._changed[rows] = 1
         readmitted = 0
         if self._evict.active:

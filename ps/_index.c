@@ -4,12 +4,15 @@
  * The server keeps embedding rows in dense arrays; this table maps the sparse int64 feature
  * ids that clients send to row numbers in those arrays, a whole request batch per call.
  *
- * Layout: open addressing with linear probing over a power-of-two array of {key, row} slots.
- * Emptiness is marked by row == -1 rather than by a reserved key, so every int64 (including
- * -1 and INT64_MIN) is a valid key. Linear probing over 16-byte slots keeps a probe sequence
- * within one or two cache lines, which matters more than anything else once the table is far
- * larger than the CPU caches; for the same reason each probe loop prefetches the home slot of
- * a key PREFETCH_DISTANCE positions ahead, so that many cache misses are in flight at once.
+ * Layout: open addressing with linear probing over a power-of-two array of {key, row} slots,
+ * an int64 key and an int32 row packed into 12 bytes. Emptiness is marked by row == -1 rather
+ * than by a reserved key, so every int64 (including -1 and INT64_MIN) is a valid key; row ids
+ * are limited to [0, MAX_ROWS), and an insert past that raises OverflowError with the index
+ * unchanged. Linear probing over 12-byte slots keeps a probe sequence within one or two cache
+ * lines, which matters more than anything else once the table is far larger than the CPU
+ * caches (one array of packed slots, not separate key and row arrays: a probe then misses the
+ * cache once, not twice); for the same reason each probe loop prefetches the home slot of a key
+ * PREFETCH_DISTANCE positions ahead, so that many cache misses are in flight at once.
  *
  * Buffers are taken through the buffer protocol only (no numpy headers), and the GIL is
  * released around every loop over keys or slots. The object itself is NOT thread-safe: callers
@@ -26,12 +29,18 @@
 #include <sys/mman.h>
 #endif
 
+/* 4-byte alignment makes the slot 12 bytes, not 16: the key is read unaligned one slot in
+ * two, which costs nothing measurable on x86-64 and AArch64. */
+#pragma pack(push, 4)
 typedef struct {
     int64_t key;
-    int64_t row; /* EMPTY_ROW marks a free slot */
+    int32_t row; /* EMPTY_ROW marks a free slot */
 } Slot;
+#pragma pack(pop)
 
 #define EMPTY_ROW (-1)
+/* Row ids are below this (an int32 holds them), so an index holds at most 2**31 - 1 rows. */
+#define MAX_ROWS ((size_t)INT32_MAX)
 #define MIN_CAPACITY ((size_t)8)
 /* Far below where capacity * sizeof(Slot) or capacity * 7 could overflow a 64-bit size_t. */
 #define MAX_CAPACITY ((size_t)1 << 58)
@@ -83,7 +92,9 @@ static size_t capacity_for(size_t n) {
 static Slot *slots_alloc(size_t cap) {
     size_t nbytes = cap * sizeof(Slot);
     if (nbytes < HUGE_PAGE_BYTES) return (Slot *)malloc(nbytes);
-    /* nbytes is a power of two >= 2 MiB, hence a multiple of the alignment, as C11 requires. */
+    /* C11 wants a multiple of the alignment; the rounded-up tail is never written, so it takes
+     * address space, not memory. */
+    nbytes = (nbytes + HUGE_PAGE_BYTES - 1) & ~(HUGE_PAGE_BYTES - 1);
     Slot *p = (Slot *)aligned_alloc(HUGE_PAGE_BYTES, nbytes);
 #ifdef MADV_HUGEPAGE
     if (p != NULL) (void)madvise(p, nbytes, MADV_HUGEPAGE); /* advisory; failure is harmless */
@@ -220,12 +231,14 @@ static Py_ssize_t probe_lookup(const Int64Index *self, const int64_t *keys, int6
 
 /* Capacity for size + n keys must already be reserved, so no slot moves during the loop and
  * the prefetches stay valid. Returns the new next_row, which the caller stores with the GIL
- * held (len() from another thread must not see it change mid-call). */
+ * held (len() from another thread must not see it change mid-call); or, when a new key would
+ * need row MAX_ROWS, stops there and returns MAX_ROWS + 1 (rows it created stay: see
+ * undo_insert). */
 static size_t probe_insert(Int64Index *self, const int64_t *keys, int64_t *out, Py_ssize_t n) {
     Slot *slots = self->slots;
     const size_t mask = self->capacity - 1;
     const uint64_t seed = self->seed;
-    int64_t next_row = (int64_t)self->next_row;
+    size_t next_row = self->next_row;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + PREFETCH_DISTANCE < n)
             PREFETCH(&slots[hash_key(keys[i + PREFETCH_DISTANCE], seed) & mask], 1);
@@ -233,12 +246,29 @@ static size_t probe_insert(Int64Index *self, const int64_t *keys, int64_t *out, 
         size_t j = hash_key(key, seed) & mask;
         while (slots[j].row >= 0 && slots[j].key != key) j = (j + 1) & mask;
         if (slots[j].row < 0) { /* first appearance: next dense row id */
+            if (next_row >= MAX_ROWS) return MAX_ROWS + 1;
             slots[j].key = key;
-            slots[j].row = next_row++;
+            slots[j].row = (int32_t)next_row++;
         }
         out[i] = slots[j].row;
     }
-    return (size_t)next_row;
+    return next_row;
+}
+
+static void slot_remove(Slot *slots, size_t mask, uint64_t seed, size_t i);
+
+/* Removes the keys of `keys` that hold rows >= first_row, i.e. those a probe_insert that ran
+ * out of row ids created: the index is as it was before that call. Needs no GIL. */
+static void undo_insert(Int64Index *self, const int64_t *keys, Py_ssize_t n, size_t first_row) {
+    Slot *slots = self->slots;
+    const size_t mask = self->capacity - 1;
+    const uint64_t seed = self->seed;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        size_t j = hash_key(keys[i], seed) & mask;
+        while (slots[j].row >= 0 && slots[j].key != keys[i]) j = (j + 1) & mask;
+        if (slots[j].row >= 0 && (size_t)slots[j].row >= first_row)
+            slot_remove(slots, mask, seed, j);
+    }
 }
 
 /* ---- methods ---- */
@@ -305,8 +335,10 @@ PyDoc_STRVAR(lookup_or_insert_doc,
 "lookup_or_insert($self, keys, out, /)\n--\n\n"
 "Like lookup(), but a key that is absent is inserted first. New keys get row ids\n"
 "row_limit, row_limit + 1, ... (len(self), ... while nothing was deleted) in order of first\n"
-"appearance in `keys`; repeats of a key share its row. Returns the number of rows created. Room for len(self) + len(keys) keys is\n"
-"reserved before anything is inserted, so on MemoryError the table is unchanged.\n"
+"appearance in `keys`; repeats of a key share its row. Returns the number of rows created.\n"
+"Room for len(self) + len(keys) keys is reserved before anything is inserted, so on\n"
+"MemoryError the table is unchanged; so it is on OverflowError, raised when a new key would\n"
+"need a row id past 2**31 - 2 (an index holds at most 2**31 - 1 rows).\n"
 "Releases the GIL while probing; not thread-safe.");
 
 static PyObject *Int64Index_lookup_or_insert(Int64Index *self, PyObject *args) {
@@ -320,12 +352,34 @@ static PyObject *Int64Index_lookup_or_insert(Int64Index *self, PyObject *args) {
         /* Worst case reservation: it may grow the table one batch early, but it makes the call
          * all-or-nothing, so a row id is never handed out without being returned. */
         if (index_reserve(self, self->size + (size_t)n) == 0) {
-            Py_BEGIN_ALLOW_THREADS
-            after = probe_insert(self, keys.buf, out.buf, n);
-            Py_END_ALLOW_THREADS
-            self->next_row = after;
-            self->size += after - before;
-            created = (Py_ssize_t)(after - before);
+            /* Near the row limit the keys are copied first: a call that runs out of row ids
+             * removes the keys it inserted again, and `out` may be `keys` itself. */
+            const int64_t *k = keys.buf;
+            int64_t *copy = NULL;
+            int ready = 1;
+            if (before + (size_t)n > MAX_ROWS) {
+                copy = (int64_t *)malloc((size_t)n * sizeof(int64_t));
+                ready = copy != NULL;
+                if (ready) k = memcpy(copy, keys.buf, (size_t)n * sizeof(int64_t));
+                else PyErr_NoMemory();
+            }
+            if (ready) {
+                Py_BEGIN_ALLOW_THREADS
+                after = probe_insert(self, k, out.buf, n);
+                if (after > MAX_ROWS) undo_insert(self, k, n, before);
+                Py_END_ALLOW_THREADS
+                if (after > MAX_ROWS) {
+                    PyErr_Format(PyExc_OverflowError,
+                                 "Int64Index: %zd keys with %zu rows held would pass the limit "
+                                 "of 2**31 - 1 rows per index; nothing was inserted. Spread "
+                                 "the keys over more indexes", n, self->size);
+                } else {
+                    self->next_row = after;
+                    self->size += after - before;
+                    created = (Py_ssize_t)(after - before);
+                }
+            }
+            free(copy);
         }
         end_use(self, 1);
     }
@@ -471,11 +525,12 @@ static PyObject *Int64Index_delete(Int64Index *self, PyObject *args) {
 
 PyDoc_STRVAR(insert_rows_doc,
 "insert_rows($self, keys, rows, /)\n--\n\n"
-"Insert each key of `keys` with the row id at the same position of `rows` (each >= 0): how\n"
-"a caller reuses the row ids of deleted keys. Keys must be absent and distinct, rows must\n"
-"not be held by another key (the index does not check that). All-or-nothing: a negative row\n"
-"or a key already present raises ValueError with the index unchanged. Raises row_limit past\n"
-"the largest row given. Releases the GIL while probing; not thread-safe.");
+"Insert each key of `keys` with the row id at the same position of `rows` (each in\n"
+"[0, 2**31 - 1)): how a caller reuses the row ids of deleted keys. Keys must be absent and\n"
+"distinct, rows must not be held by another key (the index does not check that).\n"
+"All-or-nothing: a negative row or a key already present raises ValueError, a row of\n"
+"2**31 - 1 or more OverflowError, with the index unchanged. Raises row_limit past the\n"
+"largest row given. Releases the GIL while probing; not thread-safe.");
 
 static PyObject *Int64Index_insert_rows(Int64Index *self, PyObject *args) {
     PyObject *keys_obj, *rows_obj;
@@ -495,15 +550,19 @@ static PyObject *Int64Index_insert_rows(Int64Index *self, PyObject *args) {
         int64_t top = -1;
         Py_ssize_t bad = -1, present = -1;
         for (Py_ssize_t i = 0; i < n; i++) {
-            if (r[i] < 0) {
+            if (r[i] < 0 || (uint64_t)r[i] >= MAX_ROWS) {
                 bad = i;
                 break;
             }
             if (r[i] > top) top = r[i];
         }
-        if (bad >= 0) {
+        if (bad >= 0 && r[bad] < 0) {
             PyErr_Format(PyExc_ValueError, "row %lld at position %zd is negative",
                          (long long)r[bad], bad);
+        } else if (bad >= 0) {
+            PyErr_Format(PyExc_OverflowError,
+                         "row %lld at position %zd is past the largest row id an index holds, "
+                         "2**31 - 2; nothing was inserted", (long long)r[bad], bad);
         } else if (index_reserve(self, self->size + (size_t)n) == 0) {
             Slot *slots = self->slots;
             const size_t mask = self->capacity - 1;
@@ -518,7 +577,7 @@ static PyObject *Int64Index_insert_rows(Int64Index *self, PyObject *args) {
                     break;
                 }
                 slots[j].key = k[i];
-                slots[j].row = r[i];
+                slots[j].row = (int32_t)r[i];
             }
             if (present >= 0) { /* undo: the index is as it was */
                 for (Py_ssize_t u = 0; u < present; u++) {
@@ -587,6 +646,61 @@ static PyObject *Int64Index_items(Int64Index *self, PyObject *args) {
     return ok ? Py_NewRef(Py_None) : NULL;
 }
 
+PyDoc_STRVAR(scan_doc,
+"scan($self, start, max_slots, keys_out, rows_out, /)\n--\n\n"
+"Write the (key, row id) pairs held in slots start, start + 1, ... into keys_out and\n"
+"rows_out (writable 1-D int64 buffers of equal length), in slot order, stopping after\n"
+"max_slots slots, after the last slot, or when the buffers are full. 0 <= start < capacity.\n"
+"Returns (count, next_slot): the pairs written and the slot to go on from, 0 after the last\n"
+"slot, so that a cursor goes round the table in bounded steps. Between two calls a delete\n"
+"may move an entry to an earlier slot (backward shift), past the cursor: that pass misses it\n"
+"(or, moved across the wrap, meets it twice). Each move brings an entry nearer its home slot,\n"
+"so no entry is missed on every pass. Releases the GIL while scanning; not thread-safe.");
+
+static PyObject *Int64Index_scan(Int64Index *self, PyObject *args) {
+    Py_ssize_t start, max_slots;
+    PyObject *keys_obj, *rows_obj;
+    Py_buffer keys, rows;
+    if (!PyArg_ParseTuple(args, "nnOO:scan", &start, &max_slots, &keys_obj, &rows_obj))
+        return NULL;
+    if (start < 0 || (size_t)start >= self->capacity)
+        return PyErr_Format(PyExc_ValueError, "start must be in [0, %zu), got %zd",
+                            self->capacity, start);
+    if (max_slots < 0)
+        return PyErr_Format(PyExc_ValueError, "max_slots must be >= 0, got %zd", max_slots);
+    if (get_int64_buffer(keys_obj, &keys, 1, "keys_out") < 0) return NULL;
+    if (get_int64_buffer(rows_obj, &rows, 1, "rows_out") < 0) {
+        PyBuffer_Release(&keys);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (rows.len != keys.len) {
+        PyErr_Format(PyExc_ValueError, "keys_out has %zd elements, rows_out has %zd",
+                     keys.len / 8, rows.len / 8);
+    } else if (keys.buf == rows.buf && keys.len > 0) {
+        PyErr_SetString(PyExc_ValueError, "keys_out and rows_out must be different buffers");
+    } else if (begin_use(self, 0) == 0) {
+        const Slot *slots = self->slots;
+        int64_t *kd = keys.buf, *rd = rows.buf;
+        const size_t room = (size_t)(keys.len / 8), cap = self->capacity;
+        const size_t left = cap - (size_t)start;
+        const size_t end = (size_t)start + ((size_t)max_slots < left ? (size_t)max_slots : left);
+        size_t i = (size_t)start, w = 0;
+        Py_BEGIN_ALLOW_THREADS
+        for (; i < end && w < room; i++)
+            if (slots[i].row >= 0) {
+                kd[w] = slots[i].key;
+                rd[w++] = slots[i].row;
+            }
+        Py_END_ALLOW_THREADS
+        end_use(self, 0);
+        result = Py_BuildValue("nn", (Py_ssize_t)w, (Py_ssize_t)(i < cap ? i : 0));
+    }
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&rows);
+    return result;
+}
+
 static PyObject *Int64Index_get_row_limit(Int64Index *self, void *Py_UNUSED(closure)) {
     return PyLong_FromSize_t(self->next_row);
 }
@@ -611,12 +725,14 @@ static PyMethodDef Int64Index_methods[] = {
     {"delete", (PyCFunction)Int64Index_delete, METH_VARARGS, delete_doc},
     {"insert_rows", (PyCFunction)Int64Index_insert_rows, METH_VARARGS, insert_rows_doc},
     {"items", (PyCFunction)Int64Index_items, METH_VARARGS, items_doc},
+    {"scan", (PyCFunction)Int64Index_scan, METH_VARARGS, scan_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static PyGetSetDef Int64Index_getset[] = {
     {"capacity", (getter)Int64Index_get_capacity, NULL, "Number of slots (a power of two).", NULL},
-    {"nbytes", (getter)Int64Index_get_nbytes, NULL, "Bytes held by the slot array.", NULL},
+    {"nbytes", (getter)Int64Index_get_nbytes, NULL,
+     "Bytes held by the slot array (12 per slot).", NULL},
     {"row_limit", (getter)Int64Index_get_row_limit, NULL,
      "One past the largest row id handed out since the last clear.", NULL},
     {NULL, NULL, NULL, NULL, NULL},

@@ -24,7 +24,8 @@ class Int64Index:
     def lookup(self, keys: _Int64Buffer, out: _Int64Buffer, /) -> int:
         """Write each key's row id (or -1 when absent) into ``out``; return the number found."""
     def lookup_or_insert(self, keys: _Int64Buffer, out: _Int64Buffer, /) -> int:
-        """Like ``lookup``, inserting absent keys; return the number of rows created."""
+        """Like ``lookup``, inserting absent keys; return the number of rows created.
+        ``OverflowError`` (nothing inserted) past 2**31 - 1 rows."""
     def export(self, keys_out: _Int64Buffer, /) -> None:
         """Write ``keys_out[row] = key`` for every row; ``keys_out`` has length ``len(self)``."""
     def reserve(self, n: int, /) -> None:
@@ -38,6 +39,10 @@ class Int64Index:
         """Insert absent, distinct ``keys`` with the given row ids; all-or-nothing."""
     def items(self, keys_out: _Int64Buffer, rows_out: _Int64Buffer, /) -> None:
         """Write every (key, row id) pair in slot order; both have length ``len(self)``."""
+    def scan(self, start: int, max_slots: int, keys_out: _Int64Buffer, rows_out: _Int64Buffer,
+             /) -> tuple[int, int]:
+        """Write the (key, row id) pairs of slots ``start, ...`` (at most ``max_slots`` slots,
+        up to the buffers' length); return ``(count, next_slot)``, 0 after the last slot."""
     @property
     def row_limit(self) -> int:
         """One past the largest row id handed out since the last clear."""

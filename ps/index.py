@@ -3,7 +3,9 @@
 A typed numpy wrapper over the C extension ``ps._index.Int64Index``. Row ids are dense: the
 n-th distinct key ever inserted gets row ``n``, so they index straight into the value arrays
 that hold the embedding rows. A table that evicts rows deletes keys and gives their row ids
-to new keys itself (``delete``, ``insert_rows``), so its row ids stay below ``row_limit``.
+to new keys itself (``delete``, ``insert_rows``), so its row ids stay below ``row_limit``, and
+walks the index in bounded windows (``scan``) to pick what to evict. An index holds at most
+``MAX_ROWS`` rows (row ids are int32 in its slots).
 
 Calls are blocking and release the GIL while they work, but a ``KeyIndex`` is NOT thread-safe:
 callers must serialise every call (reads included, when a writer may run) with their own lock.
@@ -17,10 +19,13 @@ import numpy.typing as npt
 from ps._index import Int64Index, first_repeat
 from ps.errors import InvalidArgumentError
 
-__all__ = ["SLOT_BYTES", "KeyIndex", "capacity_for", "count_distinct"]
+__all__ = ["MAX_ROWS", "SLOT_BYTES", "KeyIndex", "capacity_for", "count_distinct"]
 
-# Bytes of one hash slot (an int64 key and an int64 row id), as ps/_index.c lays them out.
-SLOT_BYTES = 16
+# Bytes of one hash slot (an int64 key and an int32 row id, packed), as ps/_index.c lays
+# them out.
+SLOT_BYTES = 12
+# Rows one index holds at most: row ids are below this (int32 in the slots).
+MAX_ROWS = 2**31 - 1
 # ps/_index.c's smallest table and its load limit (keys <= capacity * 7 / 10).
 _MIN_CAPACITY = 8
 
@@ -87,7 +92,8 @@ class KeyIndex:
         New keys get rows ``len(self), len(self) + 1, ...`` in order of first appearance in
         ``keys`` (repeats share a row), so the new rows are exactly those ``>=`` the length
         before the call, and ``n_new`` is how many there are. All-or-nothing: on
-        ``MemoryError`` the index is unchanged.
+        ``MemoryError``, or ``OverflowError`` when the rows would pass ``MAX_ROWS``, the index
+        is unchanged.
         """
         keys = _as_keys(keys)
         rows = np.empty(keys.shape[0], dtype=np.int64)
@@ -114,8 +120,9 @@ class KeyIndex:
         return rows
 
     def insert_rows(self, keys: npt.NDArray[np.int64], rows: npt.NDArray[np.int64]) -> None:
-        """Inserts absent, distinct ``keys`` with the row ids ``rows`` (each >= 0, held by no
-        other key). All-or-nothing: ``ValueError`` naming a present key or a negative row."""
+        """Inserts absent, distinct ``keys`` with the row ids ``rows`` (each in [0, MAX_ROWS),
+        held by no other key). All-or-nothing: ``ValueError`` naming a present key or a
+        negative row, ``OverflowError`` naming a row of MAX_ROWS or more."""
         self._index.insert_rows(_as_keys(keys), _as_keys(rows))
 
     def items(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
@@ -124,6 +131,20 @@ class KeyIndex:
         rows = np.empty(len(self._index), dtype=np.int64)
         self._index.items(keys, rows)
         return keys, rows
+
+    def scan(self, start: int, max_slots: int, max_items: int
+             ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int]:
+        """``(keys, rows, next_slot)``: the pairs held in slots ``start, start + 1, ...``, in
+        slot order, stopping after ``max_slots`` slots, after the last slot or at
+        ``max_items`` pairs; ``next_slot`` is where the next window starts (0 after the last
+        slot). 0 <= start < capacity. A cursor fed back from ``next_slot`` goes round the
+        table in bounded steps; keys deleted in between may move an entry back past the
+        cursor (that pass misses it, or meets it twice across the wrap), never on every
+        pass."""
+        keys = np.empty(max_items, dtype=np.int64)
+        rows = np.empty(max_items, dtype=np.int64)
+        count, next_slot = self._index.scan(start, max_slots, keys, rows)
+        return keys[:count], rows[:count], next_slot
 
     @property
     def row_limit(self) -> int:
@@ -157,7 +178,7 @@ class KeyIndex:
 
     @property
     def nbytes(self) -> int:
-        """The bytes held by the slot array (16 per slot)."""
+        """The bytes held by the slot array (SLOT_BYTES per slot)."""
         return self._index.nbytes
 
     def __repr__(self) -> str:

@@ -81,12 +81,10 @@ def plan_table(spec: TableSpec, ids: int, servers: int) -> TablePlan:
     rows = min(ids, math.ceil(mean + _SPREAD_SIGMAS * math.sqrt(mean * (1 - 1 / servers))))
     if spec.max_rows:
         rows = min(rows, spec.max_rows)
-    # Without a budget storage doubles as rows arrive in requests smaller than the table. A
-    # full bounded table passes max_rows by a request's new rows before its eviction step
-    # frees their slots, so its storage grows once more, past max_rows.
-    slots = rows + 1 if spec.max_rows and rows == spec.max_rows else rows
+    # Without a budget storage doubles as rows arrive in requests smaller than the table; a
+    # bounded table's stops at max_rows (it evicts before it creates rows).
     capacity = INITIAL_SPARSE_ROWS
-    while capacity < slots:
+    while capacity < rows:
         capacity = grown_capacity(capacity + 1, capacity, max_rows=spec.max_rows)
     return TablePlan(spec, ids, servers, rows, SparseTable.row_bytes(spec), capacity,
                      capacity_for(rows))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -197,8 +197,8 @@ class EvictRule:
 
 
 def expired(
-    rule: EvictRule, touched_clock: npt.NDArray[np.int64], touched_s: npt.NDArray[np.float64],
-    now_clock: int, now_s: float,
+    rule: EvictRule, touched_clock: npt.NDArray[np.signedinteger[Any]],
+    touched_s: npt.NDArray[np.floating[Any]], now_clock: int, now_s: float,
 ) -> npt.NDArray[np.bool_]:
     """Which rows (live ones have touched_clock >= 0) the TTLs evict at (now_clock, now_s):
     those touched `ttl_clocks` or more clocks ago, or more than `ttl_s` seconds ago. Pure."""
@@ -207,12 +207,13 @@ def expired(
     if rule.ttl_clocks:
         out |= touched_clock <= now_clock - rule.ttl_clocks
     if rule.ttl_s:
-        out |= touched_s < now_s - rule.ttl_s
+        out |= touched_s < np.float64(now_s - rule.ttl_s)  # float64: stamps may be float32
     return out & live
 
 
 def least_recent(
-    touched_clock: npt.NDArray[np.int64], touched_s: npt.NDArray[np.float64], n: int
+    touched_clock: npt.NDArray[np.signedinteger[Any]], touched_s: npt.NDArray[np.floating[Any]],
+    n: int,
 ) -> npt.NDArray[np.intp]:
     """Positions of the `n` least recently touched live rows (touched_clock >= 0), by clock
     and then by seconds; fewer when fewer are live. Pure."""

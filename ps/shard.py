@@ -622,11 +622,13 @@ class Shard:
                 f"limit of {self.config.limits.max_answer_bytes} (--max-answer-mib); pull "
                 "fewer rows per request"
             )
-        # Last of the checks, as it reserves room (never rows) for what passed all others.
-        grant = self._admit_rows(touches)
-        # Rows touched now are stamped with this clock (TTLs in clocks count from it).
+        # Rows touched now are stamped with this clock (TTLs in clocks count from it). Before
+        # the budget's check, which reserves room: a clock a table cannot stamp is refused
+        # before anything is reserved.
         for table in {t for t, _, _, _ in touches}:
             table.observe_clock(max(request.push_clock, request.pull_clock))
+        # Last of the checks, as it reserves room (never rows) for what passed all others.
+        grant = self._admit_rows(touches)
         try:
             outcomes = [self._commit(p, alive) for p in prepared]
             open_clock = None
@@ -663,7 +665,9 @@ class Shard:
         if not budget and sum(len(keys) for _, keys, _, _ in touches) <= limits.max_new_rows:
             return {}
         fresh: dict[SparseTable, list[tuple[np.ndarray, bool]]] = {}
+        touched: dict[SparseTable, int] = {}
         for table, keys, known, unique in touches:
+            touched[table] = touched.get(table, 0) + len(keys)
             absent = table.absent(keys) if known is None else keys[known < 0]
             # Ids the table's admission rule refuses make no row, so take no room.
             absent = table.admissible(absent, sight=not unique)  # pulls: keys may repeat
@@ -693,6 +697,10 @@ class Shard:
             plan: list[tuple[SparseTable, int, int]] = []
             for table in sorted(new, key=lambda t: t.spec.name):
                 rows = table.rows + self._pending.get(table, 0) + new[table]
+                if table.spec.max_rows:
+                    # It evicts before it creates rows: only an exchange that alone uses more
+                    # rows than max_rows (at most its keys) takes it past.
+                    rows = min(rows, max(table.spec.max_rows, touched[table]))
                 now = table.memory_bytes()
                 least = projected + table.bytes_at(rows, rows) - now
                 if least > budget:

@@ -27,8 +27,8 @@ from protos import modes
 from protos.codec import FLOAT_DTYPES
 from protos.partition import RowRange, shard_of_keys
 from ps.checkpoint import EVICTED_KEYS
-from ps.errors import FailedPreconditionError, InvalidArgumentError
-from ps.index import SLOT_BYTES, KeyIndex, capacity_for
+from ps.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
+from ps.index import MAX_ROWS, SLOT_BYTES, KeyIndex, capacity_for
 from ps.initializers import InitSpec, init_rows
 from ps.locks import RWLock
 from ps.optim import Optimizer, compute_dtype, make_optimizer
@@ -58,16 +58,30 @@ INITIAL_SPARSE_ROWS = 1024
 _STEP_BYTES = 8
 # Sparse storage blocks from this size on are mapped on their own (see _storage).
 _MAPPED_BYTES = 4 << 20
-# What an evicting table keeps per row slot: its key, last clock and last second touched.
-_STAMP_BYTES = 8 + 8 + 8
+# New rows are initialised in parts of about this many bytes of float32 values: the initial
+# values and optimizer state of a whole request (tens of MiB for 64K rows of dim 64, and as
+# much again in hashing scratch) would raise the high-water mark of the heap of every handler
+# thread that creates rows, which a server keeps resident (protos.runtime.tune_malloc).
+_INIT_BYTES = 1 << 20
+# What an evicting table keeps per row slot: the clock it was last touched (int32) and the
+# second (float32, counted from the table's epoch: its creation or last restore; steps of
+# under 8 ms for a day from it, under 2 s for a year).
+_STAMP_BYTES = 4 + 4
+# The largest clock an evicting table stamps; a request past it is refused.
+STAMP_CLOCK_MAX = 2**31 - 1
+# The clock stamp of a free row slot.
+_FREE = -1
 # Bits remembering evicted ids (hashed), to count those that come back (readmitted). They
 # are cleared after _EVICTED_BITS // 8 evictions, which keeps the share of bits set, and so
 # the overcount, under about 12% (1 - e^-1/8): readmitted counts ids evicted within that
 # window, not ever.
 _EVICTED_BITS = 1 << 20
 _EVICTED_WINDOW = _EVICTED_BITS // 8
-# Row slots one eviction step looks at: the bound on a step's work, whatever the table's size.
+# Rows one eviction window looks at, walking at most EVICT_SCAN_SLOTS slots of the key index
+# (a full table fills from 35% to 70% of its slots): the bound on a step's work, whatever the
+# table's size.
 EVICT_SCAN_ROWS = 1 << 16
+EVICT_SCAN_SLOTS = 4 * EVICT_SCAN_ROWS
 
 
 @dataclass(frozen=True)
@@ -259,15 +273,15 @@ def grown_capacity(rows: int, capacity: int, spare_rows: int | None = None,
     Its own when they fit. Else double (at least `rows`): few moves of the whole table as it
     grows. Under a memory budget that leaves `spare_rows` rows of room beyond `rows`, at most
     `rows` plus half of them, so one table near the budget does not take the room every other
-    table may need. A table with `max_rows` doubles to at most max_rows and an eighth (its
-    rows pass max_rows by a request's new ones until eviction frees their slots for reuse),
-    so a bounded table's storage stays near its bound. Pure.
+    table may need. A table with `max_rows` doubles to at most max_rows: it evicts before it
+    creates rows, so only a request that alone uses more rows takes it past (to what that
+    request needs). Pure.
     """
     if rows <= capacity:
         return capacity
     doubled = max(rows, 2 * capacity)
     if max_rows:
-        doubled = max(rows, min(doubled, max_rows + max_rows // 8))
+        doubled = max(rows, min(doubled, max_rows))
     if spare_rows is None:
         return doubled
     return max(rows, min(doubled, rows + spare_rows // 2))
@@ -311,7 +325,21 @@ def _storage(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if nbytes < _MAPPED_BYTES:
         return torch.empty(shape, dtype=dtype)
     # The tensor holds the mapping, which is unmapped when the last view of it goes.
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    return torch.frombuffer(_mapping(nbytes), dtype=dtype).view(shape)
+
+
+def _mapping(nbytes: int) -> mmap.mmap:
+    """A private anonymous mapping of `nbytes` (zero pages, none resident yet), advised onto
+    transparent huge pages where the OS offers them: rows are read and written at random over
+    hundreds of MiB, where 4 KiB pages miss the TLB on nearly every row (an evicting table
+    reuses the slots of rows evicted anywhere). Resident size then follows the rows written
+    in steps of 2 MiB per mapping."""
+    block = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        with contextlib.suppress(OSError):  # advisory: without it the mapping still works
+            block.madvise(advice)
+    return block
 
 
 def _state_itemsize(spec: TableSpec) -> int:
@@ -556,11 +584,11 @@ class SparseTable(_Counted):
         self._sketch = (CountMinSketch(spec.seed) if self._admit.kind == "count" else None)
         # What a pull of an id without a row returns.
         self._default = torch.full((spec.dim,), spec.admit_default, dtype=spec.dtype)
-        # Evicting tables only, per row slot: its key, the clock and second it was last
-        # touched (clock -1: a free slot), and the free slots, a stack of _free_len.
-        self._slot_key = np.zeros(0, dtype=np.int64)
-        self._touched_clock = np.zeros(0, dtype=np.int64)
-        self._touched_s = np.zeros(0, dtype=np.float64)
+        # Evicting tables only, per row slot: the clock and second (from _epoch_s) it was last
+        # touched (clock _FREE: a free slot), and the free slots, a stack of _free_len. A row's
+        # key is the key index's alone (scan, items).
+        self._set_stamps(np.full(0, _stamp_pair(_FREE, 0.0), dtype=np.int64))
+        self._epoch_s = clock()
         self._free = np.zeros(0, dtype=np.int64)
         self._free_len = 0
         self._evicted_bits = np.zeros(
@@ -569,8 +597,8 @@ class SparseTable(_Counted):
         self._evicted_in_window = 0  # evictions since the bits were last cleared
         self._time = clock
         self._clock_now = 0  # the latest worker clock seen (observe_clock)
-        self._ttl_cursor = 0  # where the next TTL scan starts
-        self._lru_cursor = 0  # where the next max_rows window starts, past EVICT_SCAN_ROWS
+        self._ttl_cursor = 0  # the key index slot where the next TTL window starts
+        self._lru_cursor = 0  # the key index slot where the next least-recent window starts
         # Change tracking, for delta snapshots: per row slot, whether the row changed since
         # the last snapshot (values, optimizer state, step or touch stamp; or created), set
         # after each change and cleared before the copy, so a change racing a snapshot is in
@@ -596,8 +624,7 @@ class SparseTable(_Counted):
     @staticmethod
     def row_bytes(spec: TableSpec) -> int:
         """What one row of storage takes: its values, one row per optimizer slot, its step
-        counter where the optimizer keeps one, and under eviction its key, stamps and free
-        list entry. Pure."""
+        counter where the optimizer keeps one, and under eviction its stamps. Pure."""
         optimizer = spec.optimizer.build()
         return (spec.dim * spec.itemsize
                 + optimizer.slot_width(spec.dim) * _state_itemsize(spec)
@@ -688,7 +715,15 @@ class SparseTable(_Counted):
 
     def observe_clock(self, clock: int) -> None:
         """Tells the table the clock of a request touching it: rows are stamped with the
-        latest one, which TTLs in clocks count from. Thread-safe."""
+        latest one, which TTLs in clocks count from. InvalidArgumentError, with nothing
+        changed, for a clock past STAMP_CLOCK_MAX on an evicting table (its stamps are int32).
+        Thread-safe."""
+        if self._evict.active and clock > STAMP_CLOCK_MAX:
+            raise InvalidArgumentError(
+                f"table {self.spec.name!r} evicts rows by their last clock, which it keeps "
+                f"up to {STAMP_CLOCK_MAX}; the request is at clock {clock}. A job running this "
+                "long must declare the table without ttl_clocks, ttl_s and max_rows"
+            )
         if self._evict.active and clock > self._clock_now:
             with self._index_lock:
                 self._clock_now = max(self._clock_now, clock)
@@ -834,9 +869,16 @@ class SparseTable(_Counted):
         """Row ids of `keys`, creating the rows of new ones the admission rule admits (-1 for
         the others); `unique`: no key repeats; `sight`: a pull, which counts towards count:K
         (a push does not: a training step pushes the ids it pulled, and one example must not
-        count twice). Stamps the rows under eviction. Caller holds the index lock."""
+        count twice). Under max_rows, evicts the least recently touched rows first, to keep
+        the table within max_rows once the new rows exist, never a row of these keys (unless
+        the keys alone need more rows: the table then passes max_rows by them until later
+        eviction steps). Stamps the rows under eviction. Caller holds the index lock."""
         rows = self.index.lookup(keys)
         absent = rows < 0
+        now_s = np.float32(self._now_s() if self._evict.active else 0.0)
+        if self._evict.active:
+            # Stamped before any room is made: rows touched this instant are not evicted.
+            self._stamp(rows[~absent], now_s)
         if absent.any():
             # Only the new keys, each once, go to the index: it reserves room for what it is
             # given, so a read of known keys never grows it and new keys grow it by what the
@@ -858,23 +900,41 @@ class SparseTable(_Counted):
             else:
                 fresh_admitted = fresh
             if len(fresh_admitted):
+                if self._evict.max_rows:
+                    self._make_room(len(fresh_admitted), now_s)
                 slots = self._take_slots(len(fresh_admitted))
                 before = self.index.capacity
                 self.index.insert_rows(fresh_admitted, slots)
                 if self.index.capacity != before:
                     _return_freed_pages()
                 self._init_rows(fresh_admitted, slots)
+                if self._evict.active:
+                    self._stamp(slots, now_s)
                 if admitted is None:
                     created = slots
                 else:
                     created[admitted] = slots
             rows[absent] = created if where is None else created[where]
-        if self._evict.active:
-            held = rows[rows >= 0]
-            self._touched_clock[held] = self._clock_now
-            self._touched_s[held] = self._time()
-            self._changed[held] = 1  # the stamp a snapshot holds
         return torch.from_numpy(rows)
+
+    def _set_stamps(self, stamps: np.ndarray) -> None:
+        """Takes `stamps` (int64, one per row slot) as the table's stamps. A row's clock and
+        second share 8 bytes, so that reading or writing the stamps of rows scattered over
+        the table misses the cache once per row, not twice. Caller holds the index lock."""
+        self._stamps = stamps
+        self._touched_clock = stamps.view(np.int32)[0::2]  # views of `stamps`
+        self._touched_s = stamps.view(np.float32)[1::2]
+
+    def _stamps_of(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the clocks and seconds of `rows`, read in one pass. Caller holds the
+        index lock."""
+        both = self._stamps[rows]
+        return both.view(np.int32)[0::2], both.view(np.float32)[1::2]
+
+    def _stamp(self, rows: np.ndarray, now_s: np.float32) -> None:
+        """Stamps `rows` as touched now. Caller holds the index lock."""
+        self._stamps[rows] = _stamp_pair(self._clock_now, now_s)
+        self._changed[rows] = 1  # the stamp a snapshot holds
 
     def _admitted(self, fresh: np.ndarray, sight: bool) -> np.ndarray | None:
         """Which of `fresh` (distinct keys without rows) get one now; None: all. Under
@@ -891,12 +951,19 @@ class SparseTable(_Counted):
 
     def _take_slots(self, n: int) -> np.ndarray:
         """`n` row slots for new rows: freed ones first, then past the highest ever used.
+        ResourceExhaustedError, with nothing taken, past the MAX_ROWS rows a key index holds.
         Caller holds the index lock."""
         reused = min(n, self._free_len)
+        top = self.index.row_limit
+        if top + n - reused > MAX_ROWS:
+            raise ResourceExhaustedError(
+                f"table {self.spec.name!r} would hold more than {MAX_ROWS} rows on this "
+                f"server ({len(self.index)} held, {n} new), the most one server's key index "
+                "holds; add servers, or declare the table with max_rows"
+            )
         start = self._free_len - reused
         slots = self._free[start:self._free_len].copy()
         self._free_len = start
-        top = self.index.row_limit
         return np.concatenate([slots, np.arange(top, top + n - reused, dtype=np.int64)])
 
     def _init_rows(self, keys: np.ndarray, rows: np.ndarray) -> None:
@@ -905,20 +972,23 @@ class SparseTable(_Counted):
         needed = self.index.row_limit
         if needed > self._capacity:
             self._grow(grown_capacity(needed, self._capacity, max_rows=self._evict.max_rows))
-        new_rows = torch.from_numpy(rows)
-        init = init_rows(keys, self.spec.dim, self.spec.init, self.spec.seed, self.spec.dtype)
         with self._storage.shared():
             # New rows are invisible to other requests until the index lock is released,
             # so writing them needs no update lock.
-            rows_scatter_(self.value, new_rows, init)
-            for name, slot in self.state.items():
-                rows_scatter_(slot, new_rows, self.optimizer.init_slot(name, init))
-            if self.step is not None:
-                self.step.index_fill_(0, new_rows, 0)
+            per_part = max(1, _INIT_BYTES // (4 * self.spec.dim))
+            for start in range(0, len(rows), per_part):
+                part = slice(start, start + per_part)
+                new_rows = torch.from_numpy(rows[part])
+                init = init_rows(keys[part], self.spec.dim, self.spec.init, self.spec.seed,
+                                 self.spec.dtype)
+                rows_scatter_(self.value, new_rows, init)
+                for name, slot in self.state.items():
+                    rows_scatter_(slot, new_rows, self.optimizer.init_slot(name, init))
+                if self.step is not None:
+                    self.step.index_fill_(0, new_rows, 0)
         self._changed[rows] = 1
         readmitted = 0
         if self._evict.active:
-            self._slot_key[rows] = keys
             bits = self._evicted_bit(keys)
             readmitted = int(((self._evicted_bits[bits >> 3] >> (bits & 7)) & 1).sum())
         self.count(admitted=len(keys), readmitted=readmitted)
@@ -928,41 +998,69 @@ class SparseTable(_Counted):
 
     # ---- eviction ---------------------------------------------------------------------------
 
+    def _now_s(self) -> float:
+        """Seconds since the table's epoch: what `_touched_s` holds."""
+        return self._time() - self._epoch_s
+
     def _evict_step(self) -> None:
-        """One bounded step of eviction: the expired rows among the next EVICT_SCAN_ROWS
-        slots, and past max_rows the least recently touched rows (of the whole table while it
-        has at most EVICT_SCAN_ROWS slots, else of a window that moves each step: an
-        approximation of LRU that keeps each step's work bounded). Caller holds the index
-        lock."""
-        limit = self.index.row_limit
-        if not limit:
+        """One bounded step of eviction: the expired rows among the next window of the key
+        index (up to EVICT_SCAN_ROWS rows in at most EVICT_SCAN_SLOTS slots, from a cursor
+        that goes round it), and past max_rows the least recently touched rows of the window
+        at the other cursor (of the whole table while its index fits one window, else of a
+        window that moves each step: an approximation of LRU that keeps each step's work
+        bounded). Caller holds the index lock."""
+        if not len(self.index):
             return
         rule = self._evict
-        victims = np.zeros(0, dtype=np.intp)
         if rule.ttl_clocks or rule.ttl_s:
-            start = self._ttl_cursor if self._ttl_cursor < limit else 0
-            end = min(start + EVICT_SCAN_ROWS, limit)
-            gone = expired(rule, self._touched_clock[start:end], self._touched_s[start:end],
-                           self._clock_now, self._time())
-            victims = start + np.flatnonzero(gone)
-            self._ttl_cursor = end if end < limit else 0
-        excess = len(self.index) - len(victims) - rule.max_rows if rule.max_rows else 0
+            keys, rows, self._ttl_cursor = self.index.scan(
+                self._ttl_cursor, EVICT_SCAN_SLOTS, EVICT_SCAN_ROWS)
+            gone = expired(rule, *self._stamps_of(rows), self._clock_now, self._now_s())
+            self._evict_keys(keys[gone])
+        excess = len(self.index) - rule.max_rows if rule.max_rows else 0
         if excess > 0:
-            start = self._lru_cursor if self._lru_cursor < limit else 0
-            end = min(start + EVICT_SCAN_ROWS, limit)
-            touched = self._touched_clock[start:end].copy()
-            touched[victims[(victims >= start) & (victims < end)] - start] = -1
-            chosen = start + least_recent(touched, self._touched_s[start:end], excess)
-            victims = np.concatenate([victims, chosen])
-            self._lru_cursor = 0 if end >= limit else end
-        if len(victims):
-            self._evict_slots(victims.astype(np.int64))
+            self._evict_least_recent(excess, whole_pass=False)
 
-    def _evict_slots(self, slots: np.ndarray) -> None:
-        """Removes the rows in `slots` and frees the slots. Caller holds the index lock."""
-        keys = self._slot_key[slots]
-        self.index.delete(keys)
-        self._touched_clock[slots] = -1
+    def _make_room(self, new: int, now_s: np.float32) -> None:
+        """Evicts the least recently touched rows until `new` more rows fit within max_rows,
+        none stamped at this clock and second `now_s` (the running request stamped the rows it
+        resolved so, which go back to its caller): window after window, and no further than
+        once round the index, so fewer when the rest were touched now. Caller holds the index
+        lock."""
+        need = len(self.index) + new - self._evict.max_rows
+        if need > 0:
+            self._evict_least_recent(need, whole_pass=True, spare_s=now_s)
+
+    def _evict_least_recent(self, n: int, whole_pass: bool,
+                            spare_s: np.float32 | None = None) -> None:
+        """Evicts the `n` least recently touched rows of the window at the least-recent
+        cursor, but none stamped at the current clock and `spare_s` or later; with
+        `whole_pass`, window after window until `n` went or the cursor went once round the
+        index. A key a window meets twice (moved back across the wrap by a deletion) is
+        deleted once: `_evict_keys` frees only what the index removed. Caller holds the index
+        lock."""
+        walked, slots = 0, self.index.capacity
+        while n > 0 and walked < slots:
+            start = self._lru_cursor
+            keys, rows, self._lru_cursor = self.index.scan(
+                start, EVICT_SCAN_SLOTS, EVICT_SCAN_ROWS)
+            walked += (self._lru_cursor or slots) - start
+            clocks, seconds = self._stamps_of(rows)
+            if spare_s is not None:
+                clocks[(clocks == self._clock_now) & (seconds >= spare_s)] = _FREE
+            n -= self._evict_keys(keys[least_recent(clocks, seconds, n)])
+            if not whole_pass:
+                return
+
+    def _evict_keys(self, keys: np.ndarray) -> int:
+        """Removes the rows of `keys` and frees their slots; returns how many went (a key no
+        longer held frees nothing). Caller holds the index lock."""
+        if not len(keys):
+            return 0
+        rows = self.index.delete(keys)
+        held = rows >= 0
+        slots, keys = rows[held], keys[held]
+        self._stamps[slots] = _stamp_pair(_FREE, 0.0)
         need = self._free_len + len(slots)
         if need > len(self._free):
             free = np.empty(max(need, 2 * len(self._free)), dtype=np.int64)
@@ -970,10 +1068,16 @@ class SparseTable(_Counted):
             self._free = free
         self._free[self._free_len:need] = slots
         self._free_len = need
-        self._evicted_in_window += len(slots)
+        self._record_evicted(keys)
+        return len(slots)
+
+    def _record_evicted(self, keys: np.ndarray) -> None:
+        """Counts `keys` as evicted: the evicted-id bits, the keys a delta lists, the counter.
+        Caller holds the index lock."""
+        self._evicted_in_window += len(keys)
         if self._evicted_in_window > _EVICTED_WINDOW:
             self._evicted_bits[:] = 0
-            self._evicted_in_window = len(slots)
+            self._evicted_in_window = len(keys)
         bits = self._evicted_bit(keys)
         np.bitwise_or.at(self._evicted_bits, bits >> 3, (1 << (bits & 7)).astype(np.uint8))
         self._items_changed = True
@@ -984,7 +1088,7 @@ class SparseTable(_Counted):
             # snapshot holds the table whole, and the list goes.
             if self._gone_count > max(self._capacity, INITIAL_SPARSE_ROWS):
                 self._whole, self._gone, self._gone_count = True, [], 0
-        self.count(evicted=len(slots))
+        self.count(evicted=len(keys))
 
     def evict(self) -> int:
         """Runs one bounded eviction step now (exchanges run one each); returns the rows
@@ -1017,9 +1121,8 @@ class SparseTable(_Counted):
                     step[:used].copy_(self.step[:used])
                 self.step = step
             if self._evict.active:
-                self._slot_key = _resized(self._slot_key, capacity, used, 0)
-                self._touched_clock = _resized(self._touched_clock, capacity, used, -1)
-                self._touched_s = _resized(self._touched_s, capacity, used, 0.0)
+                self._set_stamps(
+                    _resized(self._stamps, capacity, used, _stamp_pair(_FREE, 0.0)))
             self._changed = _resized(self._changed, capacity, used, 0)
             self._capacity = capacity
 
@@ -1074,15 +1177,15 @@ class SparseTable(_Counted):
             gone = np.concatenate(self._gone) if self._gone else np.zeros(0, dtype=np.int64)
             items = self._items_changed
             self._gone, self._gone_count, self._items_changed = [], 0, False
-            if self._evict.active:
-                slots = slots[self._touched_clock[slots] >= 0]  # a freed slot holds no row
-                keys = self._slot_key[slots]
-            elif limit == len(self.index):  # no holes: rows 0..n-1
+            if limit == len(self.index):  # no holes: rows 0..n-1
                 keys = self.index.keys_by_row()[slots]
             else:
                 held_keys, held = self.index.items()
                 by_slot = np.empty(limit, dtype=np.int64)
                 by_slot[held] = held_keys
+                in_use = np.zeros(limit, dtype=bool)
+                in_use[held] = True
+                slots = slots[in_use[slots]]  # a freed slot holds no row
                 keys = by_slot[slots]
             if not len(slots) and not len(gone) and not items:
                 return {}
@@ -1109,9 +1212,35 @@ class SparseTable(_Counted):
 
     def restore(self, tensors: dict[str, torch.Tensor]) -> None:
         """Replaces every row with what `snapshot` made (or a snapshot from before admission
-        and eviction existed). Under max_rows, keeps the most recently touched rows."""
+        and eviction existed, or from before stamps were int32). Under max_rows, keeps the
+        most recently touched rows (the others count as evicted). FailedPreconditionError for
+        a checkpoint that repeats keys, or (before anything changes) that stamps a row with a
+        clock past STAMP_CLOCK_MAX."""
         keys = np.ascontiguousarray(tensors["keys"].numpy())
+        keep: torch.Tensor | None = None
+        stamps = gone = np.zeros(0, dtype=np.int64)
+        if self._evict.active:
+            touched = tensors.get("touched")
+            stamps = (np.full(len(keys), self._clock_now, dtype=np.int64) if touched is None
+                      else touched.numpy().astype(np.int64))
+            if stamps.max(initial=0) > STAMP_CLOCK_MAX:
+                raise FailedPreconditionError(
+                    f"checkpoint of table {self.spec.name!r} stamps a row with clock "
+                    f"{int(stamps.max())}, past the {STAMP_CLOCK_MAX} an evicting table "
+                    "keeps; it cannot be restored into this table"
+                )
+            excess = len(keys) - self._evict.max_rows if self._evict.max_rows else 0
+            if excess > 0:
+                # Only the rows kept take storage: the restored table stays within max_rows.
+                older = least_recent(stamps, np.zeros(len(keys), dtype=np.float32), excess)
+                kept = np.delete(np.arange(len(keys)), older)
+                gone, keys, stamps = keys[older], keys[kept], stamps[kept]
+                keep = torch.from_numpy(kept)
         n = len(keys)
+
+        def rows_of(name: str) -> torch.Tensor:
+            return tensors[name] if keep is None else tensors[name].index_select(0, keep)
+
         with self._index_lock:
             self.index.clear()
             try:
@@ -1120,14 +1249,19 @@ class SparseTable(_Counted):
                 raise FailedPreconditionError(
                     f"checkpoint of table {self.spec.name!r} repeats keys; it cannot be restored"
                 ) from exc
+            except OverflowError as exc:
+                raise FailedPreconditionError(
+                    f"checkpoint of table {self.spec.name!r} holds {n} rows for one server, "
+                    f"more than the {MAX_ROWS} its key index holds; restore it onto more servers"
+                ) from exc
             if n > self._capacity:
                 self._grow(n)
             with self._storage.shared(), self._update_lock:
-                self.value[:n].copy_(tensors["value"])
+                self.value[:n].copy_(rows_of("value"))
                 for k, v in self.state.items():
-                    v[:n].copy_(tensors[f"state.{k}"])
+                    v[:n].copy_(rows_of(f"state.{k}"))
                 if self.step is not None:
-                    self.step[:n].copy_(tensors["step"])
+                    self.step[:n].copy_(rows_of("step"))
             if self._sketch is not None:
                 sketch = tensors.get("sketch")
                 self._sketch.counters[...] = 0
@@ -1135,23 +1269,17 @@ class SparseTable(_Counted):
                     self._sketch.load(sketch.numpy())
             if self._evict.active:
                 self._free_len = self._ttl_cursor = self._lru_cursor = 0
-                touched = tensors.get("touched")
                 bits = tensors.get("evicted_bits")
                 self._evicted_bits[:] = 0
                 if bits is not None and bits.numel() == len(self._evicted_bits):
                     self._evicted_bits[:] = bits.numpy()
-                self._slot_key[:n] = keys
-                self._touched_clock[:] = -1
-                self._touched_clock[:n] = (self._clock_now if touched is None
-                                           else touched.numpy())
-                self._clock_now = max(self._clock_now, int(self._touched_clock[:n].max(
-                    initial=0)))
-                self._touched_s[:n] = self._time()
-                excess = n - self._evict.max_rows if self._evict.max_rows else 0
-                if excess > 0:
-                    self._evict_slots(least_recent(
-                        self._touched_clock[:n], self._touched_s[:n], excess
-                    ).astype(np.int64))
+                self._touched_clock[:] = _FREE
+                self._touched_clock[:n] = stamps
+                self._clock_now = max(self._clock_now, int(stamps.max(initial=0)))
+                self._epoch_s = self._time()
+                self._touched_s[:n] = 0.0
+                if len(gone):
+                    self._record_evicted(gone)
             self._whole = True
 
     def stats(self) -> TableStats:
@@ -1170,9 +1298,29 @@ class SparseTable(_Counted):
         )
 
 
+def _stamp_pair(clock: int, seconds: float | np.floating[Any]) -> int:
+    """The 8 bytes of an evicting table's stamps of one row (SparseTable._set_stamps), as
+    the int64 they read as."""
+    pair = np.empty(1, dtype=np.int64)
+    pair.view(np.int32)[0] = clock
+    pair.view(np.float32)[1] = seconds
+    return int(pair[0])
+
+
 def _resized(array: np.ndarray, capacity: int, used: int, fill: float) -> np.ndarray:
-    out = np.full(capacity, fill, dtype=array.dtype)
+    """A per-slot array of `capacity` slots holding `array`'s first `used`, `fill` after.
+
+    Large ones are mapped on their own, as storage is (_storage): the old array of a grown
+    table then goes back to the OS when it is dropped, instead of staying resident as free heap.
+    """
+    nbytes = capacity * array.dtype.itemsize
+    if nbytes < _MAPPED_BYTES:
+        out = np.empty(capacity, dtype=array.dtype)
+    else:
+        # The array holds the mapping, which is unmapped when the last view of it goes.
+        out = np.frombuffer(_mapping(nbytes), dtype=array.dtype)
     out[:used] = array[:used]
+    out[used:] = fill
     return out
 
 

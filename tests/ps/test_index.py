@@ -9,7 +9,7 @@ import pytest
 
 from ps._index import Int64Index
 from ps.errors import InvalidArgumentError
-from ps.index import SLOT_BYTES, KeyIndex, capacity_for, count_distinct
+from ps.index import MAX_ROWS, SLOT_BYTES, KeyIndex, capacity_for, count_distinct
 
 I64_MIN = np.iinfo(np.int64).min
 I64_MAX = np.iinfo(np.int64).max
@@ -142,7 +142,7 @@ def test_reserve_then_insert_does_not_rehash() -> None:
     capacity = index.capacity
     assert capacity >= 10_000 / 0.7
     assert capacity & (capacity - 1) == 0
-    assert index.nbytes == 16 * capacity
+    assert index.nbytes == 12 * capacity
     index.lookup_or_insert(np.arange(10_000, dtype=np.int64))
     assert index.capacity == capacity
     index.reserve(5)  # never shrinks
@@ -434,3 +434,77 @@ def test_delete_then_reinsert_keeps_capacity() -> None:
         index.insert_rows(keys, np.arange(60, dtype=np.int64))
         assert (index.delete(keys) >= 0).all()
     assert (len(index), index.capacity) == (0, slots)
+
+
+def test_rows_past_the_int32_limit_are_refused_and_change_nothing() -> None:
+    index = KeyIndex()
+    index.insert_rows(np.array([7], dtype=np.int64), np.array([MAX_ROWS - 1], dtype=np.int64))
+    assert index.row_limit == MAX_ROWS
+    with pytest.raises(OverflowError, match=r"row 2147483647 at position 1 is past"):
+        index.insert_rows(np.array([8, 9], dtype=np.int64),
+                          np.array([3, MAX_ROWS], dtype=np.int64))
+    check_items(index, {7: MAX_ROWS - 1})
+    # Known keys still resolve; a new one would need row id MAX_ROWS.
+    with pytest.raises(OverflowError, match="limit of 2\\*\\*31 - 1 rows per index"):
+        index.lookup_or_insert(np.array([7, 8, 7, 9], dtype=np.int64))
+    check_items(index, {7: MAX_ROWS - 1})
+    assert (index.row_limit, len(index)) == (MAX_ROWS, 1)
+    rows, created = index.lookup_or_insert(np.array([7, 7], dtype=np.int64))
+    assert (rows.tolist(), created) == ([MAX_ROWS - 1] * 2, 0)
+    # `out` is `keys`: the refused call still finds the keys it inserted, to take them out.
+    raw = Int64Index()
+    raw.insert_rows(np.array([7], dtype=np.int64), np.array([MAX_ROWS - 2], dtype=np.int64))
+    batch = np.array([8, 7, 9], dtype=np.int64)
+    with pytest.raises(OverflowError):
+        raw.lookup_or_insert(batch, batch)
+    probe = np.array([7, 8, 9], dtype=np.int64)
+    assert raw.lookup(probe, probe) == 1 and probe.tolist() == [MAX_ROWS - 2, -1, -1]
+
+
+def test_a_refused_insert_near_the_limit_takes_out_the_rows_it_made() -> None:
+    index = KeyIndex()
+    index.insert_rows(np.array([1], dtype=np.int64), np.array([MAX_ROWS - 3], dtype=np.int64))
+    # Rows MAX_ROWS - 2 and - 1 fit; the third new key does not: none of the three stay.
+    with pytest.raises(OverflowError):
+        index.lookup_or_insert(np.array([5, 1, 6, 5, 7], dtype=np.int64))
+    check_items(index, {1: MAX_ROWS - 3})
+    rows, created = index.lookup_or_insert(np.array([5, 6], dtype=np.int64))
+    assert (rows.tolist(), created) == ([MAX_ROWS - 2, MAX_ROWS - 1], 2)
+
+
+@pytest.mark.parametrize(("max_slots", "max_items"), [(64, 1000), (10_000, 37), (7, 5)])
+def test_a_windowed_scan_visits_every_key_once(max_slots: int, max_items: int) -> None:
+    rng = np.random.default_rng(11)
+    keys = np.unique(random_keys(rng, 3000))
+    index = KeyIndex()
+    index.lookup_or_insert(keys)
+    seen_keys, seen_rows = [], []
+    cursor, windows = 0, 0
+    while True:
+        k, r, cursor = index.scan(cursor, max_slots, max_items)
+        assert len(k) <= max_items
+        seen_keys.append(k)
+        seen_rows.append(r)
+        windows += 1
+        if cursor == 0:
+            break
+    got_keys, got_rows = np.concatenate(seen_keys), np.concatenate(seen_rows)
+    # One pass, in slot order: what items() lists, each key once with its row.
+    assert np.array_equal(got_keys, index.items()[0])
+    assert np.array_equal(got_rows, index.items()[1])
+    assert np.array_equal(np.sort(got_keys), keys)
+    assert np.array_equal(index.lookup(got_keys), got_rows)
+    assert windows >= index.capacity // max_slots
+
+
+def test_a_scan_window_is_bounded_and_checks_its_start() -> None:
+    index = KeyIndex()
+    index.lookup_or_insert(np.arange(100, dtype=np.int64))
+    k, r, cursor = index.scan(0, index.capacity, 10)
+    assert len(k) == len(r) == 10 and 0 < cursor < index.capacity
+    k, _, cursor = index.scan(5, 0, 10)
+    assert (len(k), cursor) == (0, 5)
+    with pytest.raises(ValueError, match="start must be in"):
+        index.scan(index.capacity, 1, 1)
+    with pytest.raises(ValueError, match="start must be in"):
+        index.scan(-1, 1, 1)

@@ -41,10 +41,12 @@ def test_the_plan_counts_what_the_server_counts() -> None:
                             "admit=prob:0.5")
     plan = plan_table(spec, ids, 4)
     assert plan.rows == 200_000  # the fullest server's share, capped by max_rows
-    assert plan.row_bytes == SparseTable.row_bytes(spec) == 8 * 2 + 8 * 4 + 24
-    # Storage doubles up to max_rows and an eighth, not to the next power of two (262,144).
-    assert plan.capacity == 225_000 and plan.index_slots == 524_288
-    assert plan.memory_bytes == SparseTable.bytes_for(spec, 225_000, 524_288)
+    # Values, Adagrad's state, and the stamps: an int32 clock and float32 seconds.
+    assert plan.row_bytes == SparseTable.row_bytes(spec) == 8 * 2 + 8 * 4 + 4 + 4
+    # Storage doubles up to max_rows, not to the next power of two (262,144): the table
+    # evicts before it creates rows.
+    assert plan.capacity == 200_000 and plan.index_slots == 524_288
+    assert plan.memory_bytes == SparseTable.bytes_for(spec, 200_000, 524_288)
     even = plan_table(parse_table("v:dim=4,ids=400000")[0], 400_000, 4)
     assert 100_000 < even.rows < 100_000 + 4 * 300  # mean plus 4 sigma of a binomial
 

@@ -502,6 +502,26 @@ def test_new_rows_past_the_memory_budget_are_refused_whole_and_change_nothing() 
     assert values(shard)[1][0] == [-1.0, -1.0] and shard.memory_bytes() == budget
 
 
+def test_a_bounded_table_at_max_rows_takes_new_keys_within_its_budget() -> None:
+    """It evicts before it creates rows: a budget holding max_rows rows is enough."""
+    bounded = TableSpec("lru", "sparse", F32, dim=2, init=ONES, optimizer=SGD_1,
+                        max_rows=3000, ttl_clocks=100)
+    budget = SparseTable.bytes_for(bounded, 3000, capacity_for(3000))
+    limits = Limits(memory_budget_bytes=budget)
+    shard = Shard(ShardConfig(0, 1, mode=modes.parse("async"), quorum=Quorum(1),
+                              max_wait_s=10.0, limits=limits), clock=FakeClock())
+    shard.declare([bounded])
+    for clock, start in enumerate(range(0, 6000, 1000)):
+        pull_sparse(shard, "lru", 0, clock, span(start, start + 1000))
+        assert shard.memory_bytes() <= budget
+    (stats, _), = shard.stats()
+    assert (stats.rows, stats.counters.evicted) == (3000, 3000)
+    # Its stamps are int32 clocks: a request past them is refused before room is reserved.
+    with pytest.raises(InvalidArgumentError, match="clock 2147483648"):
+        pull_sparse(shard, "lru", 0, 2**31, span(9000, 9010))
+    assert shard.stats()[0][0].rows == 3000 and shard.memory_bytes() <= budget
+
+
 def test_the_budget_counts_each_new_key_once_across_a_request() -> None:
     """Pushing new keys and pulling the same ones (a worker's usual step) asks for each row
     once; so does a pull that names a new key twice."""

@@ -17,10 +17,12 @@ from procs import run_in_threads
 
 from protos import modes
 from protos.partition import RowRange, shard_of_keys
+from ps import tables as tables_module
 from ps.errors import FailedPreconditionError, InvalidArgumentError
 from ps.initializers import InitSpec, init_rows
 from ps.row_policy import admitted_by_probability
 from ps.tables import (
+    STAMP_CLOCK_MAX,
     DenseTable,
     OptimizerConfig,
     SparseTable,
@@ -850,8 +852,99 @@ def test_freed_slots_are_reused_so_storage_stops_growing() -> None:
         table.pull(np.arange(cycle * 200, cycle * 200 + 200, dtype=np.int64))
         now.now += 1
     assert table.rows == 500
-    assert table.index.row_limit <= 700  # slots in use plus one batch, never 8000
+    # Rows are evicted before new ones take slots: the slots in use, never 8000.
+    assert table.index.row_limit == 500
     assert table.capacity == 1024 and table.counters().evicted == 7500
+
+
+def slots_accounted_once(table: SparseTable) -> bool:
+    """Every row slot below row_limit is held by one key or free, never both or twice."""
+    _, rows = table.index.items()
+    free = table._free[:table._free_len]
+    return bool(np.array_equal(np.sort(np.concatenate([rows, free])),
+                               np.arange(table.index.row_limit)))
+
+
+@pytest.mark.parametrize("window", [(1 << 16, 1 << 18), (16, 64)])
+def test_room_is_made_before_new_rows_so_storage_stays_at_max_rows(
+        window: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    # A small window makes each request's room take many windows of the key index, with
+    # deletions moving entries between them.
+    monkeypatch.setattr(tables_module, "EVICT_SCAN_ROWS", window[0])
+    monkeypatch.setattr(tables_module, "EVICT_SCAN_SLOTS", window[1])
+    now = FakeTime()
+    table = SparseTable(sparse_spec(max_rows=1500), 0, 1, clock=now)
+    rng = np.random.default_rng(5)
+    for step in range(60):
+        held = np.fromiter(held_keys(table), dtype=np.int64)
+        again = rng.choice(held, min(len(held), 100), replace=False) if len(held) else held
+        new = np.arange(step * 300, step * 300 + 300, dtype=np.int64) + 10**6
+        table.pull(np.concatenate([again, new]))
+        now.now += 1
+        assert table.rows <= 1500 and table.index.row_limit <= 1500
+        assert set(again.tolist()) <= held_keys(table)  # the request's own rows stay
+        assert slots_accounted_once(table)
+    assert table.rows == 1500 and table.capacity == 1500
+    assert table.counters().evicted == 60 * 300 - 1500
+
+
+def test_making_room_never_evicts_a_row_the_request_uses() -> None:
+    now = FakeTime()
+    table = SparseTable(sparse_spec(max_rows=3), 0, 1, clock=now)
+    table.apply(keys(1, 2), torch.tensor([[10.0], [20.0]]).repeat(1, 4), assign=True)
+    now.now += 1
+    table.apply(keys(3), torch.full((1, 4), 30.0), assign=True)
+    now.now += 1
+    # 1 and 2 are the least recently touched, but this request uses them: 3 goes.
+    got = pulled(table, 2, 5, 1)
+    assert got[:, 0].tolist() == [20.0, initial(table, 5)[0, 0].item(), 10.0]
+    assert held_keys(table) == {1, 2, 5}
+    assert table.capacity == 1024 and table.counters().evicted == 1
+
+
+def test_a_request_needing_more_rows_than_max_rows_gets_them() -> None:
+    now = FakeTime()
+    table = SparseTable(sparse_spec(max_rows=2), 0, 1, clock=now)
+    table.apply(keys(1, 2), torch.tensor([[10.0], [20.0]]).repeat(1, 4), assign=True)
+    now.now += 1
+    got = pulled(table, 1, 2, 3, 4)  # none of its four rows goes before it is read
+    assert got[:2, 0].tolist() == [10.0, 20.0]
+    assert torch.equal(got[2:], initial(table, 3, 4))
+    assert table.rows == 2 and slots_accounted_once(table)  # its eviction step ran after
+
+
+def test_a_clock_past_what_stamps_hold_is_refused_on_an_evicting_table() -> None:
+    table = SparseTable(sparse_spec(ttl_clocks=5), 0, 1)
+    table.observe_clock(STAMP_CLOCK_MAX)
+    pulled(table, 1)
+    with pytest.raises(InvalidArgumentError, match="clock 2147483648"):
+        table.observe_clock(STAMP_CLOCK_MAX + 1)
+    assert table.snapshot()["touched"].tolist() == [STAMP_CLOCK_MAX]
+    SparseTable(sparse_spec(), 0, 1).observe_clock(2**62 - 1)  # no stamps: any clock
+
+
+def test_a_checkpoint_with_int64_stamps_restores() -> None:
+    """Checkpoints from before int32 stamps hold "touched" as int64."""
+    table = SparseTable(sparse_spec(max_rows=10, ttl_clocks=100), 0, 1)
+    table.observe_clock(40)
+    pulled(table, 1, 2, 3)
+    snap = table.snapshot()
+    assert snap["touched"].dtype == torch.int32
+    old = {**snap, "touched": snap["touched"].to(torch.int64)}
+    restored = SparseTable(sparse_spec(max_rows=10, ttl_clocks=100), 0, 1)
+    restored.restore(old)
+    again = restored.snapshot()
+    assert again["touched"].dtype == torch.int32 and again["touched"].tolist() == [40] * 3
+    assert held_keys(restored) == {1, 2, 3}
+    restored.observe_clock(139)
+    restored.evict()
+    assert restored.rows == 3  # stamped at clock 40: expire at 140
+    restored.observe_clock(140)
+    assert restored.evict() == 3
+    past = {**snap, "touched": torch.full((3,), STAMP_CLOCK_MAX + 1, dtype=torch.int64)}
+    with pytest.raises(FailedPreconditionError, match="past the 2147483647"):
+        table.restore(past)
+    assert held_keys(table) == {1, 2, 3}  # refused before anything changed
 
 
 def test_a_snapshot_after_eviction_holds_only_the_rows_left() -> None:
@@ -912,10 +1005,10 @@ def test_racing_pulls_and_pushes_on_an_evicting_table_see_only_their_own_rows(
         (1025, 1024, 1000, 0, 1525),  # near the budget: half the room left
         (1025, 1024, 0, 0, 1025),  # at the budget: exactly what is asked
         (1025, 1024, 1, 0, 1025),
-        (1025, 1024, None, 1100, 1237),  # bounded: at most max_rows and an eighth
+        (1025, 1024, None, 1100, 1100),  # bounded: at most max_rows
         (1025, 1024, None, 8000, 2048),  # far from its bound: doubles
         (1500, 1024, None, 1100, 1500),  # past the bound by one request: what is asked
-        (1025, 1024, 1000, 1100, 1237),
+        (1025, 1024, 1000, 1100, 1100),
     ],
 )
 def test_grown_capacity(rows: int, capacity: int, spare: int | None, max_rows: int,

@@ -321,19 +321,24 @@ def _storage(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     resident, outside what the memory budget counts. Small blocks stay on the heap, which
     keeps the count of mappings low however many small tables there are.
     """
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < _MAPPED_BYTES:
+    block = _mapping(math.prod(shape) * dtype.itemsize)
+    if block is None:
         return torch.empty(shape, dtype=dtype)
     # The tensor holds the mapping, which is unmapped when the last view of it goes.
-    return torch.frombuffer(_mapping(nbytes), dtype=dtype).view(shape)
+    return torch.frombuffer(block, dtype=dtype).view(shape)
 
 
-def _mapping(nbytes: int) -> mmap.mmap:
-    """A private anonymous mapping of `nbytes` (zero pages, none resident yet), advised onto
-    transparent huge pages where the OS offers them: rows are read and written at random over
-    hundreds of MiB, where 4 KiB pages miss the TLB on nearly every row (an evicting table
-    reuses the slots of rows evicted anywhere). Resident size then follows the rows written
-    in steps of 2 MiB per mapping."""
+def _mapping(nbytes: int) -> mmap.mmap | None:
+    """A mapping of its own for a block of `nbytes` of a table's storage or per-slot arrays,
+    or None for a block under _MAPPED_BYTES, which stays on the heap (see _storage).
+
+    Private and anonymous (zero pages, none resident yet), advised onto transparent huge
+    pages where the OS offers them: rows are read and written at random over hundreds of
+    MiB, where 4 KiB pages miss the TLB on nearly every row (an evicting table reuses the
+    slots of rows evicted anywhere). Resident size then follows the rows written in steps of
+    2 MiB per mapping."""
+    if nbytes < _MAPPED_BYTES:
+        return None
     block = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None:
@@ -587,7 +592,7 @@ class SparseTable(_Counted):
         # Evicting tables only, per row slot: the clock and second (from _epoch_s) it was last
         # touched (clock _FREE: a free slot), and the free slots, a stack of _free_len. A row's
         # key is the key index's alone (scan, items).
-        self._set_stamps(np.full(0, _stamp_pair(_FREE, 0.0), dtype=np.int64))
+        self._set_stamps(np.full(0, _FREE_STAMPS, dtype=np.int64))
         self._epoch_s = clock()
         self._free = np.zeros(0, dtype=np.int64)
         self._free_len = 0
@@ -1060,7 +1065,7 @@ class SparseTable(_Counted):
         rows = self.index.delete(keys)
         held = rows >= 0
         slots, keys = rows[held], keys[held]
-        self._stamps[slots] = _stamp_pair(_FREE, 0.0)
+        self._stamps[slots] = _FREE_STAMPS
         need = self._free_len + len(slots)
         if need > len(self._free):
             free = np.empty(max(need, 2 * len(self._free)), dtype=np.int64)
@@ -1122,7 +1127,7 @@ class SparseTable(_Counted):
                 self.step = step
             if self._evict.active:
                 self._set_stamps(
-                    _resized(self._stamps, capacity, used, _stamp_pair(_FREE, 0.0)))
+                    _resized(self._stamps, capacity, used, _FREE_STAMPS))
             self._changed = _resized(self._changed, capacity, used, 0)
             self._capacity = capacity
 
@@ -1307,18 +1312,20 @@ def _stamp_pair(clock: int, seconds: float | np.floating[Any]) -> int:
     return int(pair[0])
 
 
+# The stamps of a free row slot.
+_FREE_STAMPS = _stamp_pair(_FREE, 0.0)
+
+
 def _resized(array: np.ndarray, capacity: int, used: int, fill: float) -> np.ndarray:
     """A per-slot array of `capacity` slots holding `array`'s first `used`, `fill` after.
 
     Large ones are mapped on their own, as storage is (_storage): the old array of a grown
     table then goes back to the OS when it is dropped, instead of staying resident as free heap.
     """
-    nbytes = capacity * array.dtype.itemsize
-    if nbytes < _MAPPED_BYTES:
-        out = np.empty(capacity, dtype=array.dtype)
-    else:
-        # The array holds the mapping, which is unmapped when the last view of it goes.
-        out = np.frombuffer(_mapping(nbytes), dtype=array.dtype)
+    block = _mapping(capacity * array.dtype.itemsize)
+    # The array holds the mapping, which is unmapped when the last view of it goes.
+    out = (np.empty(capacity, dtype=array.dtype) if block is None
+           else np.frombuffer(block, dtype=array.dtype))
     out[:used] = array[:used]
     out[used:] = fill
     return out

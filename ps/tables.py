@@ -311,7 +311,7 @@ def _return_freed_pages() -> None:
         trim(0)
 
 
-def _storage(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _storage(shape: tuple[int, ...], dtype: torch.dtype, huge: bool) -> torch.Tensor:
     """Uninitialised storage of a sparse table: large blocks in a mapping of their own.
 
     Pages never written are not resident, so spare capacity costs address space, not memory:
@@ -319,29 +319,32 @@ def _storage(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     while a freed heap block is kept for reuse (protos.runtime.tune_malloc) where no trim
     reaches it (the top of a handler thread's heap): the old copy of a grown table would stay
     resident, outside what the memory budget counts. Small blocks stay on the heap, which
-    keeps the count of mappings low however many small tables there are.
+    keeps the count of mappings low however many small tables there are. `huge`: on
+    transparent huge pages (_mapping).
     """
-    block = _mapping(math.prod(shape) * dtype.itemsize)
+    block = _mapping(math.prod(shape) * dtype.itemsize, huge)
     if block is None:
         return torch.empty(shape, dtype=dtype)
     # The tensor holds the mapping, which is unmapped when the last view of it goes.
     return torch.frombuffer(block, dtype=dtype).view(shape)
 
 
-def _mapping(nbytes: int) -> mmap.mmap | None:
+def _mapping(nbytes: int, huge: bool) -> mmap.mmap | None:
     """A mapping of its own for a block of `nbytes` of a table's storage or per-slot arrays,
     or None for a block under _MAPPED_BYTES, which stays on the heap (see _storage).
 
-    Private and anonymous (zero pages, none resident yet), advised onto transparent huge
-    pages where the OS offers them: rows are read and written at random over hundreds of
-    MiB, where 4 KiB pages miss the TLB on nearly every row (an evicting table reuses the
-    slots of rows evicted anywhere). Resident size then follows the rows written in steps of
-    2 MiB per mapping."""
+    Private and anonymous (zero pages, none resident yet). With `huge` (an evicting table's),
+    advised onto transparent huge pages where the OS offers them: such a table reuses the
+    slots of rows evicted anywhere, so its rows are written and read at random over hundreds
+    of MiB, where 4 KiB pages miss the TLB on nearly every row. A table that only grows
+    writes its rows in order and keeps 4 KiB pages, so that its resident size follows the
+    rows written as `pstrain plan` counts them (with huge pages a 300,000-row table was
+    resident 11% above the plan)."""
     if nbytes < _MAPPED_BYTES:
         return None
     block = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
+    if huge and advice is not None:
         with contextlib.suppress(OSError):  # advisory: without it the mapping still works
             block.madvise(advice)
     return block
@@ -1111,24 +1114,25 @@ class SparseTable(_Counted):
         # Rows past the old capacity are being created by the caller; only older ones move.
         used = min(self.index.row_limit, self._capacity)
         with self._storage.exclusive():
-            value = _storage((capacity, dim), dtype)
+            huge = self._evict.active
+            value = _storage((capacity, dim), dtype, huge)
             value[:used].copy_(self.value[:used])
             self.value = value
             for name in self.optimizer.slots:
                 slot = _storage(self.optimizer.slot_shape(name, (capacity, dim)),
-                                compute_dtype(dtype))
+                                compute_dtype(dtype), huge)
                 if name in self.state:
                     slot[:used].copy_(self.state[name][:used])
                 self.state[name] = slot
             if self.optimizer.uses_step:
-                step = _storage((capacity,), torch.int64)
+                step = _storage((capacity,), torch.int64, huge)
                 if self.step is not None:
                     step[:used].copy_(self.step[:used])
                 self.step = step
             if self._evict.active:
                 self._set_stamps(
-                    _resized(self._stamps, capacity, used, _FREE_STAMPS))
-            self._changed = _resized(self._changed, capacity, used, 0)
+                    _resized(self._stamps, capacity, used, _FREE_STAMPS, huge))
+            self._changed = _resized(self._changed, capacity, used, 0, huge)
             self._capacity = capacity
 
     # ---- checkpoints ------------------------------------------------------------------------
@@ -1316,13 +1320,14 @@ def _stamp_pair(clock: int, seconds: float | np.floating[Any]) -> int:
 _FREE_STAMPS = _stamp_pair(_FREE, 0.0)
 
 
-def _resized(array: np.ndarray, capacity: int, used: int, fill: float) -> np.ndarray:
+def _resized(array: np.ndarray, capacity: int, used: int, fill: float,
+             huge: bool) -> np.ndarray:
     """A per-slot array of `capacity` slots holding `array`'s first `used`, `fill` after.
 
     Large ones are mapped on their own, as storage is (_storage): the old array of a grown
     table then goes back to the OS when it is dropped, instead of staying resident as free heap.
     """
-    block = _mapping(capacity * array.dtype.itemsize)
+    block = _mapping(capacity * array.dtype.itemsize, huge)
     # The array holds the mapping, which is unmapped when the last view of it goes.
     out = (np.empty(capacity, dtype=array.dtype) if block is None
            else np.frombuffer(block, dtype=array.dtype))

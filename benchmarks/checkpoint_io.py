@@ -53,7 +53,8 @@ The stall section (`--only stall`; --mb sizes the model, default 1024) is
 benchmarks/snapshot_stall.py: a real async job (2 servers, 2 workers at batch 1024), asked for
 checkpoints while it trains; `snapshot_stall_p99_ratio` is the p99 step time during
 checkpoints over the median step outside them (goal <= 2). It runs twice: every checkpoint
-full (`--checkpoint-full-every 1`), and the job's default of deltas between fulls.
+full (`--checkpoint-full-every 1`), and the job's default of deltas between fulls, --reps
+times each; the run of the median ratio is kept, with every run's ratio (`ratios`).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -329,6 +331,13 @@ class DeltaBench:
         return elapsed, written.nbytes, Path(written.path), written.sha256
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The stall run of the median `snapshot_stall_p99_ratio`, with every run's ratio."""
+    ranked = sorted(runs, key=lambda r: r["snapshot_stall_p99_ratio"])
+    return {**ranked[len(ranked) // 2],
+            "ratios": [r["snapshot_stall_p99_ratio"] for r in runs]}
+
+
 def delta_section(total_mb: float, reps: int, work: Path) -> dict[str, object]:
     bench = DeltaBench(total_mb, work)
     times: dict[str, list[float]] = {}
@@ -406,7 +415,9 @@ def main() -> None:
             results["delta_time_ratio"] = delta["delta_time_ratio"]
             results["delta_bytes_ratio"] = delta["delta_bytes_ratio"]
         else:
-            stall = {kind: measure_stall(mb or 1024.0, up_flags=flags, directory=args.dir)
+            stall = {kind: median_run([measure_stall(mb or 1024.0, up_flags=flags,
+                                                     directory=args.dir)
+                                       for _ in range(args.reps)])
                      for kind, flags in (("full", ["--checkpoint-full-every", "1"]),
                                          ("deltas", []))}
             results["stall"] = stall

@@ -141,6 +141,9 @@ MAX_HEADER_BYTES: Final = 100_000_000
 # Unit of file I/O and of hashing: large enough that per-call overhead is noise, small enough
 # that hashing one chunk overlaps writing the next and writeback starts early.
 CHUNK_BYTES: Final = 16 * 1024 * 1024
+# The unit of a paced write (write_shard's max_bytes_per_s): small, so that each burst of
+# copying and hashing between two pauses is short.
+PACED_CHUNK_BYTES: Final = 1024 * 1024
 # Reads in flight while restoring; more than one keeps the disk's queue from running dry.
 READ_THREADS: Final = 4
 # Temporary files older than this are a crashed writer's leftovers; younger ones may be live.
@@ -468,8 +471,8 @@ def bad_reason(directory: StrPath, job: str, checkpoint_id: str) -> str | None:
         return None
 
 
-def write_shard(directory: StrPath, state: ShardState, base: ShardFile | None = None
-                ) -> ShardFile:
+def write_shard(directory: StrPath, state: ShardState, base: ShardFile | None = None,
+                *, max_bytes_per_s: float = 0.0) -> ShardFile:
     """Writes `state` atomically to ``<directory>/<job>/<checkpoint_id>/shard-<k>-of-<n>...``.
 
     A delta needs `base`: the ShardFile that `write_shard` returned for (or `read_manifest`
@@ -480,6 +483,8 @@ def write_shard(directory: StrPath, state: ShardState, base: ShardFile | None = 
     existing file of the same shard and checkpoint id. Thread-safe and process-safe (no
     shared state; concurrent writers of one file leave one whole file). The tensors must not
     change during the call: their memory is written directly, without a snapshot copy.
+    `max_bytes_per_s` (> 0) paces the write to that rate on average (`Pace`), in chunks of
+    PACED_CHUNK_BYTES; 0 writes as fast as it can.
     Raises CheckpointError on bad input (names, dtypes, JSON that does not round-trip, a
     delta without its base) or I/O failure, CheckpointLinkError when the base cannot be
     hard-linked; no final-named shard file is then left.
@@ -498,6 +503,8 @@ def write_shard(directory: StrPath, state: ShardState, base: ShardFile | None = 
     linked = _link_chain(ckpt_dir, state, chain)
     final = ckpt_dir / shard_file_name(state.shard, state.num_shards)
     hasher = _BackgroundSha256()
+    pace = Pace(max_bytes_per_s)
+    step = PACED_CHUNK_BYTES if max_bytes_per_s > 0 else CHUNK_BYTES
     try:
         with _atomic_file(final) as fd:
             hasher.update(header)
@@ -505,14 +512,15 @@ def write_shard(directory: StrPath, state: ShardState, base: ShardFile | None = 
             offset = len(header)
             for tensor in tensors:
                 view = _byte_view(tensor)
-                for begin in range(0, len(view), CHUNK_BYTES):
-                    chunk = view[begin : begin + CHUNK_BYTES]
+                for begin in range(0, len(view), step):
+                    chunk = view[begin : begin + step]
                     hasher.update(chunk)
                     _write_all(fd, chunk)
                     # Starting writeback now lets the disk work while we fill the page cache,
                     # so the final fsync waits for the last chunks only.
                     _start_writeback(fd, offset, len(chunk))
                     offset += len(chunk)
+                    pace.wrote(len(chunk))
     finally:
         digest = hasher.hexdigest()
     elapsed = time.perf_counter() - start
@@ -1631,6 +1639,37 @@ def _hash_file(path: Path) -> str:
     except OSError as exc:
         log.warning("cannot hash %s: %s", path, exc)
         return ""
+
+
+class Pace:
+    """Holds a writer to at most `bytes_per_s` on average since it began (0: no limit), by
+    sleeping after a chunk that ran ahead of that rate.
+
+    A checkpoint written beside training takes CPU and memory bandwidth that the training's
+    steps need: on a busy machine, even at the lowest priority, a write at full speed makes
+    many steps several times slower for as long as it lasts. Paced, the write takes longer
+    and the steps stay close to their usual time. `clock` and `sleep` are injectable for
+    tests. One writer thread only.
+    """
+
+    def __init__(self, bytes_per_s: float, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        if bytes_per_s < 0:
+            raise CheckpointError(f"a write rate must be >= 0 bytes/s (0: no limit), got "
+                                  f"{bytes_per_s!r}")
+        self.bytes_per_s = bytes_per_s
+        self._clock, self._sleep = clock, sleep
+        self._started = clock()
+        self._written = 0
+
+    def wrote(self, nbytes: int) -> None:
+        """`nbytes` more were written; sleeps while the writer is ahead of the rate."""
+        if self.bytes_per_s <= 0:
+            return
+        self._written += nbytes
+        ahead = self._written / self.bytes_per_s - (self._clock() - self._started)
+        if ahead > 0:
+            self._sleep(ahead)
 
 
 class _BackgroundSha256:

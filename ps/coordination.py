@@ -187,8 +187,9 @@ class ServerCoordinator:
         run_in_background()  # this thread's own, started for this write
         started = time.monotonic()
         try:
-            written = write_snapshot(self.server.shard, self.spec.checkpoint_dir, state,
-                                     self.spec.run_id)
+            written = write_snapshot(
+                self.server.shard, self.spec.checkpoint_dir, state, self.spec.run_id,
+                max_bytes_per_s=self.spec.checkpoint_write_mb_s * 1e6)
         except PSError as exc:
             # One line, and an event in Redis: `pstrain status` shows it to whoever runs the job.
             error = str(exc)[:500]
@@ -259,10 +260,12 @@ class ServerCoordinator:
 
 
 def write_snapshot(shard: Shard, directory: str, state: ShardState, run: str = "",
-                   wait_s: float = WAIT_FOR_EARLIER_S) -> ShardFile:
+                   wait_s: float = WAIT_FOR_EARLIER_S, max_bytes_per_s: float = 0.0
+                   ) -> ShardFile:
     """Writes a snapshot `shard` took, and its manifest entry, after the snapshots it took
     before it (a delta needs its base's file: `SnapshotLog.wait_turn`), and tells the shard
-    how it went (a failure makes its next snapshot full). `run` is the job's run id. Blocks
+    how it went (a failure makes its next snapshot full). `run` is the job's run id;
+    `max_bytes_per_s` paces the file's write (ps.checkpoint.Pace; 0: no limit). Blocks
     on file I/O and on the earlier writes (at most `wait_s`); thread-safe. Raises
     CheckpointError when the snapshot cannot be written."""
     snapshots = shard.snapshots
@@ -270,7 +273,7 @@ def write_snapshot(shard: Shard, directory: str, state: ShardState, run: str = "
     deltas_ok, why = True, ""
     try:
         base = snapshots.wait_turn(state, wait_s)
-        written = write_shard(directory, state, base)
+        written = write_shard(directory, state, base, max_bytes_per_s=max_bytes_per_s)
         write_manifest(directory, state.checkpoint_id, state.job, state.clock,
                        {state.shard: written}, state.num_shards, run=run)
         done = written

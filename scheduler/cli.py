@@ -29,7 +29,7 @@ from scheduler.errors import ConfigError, CoordinationError
 from scheduler.launcher import UpConfig, status_of, up
 from scheduler.runner import WorkerRunConfig, run_worker
 from scheduler.scheduler import Scheduler
-from scheduler.spec import JobSpec, at_least
+from scheduler.spec import JobSpec, at_least, at_least_float
 from scheduler.store import JobStore
 
 ENV_REDIS = "PSTRAIN_REDIS"
@@ -77,11 +77,16 @@ def _spec_flags(p: argparse.ArgumentParser, defaults: bool) -> None:
                    default=None if d is None else d.checkpoint_keep, metavar="K",
                    help="keep the K newest full checkpoints and the deltas after them; older "
                         "ones of the run are removed (default 3; 0: keep all)")
+    p.add_argument("--checkpoint-write-mb-s", type=at_least_float(0.0, "0: no limit"),
+                   default=None if d is None else d.checkpoint_write_mb_s, metavar="R",
+                   help="each server writes a checkpoint at most R MB/s, so that the write "
+                        "leaves training its CPU (default 64; 0: no limit)")
 
 
 _SPEC_FIELDS = ("mode", "staleness", "servers", "workers", "backups", "heartbeat_interval_s",
                 "heartbeat_misses", "suspect_timeout_s", "checkpoint_dir", "checkpoint_every_s",
-                "checkpoint_every_clocks", "checkpoint_full_every", "checkpoint_keep")
+                "checkpoint_every_clocks", "checkpoint_full_every", "checkpoint_keep",
+                "checkpoint_write_mb_s")
 
 
 def _mode(text: str) -> modes.Mode:

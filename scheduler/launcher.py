@@ -229,7 +229,8 @@ class Cluster:
                 "--checkpoint-every-s", str(s.checkpoint_every_s),
                 "--checkpoint-every-clocks", str(s.checkpoint_every_clocks),
                 "--checkpoint-full-every", str(s.checkpoint_full_every),
-                "--checkpoint-keep", str(s.checkpoint_keep)]
+                "--checkpoint-keep", str(s.checkpoint_keep),
+                "--checkpoint-write-mb-s", str(s.checkpoint_write_mb_s)]
 
     def _start_redis(self) -> None:
         binary = shutil.which("redis-server")

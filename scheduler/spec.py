@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
+from typing import TypeVar
 
 from protos import modes
 from scheduler.errors import SpecError, SpecMismatchError
@@ -16,6 +18,7 @@ RESTART_EXIT_CODE = 75
 # A worker, and `pstrain up`, exit with this status when the job was stopped because
 # recovery found no checkpoint that verifies (the reason is in Redis, `pstrain status`).
 STOPPED_EXIT_CODE = 76
+N = TypeVar("N", int, float)
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -43,6 +46,9 @@ class JobSpec:
     # Retention: the newest this many full checkpoints (and those after them) are kept, older
     # ones of the run removed once a newer full one is complete; 0 keeps every one.
     checkpoint_keep: int = 3
+    # Each server writes a checkpoint at most this fast (MB/s, 1e6 bytes), so that writing
+    # one beside training leaves the training its CPU and memory bandwidth; 0: no limit.
+    checkpoint_write_mb_s: float = 64.0
     created_s: float = 0.0  # when the job was created (set by JobStore.create_job)
     run_id: str = ""  # this run of the job (set by JobStore.create_job; see store.new_run_id)
 
@@ -73,6 +79,7 @@ class JobSpec:
             ("checkpoint_every_clocks", self.checkpoint_every_clocks >= 0, ">= 0"),
             ("checkpoint_full_every", self.checkpoint_full_every >= 1, ">= 1 (1: all full)"),
             ("checkpoint_keep", self.checkpoint_keep >= 0, ">= 0 (0: keep all)"),
+            ("checkpoint_write_mb_s", self.checkpoint_write_mb_s >= 0, ">= 0 (0: no limit)"),
         ]
         for name, ok, rule in checks:
             if not ok:
@@ -128,9 +135,28 @@ def at_least(low: int, note: str = "") -> Callable[[str], int]:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(
-                f"must be >= {low}{f' ({note})' if note else ''}, got {value}")
-        return value
+        return _check_low(value, low, note)
 
     return parse
+
+
+def at_least_float(low: float, note: str = "") -> Callable[[str], float]:
+    """As `at_least`, for a finite number (a rate, a time)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        return _check_low(value, low, note)
+
+    return parse
+
+
+def _check_low(value: N, low: float, note: str) -> N:
+    if value < low:
+        raise argparse.ArgumentTypeError(
+            f"must be >= {low}{f' ({note})' if note else ''}, got {value}")
+    return value

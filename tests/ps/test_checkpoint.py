@@ -82,6 +82,53 @@ def _every_dtype() -> dict[str, torch.Tensor]:
     return out
 
 
+# ---- pacing ---------------------------------------------------------------------------------
+
+
+class _FakeTime:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_a_pace_sleeps_only_when_the_writer_is_ahead_of_its_rate() -> None:
+    fake = _FakeTime()
+    pace = ckpt.Pace(1e6, clock=lambda: fake.now, sleep=fake.sleep)
+    pace.wrote(500_000)  # 0.5 s of budget used at once: sleeps it out
+    assert fake.slept == [pytest.approx(0.5)]
+    fake.now += 2.0  # the writer was slow (a busy disk): it may catch up without sleeping
+    pace.wrote(1_000_000)
+    assert fake.slept == [pytest.approx(0.5)]
+    pace.wrote(2_000_000)  # 3.5 MB by 2.5 s: 1 s ahead
+    assert fake.slept[-1] == pytest.approx(1.0)
+    assert fake.now == pytest.approx(3.5)
+
+
+def test_a_pace_of_zero_never_sleeps_and_a_negative_one_is_refused() -> None:
+    fake = _FakeTime()
+    pace = ckpt.Pace(0.0, clock=lambda: fake.now, sleep=fake.sleep)
+    pace.wrote(10**12)
+    assert fake.slept == []
+    with pytest.raises(CheckpointError, match=r"write rate must be >= 0 bytes/s .* got -1"):
+        ckpt.Pace(-1.0)
+
+
+def test_a_paced_write_takes_its_time_and_writes_the_same_file(tmp_path: Path) -> None:
+    values = torch.arange(3 * 2**18, dtype=torch.float32).reshape(-1, 64)  # 3 MiB
+    state = _state(tables=[TableState("emb", {"dim": 64}, {"value": values})])
+    fast = write_shard(tmp_path / "fast", state)
+    started = time.monotonic()
+    paced = write_shard(tmp_path / "paced", state, max_bytes_per_s=10e6)
+    took = time.monotonic() - started
+    assert took >= fast.nbytes / 10e6 * 0.95  # about 0.31 s: 3 MiB at 10 MB/s
+    assert paced.sha256 == fast.sha256
+    assert Path(paced.path).read_bytes() == Path(fast.path).read_bytes()
+
+
 # ---- round trips ----------------------------------------------------------------------------
 
 

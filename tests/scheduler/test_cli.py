@@ -121,6 +121,12 @@ def test_up_takes_the_mode_grammar_into_the_job_spec(
      "argument --checkpoint-keep: must be >= 0 (0: keep every checkpoint), got -1"),
     (["scheduler", "--job", "j", "--checkpoint-full-every", "x"],
      "argument --checkpoint-full-every: 'x' is not an integer"),
+    (["up", "--checkpoint-write-mb-s", "-5", "script.py"],
+     "argument --checkpoint-write-mb-s: must be >= 0.0 (0: no limit), got -5.0"),
+    (["up", "--checkpoint-write-mb-s", "fast", "script.py"],
+     "argument --checkpoint-write-mb-s: 'fast' is not a number"),
+    (["up", "--checkpoint-write-mb-s", "inf", "script.py"],
+     "argument --checkpoint-write-mb-s: must be a finite number, got 'inf'"),
 ])
 def test_bad_checkpoint_retention_flags_are_refused_naming_flag_and_value(
         command: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -137,6 +143,10 @@ def test_checkpoint_retention_flags_go_into_the_job_spec() -> None:
         "up", "--checkpoint-full-every", "1", "--checkpoint-keep", "0", "script.py"]))
     assert (spec.checkpoint_full_every, spec.checkpoint_keep) == (1, 0)
     assert cli._parser().parse_args(["checkpoint", "--job", "j", "--full"]).full
+    assert spec.checkpoint_write_mb_s == 64.0
+    paced = cli._spec("j", cli._parser().parse_args(
+        ["up", "--checkpoint-write-mb-s", "0", "script.py"]))
+    assert paced.checkpoint_write_mb_s == 0.0
 
 
 def test_a_server_refuses_retention_flags_it_cannot_use(

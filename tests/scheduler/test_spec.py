@@ -48,8 +48,12 @@ def test_a_stored_spec_with_a_bad_mode_is_refused() -> None:
 @pytest.mark.parametrize(("fields", "message"), [
     ({"checkpoint_full_every": 0}, "checkpoint_full_every must be >= 1 (1: all full), got 0"),
     ({"checkpoint_keep": -2}, "checkpoint_keep must be >= 0 (0: keep all), got -2"),
+    ({"checkpoint_write_mb_s": -1.0},
+     "checkpoint_write_mb_s must be >= 0 (0: no limit), got -1.0"),
+    ({"checkpoint_write_mb_s": float("nan")},
+     "checkpoint_write_mb_s must be >= 0 (0: no limit), got nan"),
 ])
-def test_bad_checkpoint_retention_is_refused(fields: dict[str, int], message: str) -> None:
+def test_bad_checkpoint_retention_is_refused(fields: dict[str, float], message: str) -> None:
     with pytest.raises(SpecError) as err:
         JobSpec("j", **fields)  # type: ignore[arg-type]
     assert message in str(err.value)

@@ -114,6 +114,7 @@ class ServerCoordinator:
         if restored and entries:
             self._listed = (restored, {int(k): dict(v) for k, v in entries.items()})
         self._handled: str | None = None
+        self._deferred: str | None = None  # the request last put off for an earlier write
         # Only the newest request matters: one already pending when this process starts
         # belongs to an earlier incarnation's time.
         request = ride_out("checkpoint", store.checkpoint_request, None)
@@ -167,6 +168,15 @@ class ServerCoordinator:
         if request.get("full"):
             shard.snapshots.ask_full(checkpoint_id)
         if self.spec.mode != "sync":
+            if shard.snapshots.writing():
+                # One copy of the tables waits for its (paced) write at a time: asked faster
+                # than it writes, a server would pile up copies. The next beat asks again.
+                if self._deferred != checkpoint_id:
+                    self._deferred = checkpoint_id
+                    log.warning("shard %d: checkpoint %s waits for the write of the one "
+                                "before (--checkpoint-write-mb-s %g)", shard.config.shard,
+                                checkpoint_id, self.spec.checkpoint_write_mb_s)
+                return
             # A consistent cut: it completes once every live worker has reached it. While
             # another is under way, the next beat asks again.
             if shard.cut(checkpoint_id, self._write):

@@ -120,6 +120,12 @@ class SnapshotLog:
             self._last = entry
             self._pending.append(entry)
 
+    def writing(self) -> bool:
+        """Whether a snapshot taken is still to be written (or reported)."""
+        with self._cond:
+            self._sweep()
+            return bool(self._pending)
+
     def reset(self) -> None:
         """The shard was restored: its next snapshot is full, and snapshots taken before
         are no one's base (their writes, if any are still to come, need not wait)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from ps.tables import DenseTable, OptimizerConfig, SparseTable, TableSpec
 from scheduler.recovery import entry_signed
 from scheduler.spec import JobSpec
 from scheduler.store import JobStore
+from worker.client import PSClient
 
 JOB = "signed"
 
@@ -367,3 +369,35 @@ def test_a_server_passes_over_deltas_built_on_a_checkpoint_marked_bad(tmp_path: 
     mark_bad(tmp_path, JOB, "c1", "shard 0: damaged")
     found = find_checkpoint(None, spec, 0, 1, JOB, str(tmp_path), from_disk=False)
     assert found is not None and found[0].checkpoint_id == "c0"
+
+
+def test_a_checkpoint_asked_while_one_is_written_is_cut_after_that_write(
+        procs: Procs) -> None:
+    """A server keeps one copy of its tables waiting for a (paced) write at a time: a
+    checkpoint asked meanwhile is cut once the write ends, so it holds what came after."""
+    redis = procs.redis().address
+    store = JobStore.connect(redis, "paced")
+    directory = str(procs.workdir / "ckpt")
+    store.create_job(JobSpec(job="paced", servers=1, heartbeat_interval_s=0.1, mode="async",
+                             checkpoint_dir=directory, checkpoint_full_every=1,
+                             checkpoint_write_mb_s=1.0), adopt=False)
+    server = procs.server(extra=["--redis", redis, "--job", "paced"])
+    with PSClient([server.address]) as client:
+        client.declare_dense("w", [500_000], optimizer="sgd", lr=1.0)  # 2 MB: 2 s at 1 MB/s
+        store.request_checkpoint("c1", -1)
+        wait_until(lambda: list(Path(directory).glob("paced/c1/.shard-*.tmp-*")), 10,
+                   "the write of c1 to begin")
+        store.request_checkpoint("c2", -1)
+        time.sleep(0.5)  # five heartbeats: a server that cut at once has cut c2 by now
+        client.push_dense("w", torch.ones(500_000))
+        assert not store.checkpoint("c1")  # still being written
+        wait_until(lambda: store.checkpoint("c2"), 30, "checkpoint c2")
+    procs.kill(server)
+
+    def value(checkpoint_id: str) -> torch.Tensor:
+        entry = store.checkpoint(checkpoint_id)[0]
+        state = read_checkpoint(directory, "paced", checkpoint_id, 0, 1, entry["sha256"])
+        return next(t for t in state.tables if t.name == "w").tensors["value"]
+
+    assert torch.equal(value("c1"), torch.zeros(500_000))
+    assert torch.equal(value("c2"), torch.full((500_000,), -1.0))

@@ -146,3 +146,14 @@ def test_a_snapshot_no_one_writes_counts_as_failed() -> None:
         log.wait_turn(delta, 5)
     log.written(delta, None)
     assert take(log, "c4").kind == FULL
+
+
+def test_writing_holds_from_taken_until_written_or_dropped() -> None:
+    log = SnapshotLog(10)
+    assert not log.writing()
+    state = take(log, "c0")
+    assert log.writing()
+    log.written(state, file_of(state))
+    assert not log.writing()
+    take(log, "c1")  # dropped at once: no writer will report it
+    assert not log.writing()

@@ -138,7 +138,7 @@ def serve_torchrpc(port: int, tcp_only: bool, host: str) -> None:
 def serve_raw(ready_file: str) -> None:
     """A gRPC server that moves raw bytes: the fastest Python gRPC can go, for comparison."""
     torch.set_num_threads(1)
-    tune_malloc()  # the same process settings pstrain's server uses
+    tune_malloc(arenas=1)  # the same process settings pstrain's server uses
     blobs: dict[int, bytes] = {}
 
     def blob(n: int) -> bytes:

@@ -41,8 +41,10 @@ Sections (each a figure of the issue, under its key):
 - memory: bytes per row of a table of `--memory-rows` rows (dim `--row-dim`, with
   `admit="count:2"` and `max_rows`, so the sketch, stamps and evicted-id bits are there) on
   its own server, everything included, over the raw bytes of its values and optimizer state
-  (`row_memory_ratio_<config>`, goal <= 1.3), from the server's resident memory and from its
-  own accounting (`memory_bytes` in GetStats), for float32 + Adagrad, float16 +
+  (`row_memory_ratio_<config>`, goal <= 1.3), from the server's resident memory (its growth
+  from after a warm-up table of the same options to after the fill, both read at rest, two
+  trim periods after the last request: protos.runtime.trim_heap) and from its own
+  accounting (`memory_bytes` in GetStats), for float32 + Adagrad, float16 +
   rowwise_adagrad and float32 + FTRL; and `pstrain plan`'s estimate against both
   (`plan_vs_measured`).
 Prints a table; writes JSON to benchmarks/results/tables-<date>.json (and --json PATH); a
@@ -79,7 +81,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from procs import Proc, Procs  # noqa: E402
 
-from protos.runtime import tune_malloc  # noqa: E402
+from protos.runtime import TRIM_HEAP_S, tune_malloc  # noqa: E402
 from ps.index import KeyIndex  # noqa: E402
 from ps.initializers import InitSpec  # noqa: E402
 from ps.plan import plan_table  # noqa: E402
@@ -472,11 +474,16 @@ def fill_server(server: Proc, name: str, dtype: torch.dtype, optimizer: str, dim
                 rows: int, batch: int) -> dict[str, Any]:
     client = PSClient([server.address], timeout_s=120.0)
     try:
-        # A small table first, so that what a request of `batch` keys allocates on the server
-        # (buffers, threads, arenas) is resident before the measured table is declared.
-        client.declare_sparse("warm-up", dim, dtype=dtype, optimizer=optimizer)
-        for _ in range(2):
+        # A small table of the same options first, so that what a request of `batch` keys
+        # allocates on the server (buffers, threads, arenas, the code of admission and
+        # eviction) is resident before the measured table is declared.
+        client.declare_sparse("warm-up", dim, dtype=dtype, optimizer=optimizer,
+                              admit="count:2", max_rows=batch)
+        for _ in range(4):  # two sights admit, two more read the rows
             client.pull_sparse("warm-up", np.arange(batch, dtype=np.int64), assume_unique=True)
+        # Both readings at rest: once the server has handed its freed request buffers back
+        # to the OS (protos.runtime.trim_heap, every TRIM_HEAP_S).
+        time.sleep(2 * TRIM_HEAP_S)
         before = status_bytes(server.pid, "VmRSS")
         client.declare_sparse(name, dim, dtype=dtype, optimizer=optimizer, admit="count:2",
                               max_rows=rows)
@@ -485,6 +492,7 @@ def fill_server(server: Proc, name: str, dtype: torch.dtype, optimizer: str, dim
             for _ in range(2):  # count:2 admits an id on its second sight
                 client.pull_sparse(name, keys[s : s + batch], assume_unique=True)
         (stats,) = table_stats(client, name)
+        time.sleep(2 * TRIM_HEAP_S)
         after = status_bytes(server.pid, "VmRSS")
         return {"rows": stats.rows, "rss_delta": after - before,
                 "memory_bytes": stats.memory_bytes, "evicted": stats.evicted}
@@ -503,9 +511,7 @@ def bench_memory(rows: int, dim: int, work: Path) -> dict[str, Any]:
             spec = TableSpec(name=name, kind="sparse", dtype=dtype, dim=dim,
                              optimizer=OptimizerConfig(optimizer), admit="count:2",
                              max_rows=rows)
-            bare = TableSpec(name=name, kind="sparse", dtype=dtype, dim=dim,
-                             optimizer=OptimizerConfig(optimizer))
-            raw = SparseTable.row_bytes(bare)  # values and optimizer state, nothing else
+            raw = SparseTable.value_bytes(spec)  # values and optimizer state, nothing else
             plan = plan_table(spec, rows, 1)
             held = got["rows"]
             c = {**got, "raw_bytes_per_row": raw,

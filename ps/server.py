@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos import rpc
 from protos.modes import ASYNC, Mode
-from protos.runtime import tune_malloc
+from protos.runtime import TRIM_HEAP_S, trim_heap, tune_malloc
 from protos.security import Security
 from protos.transport import TransportError, parse_choice
 from ps.auth import Gatekeeper
@@ -111,10 +111,11 @@ def tune_process(torch_threads: int) -> None:
     """Process-wide settings that the data plane's speed depends on.
 
     One torch thread per process: on small machines a second thread collapses throughput
-    whenever another process holds a core. See protos.runtime for the malloc settings.
+    whenever another process holds a core. One heap for every thread, handed back to the OS
+    every TRIM_HEAP_S (protos.runtime).
     """
     torch.set_num_threads(torch_threads)
-    tune_malloc()
+    tune_malloc(arenas=1)
 
 
 class ParameterServer:
@@ -179,6 +180,8 @@ class ParameterServer:
                 f"cannot bind {self.config.bind}: the address is in use or not local"
             )
         self._grpc.start()
+        threading.Thread(target=self._trim_heap, name=f"shard{self.config.shard}-trim",
+                         daemon=True).start()
         if self.config.metrics_port:
             # Where the server listens, and nowhere else: a server bound to loopback does not
             # show its tables' names and sizes to the network.
@@ -210,6 +213,11 @@ class ParameterServer:
         self.bulk.close()
         self._calls.shutdown(wait=False, cancel_futures=True)
         self._stopped.set()
+
+    def _trim_heap(self) -> None:
+        """Until stopped: the heap's free pages go back to the OS every TRIM_HEAP_S."""
+        while not self._stopped.wait(TRIM_HEAP_S):
+            trim_heap()
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Blocks until stopped (or the timeout); True if stopped."""

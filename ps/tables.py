@@ -8,9 +8,6 @@ about gRPC, clocks or retries: the shard decides when to call it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import functools
 import math
 import mmap
 import threading
@@ -26,6 +23,7 @@ import torch
 from protos import modes
 from protos.codec import FLOAT_DTYPES
 from protos.partition import RowRange, shard_of_keys
+from protos.runtime import trim_heap
 from ps.checkpoint import EVICTED_KEYS
 from ps.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from ps.index import MAX_ROWS, SLOT_BYTES, KeyIndex, capacity_for
@@ -60,13 +58,21 @@ _STEP_BYTES = 8
 _MAPPED_BYTES = 4 << 20
 # New rows are initialised in parts of about this many bytes of float32 values: the initial
 # values and optimizer state of a whole request (tens of MiB for 64K rows of dim 64, and as
-# much again in hashing scratch) would raise the high-water mark of the heap of every handler
-# thread that creates rows, which a server keeps resident (protos.runtime.tune_malloc).
+# much again in hashing scratch) would raise the high-water mark of the server's heap, which
+# it keeps resident between trims (protos.runtime.tune_malloc, trim_heap).
 _INIT_BYTES = 1 << 20
 # What an evicting table keeps per row slot: the clock it was last touched (int32) and the
 # second (float32, counted from the table's epoch: its creation or last restore; steps of
 # under 8 ms for a day from it, under 2 s for a year).
 _STAMP_BYTES = 4 + 4
+# The mark of a changed row slot (a delta lists the rows marked since the snapshot before).
+_CHANGED_BYTES = 1
+# An evicting table lists the keys it evicted since the last snapshot (for the next delta)
+# up to this share of its rows; past it, the next snapshot holds the table whole and the
+# list goes. A delta with that many evictions holds as many new rows besides, so it is an
+# eighth of a full one or more. Counted as its bound: 8-byte keys for an eighth of the rows.
+_GONE_SHARE = 8
+_GONE_BYTES = 8 // _GONE_SHARE
 # The largest clock an evicting table stamps; a request past it is refused.
 STAMP_CLOCK_MAX = 2**31 - 1
 # The clock stamp of a free row slot.
@@ -287,38 +293,14 @@ def grown_capacity(rows: int, capacity: int, spare_rows: int | None = None,
     return max(rows, min(doubled, rows + spare_rows // 2))
 
 
-@functools.cache
-def _malloc_trim() -> Any:
-    """glibc's malloc_trim, or None where libc is not glibc."""
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        return None
-
-
-def _return_freed_pages() -> None:
-    """Hands the heap's free pages back to the OS, after a key index moved to a larger array.
-
-    A server keeps freed heap memory for reuse (protos.runtime.tune_malloc), which would keep
-    the index's old array resident, unused, and outside what the memory budget counts. An
-    index moves a logarithmic number of times, so the trim (about a millisecond, blocking) is
-    rare. It cannot reach the free top of a thread's heap, which is why storage is mapped on
-    its own instead (_storage). Thread-safe.
-    """
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
 def _storage(shape: tuple[int, ...], dtype: torch.dtype, huge: bool) -> torch.Tensor:
     """Uninitialised storage of a sparse table: large blocks in a mapping of their own.
 
     Pages never written are not resident, so spare capacity costs address space, not memory:
     resident size follows the rows created. And a freed mapping goes back to the OS at once,
-    while a freed heap block is kept for reuse (protos.runtime.tune_malloc) where no trim
-    reaches it (the top of a handler thread's heap): the old copy of a grown table would stay
-    resident, outside what the memory budget counts. Small blocks stay on the heap, which
+    while a freed heap block is kept for reuse (protos.runtime.tune_malloc) until the next
+    trim (protos.runtime.trim_heap): the old copy of a grown table would stay resident,
+    outside what the memory budget counts, for a while. Small blocks stay on the heap, which
     keeps the count of mappings low however many small tables there are. `huge`: on
     transparent huge pages (_mapping).
     """
@@ -631,13 +613,20 @@ class SparseTable(_Counted):
 
     @staticmethod
     def row_bytes(spec: TableSpec) -> int:
-        """What one row of storage takes: its values, one row per optimizer slot, its step
-        counter where the optimizer keeps one, and under eviction its stamps. Pure."""
+        """What one row of storage takes: its values and optimizer state (value_bytes), its
+        change mark, and under eviction its stamps and its share of the evicted keys listed
+        for the next delta. Pure."""
+        return (SparseTable.value_bytes(spec) + _CHANGED_BYTES
+                + (_STAMP_BYTES + _GONE_BYTES if spec.evict_rule.active else 0))
+
+    @staticmethod
+    def value_bytes(spec: TableSpec) -> int:
+        """The raw bytes of one row: its values, one row per optimizer slot and the step
+        counter where the optimizer keeps one. Pure."""
         optimizer = spec.optimizer.build()
         return (spec.dim * spec.itemsize
                 + optimizer.slot_width(spec.dim) * _state_itemsize(spec)
-                + (_STEP_BYTES if optimizer.uses_step else 0)
-                + (_STAMP_BYTES if spec.evict_rule.active else 0))
+                + (_STEP_BYTES if optimizer.uses_step else 0))
 
     @staticmethod
     def fixed_bytes(spec: TableSpec) -> int:
@@ -696,7 +685,7 @@ class SparseTable(_Counted):
             slots = self.index.capacity
             self.index.reserve(rows)
             if self.index.capacity != slots:
-                _return_freed_pages()
+                trim_heap()
             if capacity > self._capacity:
                 self._grow(capacity)
 
@@ -914,7 +903,7 @@ class SparseTable(_Counted):
                 before = self.index.capacity
                 self.index.insert_rows(fresh_admitted, slots)
                 if self.index.capacity != before:
-                    _return_freed_pages()
+                    trim_heap()
                 self._init_rows(fresh_admitted, slots)
                 if self._evict.active:
                     self._stamp(slots, now_s)
@@ -1092,9 +1081,9 @@ class SparseTable(_Counted):
         if not self._whole:
             self._gone.append(keys)
             self._gone_count += len(keys)
-            # A list longer than the table's storage is no delta worth writing: the next
-            # snapshot holds the table whole, and the list goes.
-            if self._gone_count > max(self._capacity, INITIAL_SPARSE_ROWS):
+            # A longer list is no delta worth writing (_GONE_SHARE): the next snapshot holds
+            # the table whole, and the list goes.
+            if self._gone_count > max(self._capacity, INITIAL_SPARSE_ROWS) // _GONE_SHARE:
                 self._whole, self._gone, self._gone_count = True, [], 0
         self.count(evicted=len(keys))
 
@@ -1298,8 +1287,10 @@ class SparseTable(_Counted):
             self.spec)
         if self.step is not None:
             state_bytes += rows * self.step.element_size()
-        metadata = self.fixed_bytes(self.spec) + (
-            rows * _STAMP_BYTES if self._evict.active else 0)
+        # Per row beside its values and state: the change mark, under eviction the stamps
+        # and the share of evicted keys a delta lists.
+        metadata = self.fixed_bytes(self.spec) + rows * (
+            self._row_bytes - self.value_bytes(self.spec))
         return TableStats(
             self.spec.name, "sparse", self.spec.optimizer.describe(), rows, rows * row_bytes,
             state_bytes, self.index.nbytes, self.counters(), memory_bytes=self.memory_bytes(),

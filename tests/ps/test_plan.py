@@ -41,8 +41,9 @@ def test_the_plan_counts_what_the_server_counts() -> None:
                             "admit=prob:0.5")
     plan = plan_table(spec, ids, 4)
     assert plan.rows == 200_000  # the fullest server's share, capped by max_rows
-    # Values, Adagrad's state, and the stamps: an int32 clock and float32 seconds.
-    assert plan.row_bytes == SparseTable.row_bytes(spec) == 8 * 2 + 8 * 4 + 4 + 4
+    # Values, Adagrad's state, the change mark, the stamps (an int32 clock and float32
+    # seconds) and the share of the evicted keys a delta lists.
+    assert plan.row_bytes == SparseTable.row_bytes(spec) == 8 * 2 + 8 * 4 + 1 + 4 + 4 + 1
     # Storage doubles up to max_rows, not to the next power of two (262,144): the table
     # evicts before it creates rows.
     assert plan.capacity == 200_000 and plan.index_slots == 524_288

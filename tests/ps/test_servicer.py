@@ -694,9 +694,10 @@ def test_a_server_at_its_memory_budget_refuses_new_rows_and_stays_within_it(
     before = state()
     assert before[0][0][0] == start and before[0][0][1] <= 64 * MiB
     with pytest.raises(grpc.RpcError) as err:
-        exchange(_emb_step(np.arange(10), np.arange(start, start + 100)), timeout=30)
+        # The batch refused above, with pushes to rows held: nothing of it is applied.
+        exchange(_emb_step(np.arange(10), np.arange(start, start + BATCH)), timeout=30)
     assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "table 'emb': creating 100 new rows" in (err.value.details() or "")
+    assert f"table 'emb': creating {BATCH} new rows" in (err.value.details() or "")
     after = state()
     assert after[:2] == before[:2]
     torch.testing.assert_close(after[2], before[2], atol=0, rtol=0)

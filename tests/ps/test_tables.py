@@ -22,6 +22,7 @@ from ps.errors import FailedPreconditionError, InvalidArgumentError
 from ps.initializers import InitSpec, init_rows
 from ps.row_policy import admitted_by_probability
 from ps.tables import (
+    INITIAL_SPARSE_ROWS,
     STAMP_CLOCK_MAX,
     DenseTable,
     OptimizerConfig,
@@ -574,7 +575,9 @@ def allocated(table: DenseTable | SparseTable) -> int:
     if table.step is not None:
         tensors.append(table.step)
     held = sum(t.untyped_storage().nbytes() for t in tensors)
-    return held + (table.index.nbytes if isinstance(table, SparseTable) else 0)
+    if isinstance(table, SparseTable):
+        held += table.index.nbytes + table._changed.nbytes  # and each slot's change mark
+    return held
 
 
 @pytest.mark.parametrize(
@@ -721,7 +724,8 @@ def test_an_id_below_its_admission_count_has_no_row_and_reads_the_default() -> N
     assert torch.equal(pulled(table, 11), initial(table, 11) - 0.5)
     c = table.counters()
     assert (c.admitted, c.refused_by_admission) == (2, 5)
-    assert table.stats().metadata_bytes == SparseTable.fixed_bytes(table.spec) > 0
+    # The sketch and the evicted-id bits, and a change mark for each of the two rows.
+    assert table.stats().metadata_bytes == SparseTable.fixed_bytes(table.spec) + 2 * 1
 
 
 def test_a_pull_mixing_admitted_and_refused_ids_keeps_key_order() -> None:
@@ -1076,13 +1080,22 @@ def test_under_eviction_a_delta_lists_the_keys_evicted_and_the_stamps_and_bits()
     assert table.snapshot_changes() == {}
 
 
-def test_more_evictions_than_the_table_holds_make_the_next_snapshot_whole() -> None:
+def test_a_delta_lists_up_to_an_eighth_of_the_rows_evicted_and_past_that_is_whole() -> None:
     now = FakeTime()
     table = SparseTable(sparse_spec(max_rows=4), 0, 1, clock=now)
+    listed = max(table.capacity, INITIAL_SPARSE_ROWS) // 8  # what the table may list
+
+    def evict(start: int, count: int) -> None:
+        for first in range(start, start + count, 4):  # 4 new rows evict 4 old ones
+            pulled(table, *range(first, first + 4))
+            now.now += 1
+
+    evict(0, 4)
     table.snapshot()
-    for start in range(0, 4 * table.capacity, 500):
-        pulled(table, *range(start, start + 500))
-        now.now += 1
+    evict(4, listed)
+    changes = table.snapshot_changes()
+    assert changes is not None and len(changes["evicted_keys"]) == listed
+    evict(4 + listed, listed + 4)  # past the share: the list goes, the table is whole
     assert table.snapshot_changes() is None
     table.snapshot()
     assert table.snapshot_changes() == {}

@@ -505,7 +505,7 @@ def write_shard(directory: StrPath, state: ShardState, base: ShardFile | None = 
     final = ckpt_dir / shard_file_name(state.shard, state.num_shards)
     hasher = _BackgroundSha256()
     pace = Pace(max_bytes_per_s)
-    step = PACED_CHUNK_BYTES if max_bytes_per_s > 0 else CHUNK_BYTES
+    step = PACED_CHUNK_BYTES if pace.bytes_per_s > 0 else CHUNK_BYTES
     try:
         with _atomic_file(final) as fd:
             hasher.update(header)

@@ -613,11 +613,15 @@ class SparseTable(_Counted):
 
     @staticmethod
     def row_bytes(spec: TableSpec) -> int:
-        """What one row of storage takes: its values and optimizer state (value_bytes), its
-        change mark, and under eviction its stamps and its share of the evicted keys listed
-        for the next delta. Pure."""
-        return (SparseTable.value_bytes(spec) + _CHANGED_BYTES
-                + (_STAMP_BYTES + _GONE_BYTES if spec.evict_rule.active else 0))
+        """What one row of storage takes: value_bytes and bookkeeping_bytes. Pure."""
+        return SparseTable.value_bytes(spec) + SparseTable.bookkeeping_bytes(spec)
+
+    @staticmethod
+    def bookkeeping_bytes(spec: TableSpec) -> int:
+        """What one row takes beside its values and state: its change mark, and under
+        eviction its stamps and its share of the evicted keys listed for the next delta.
+        Pure."""
+        return _CHANGED_BYTES + (_STAMP_BYTES + _GONE_BYTES if spec.evict_rule.active else 0)
 
     @staticmethod
     def value_bytes(spec: TableSpec) -> int:
@@ -1287,10 +1291,7 @@ class SparseTable(_Counted):
             self.spec)
         if self.step is not None:
             state_bytes += rows * self.step.element_size()
-        # Per row beside its values and state: the change mark, under eviction the stamps
-        # and the share of evicted keys a delta lists.
-        metadata = self.fixed_bytes(self.spec) + rows * (
-            self._row_bytes - self.value_bytes(self.spec))
+        metadata = self.fixed_bytes(self.spec) + rows * self.bookkeeping_bytes(self.spec)
         return TableStats(
             self.spec.name, "sparse", self.spec.optimizer.describe(), rows, rows * row_bytes,
             state_bytes, self.index.nbytes, self.counters(), memory_bytes=self.memory_bytes(),

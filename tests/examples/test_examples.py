@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from beats import server_pid, worker_clock
+from beats import live_server_pid, worker_clock
 from procs import REPO, Procs, wait_until
 
 from scheduler.store import JobStore
@@ -152,8 +152,7 @@ def _sync_up(procs: Procs, job: str, kill_server_at: int | None) -> list[dict[st
     if kill_server_at is not None:
         wait_until(lambda: store.latest_checkpoint(2) is not None
                    and worker_clock(store, 0) >= kill_server_at, 120, "a checkpoint")
-        victim = server_pid(store, 0)
-        assert victim is not None
+        victim = live_server_pid(store, 0)
         os.kill(victim, signal.SIGKILL)
     assert up.popen.wait(timeout=240) == 0, up.log()[-3000:]
     results = {}

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from beats import server_pid, worker_clock
+from beats import live_server_pid, server_pid, worker_clock
 from procs import REPO, Proc, Procs, wait_until
 
 from protos import rpc
@@ -196,8 +196,7 @@ def test_killed_server_restarts_restores_and_the_job_finishes(procs: Procs) -> N
     wait_until(lambda: any(e.type == "checkpoint" and e.time_s > after and e.member == "0"
                            for e in store.events()) and store.latest_checkpoint(2), 60,
                "a checkpoint taken mid-training")
-    old = server_pid(store, 0)
-    assert old is not None
+    old = live_server_pid(store, 0)
     killed_at = time.time()
     os.kill(old, signal.SIGKILL)
     wait_until(lambda: (p := server_pid(store, 0)) is not None and p != old, 60,
@@ -226,8 +225,7 @@ def test_sync_server_kill_rolls_back_and_matches_an_uninterrupted_run(procs: Pro
     store = JobStore.connect(redis, "roll")
     wait_until(lambda: worker_clock(store, 0) >= 25, 120, "training to pass a checkpoint")
     wait_until(lambda: store.latest_checkpoint(2), 120, "a complete checkpoint")
-    victim = server_pid(store, 0)
-    assert victim is not None
+    victim = live_server_pid(store, 0)
     os.kill(victim, signal.SIGKILL)
     rollback = wait_until(
         lambda: next((e for e in store.events() if e.type == "rollback"), None), 90,

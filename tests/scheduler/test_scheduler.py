@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from beats import server_pid, worker_clock
+from beats import live_server_pid, worker_clock
 from procs import REPO, Proc, Procs, wait_until
 
 from ps.checkpoint import latest_complete, list_checkpoints
@@ -318,8 +318,7 @@ def test_redis_wiped_around_a_server_restart_neither_wedges_nor_repeats_a_genera
     up = up_sync_job(procs, redis, "wipe", steps=steps, restart=True)
     wait_until(lambda: worker_clock(store, 0) >= 25 and store.latest_checkpoint(2), 90,
                "training to pass a checkpoint")
-    victim = server_pid(store, 0)
-    assert victim is not None
+    victim = live_server_pid(store, 0)
     os.kill(victim, signal.SIGKILL)
     first = wait_until(lambda: next((e for e in store.events() if e.type == "rollback"), None),
                        60, "the first rollback")
@@ -331,6 +330,7 @@ def test_redis_wiped_around_a_server_restart_neither_wedges_nor_repeats_a_genera
 
     # Wiped after the restart: the restarted server still names its checkpoint, which Redis
     # no longer lists. Nothing rolls back; the generation comes back from the servers.
+    restarted = live_server_pid(store, 0)
     wiped_at = time.time()
     store.redis.flushdb()
     wait_until(lambda: store.spec() is not None, 30, "the scheduler to rebuild the job")
@@ -343,8 +343,8 @@ def test_redis_wiped_around_a_server_restart_neither_wedges_nor_repeats_a_genera
 
     # Restarted after the wipe: rolled back to the newest checkpoint on disk (not to the
     # empty model) under a generation never used before.
-    victim = server_pid(store, 0)
-    assert victim is not None
+    victim = live_server_pid(store, 0)
+    assert victim == restarted, up.log()[-5000:]  # the wipe restarted no server
     os.kill(victim, signal.SIGKILL)
     second = wait_until(
         lambda: next((e for e in store.events() if e.type == "rollback"), None), 60,
@@ -372,8 +372,7 @@ def test_server_killed_during_a_redis_outage_rolls_back_to_the_newest_checkpoint
                      flags=("--checkpoint-full-every", "3", "--checkpoint-keep", "1"))
     wait_until(lambda: worker_clock(store, 0) >= 45 and store.latest_checkpoint(2), 90,
                "training to pass a checkpoint")
-    victim = server_pid(store, 0)
-    assert victim is not None
+    victim = live_server_pid(store, 0)
     procs.kill(redis_proc, signal.SIGKILL)
     os.kill(victim, signal.SIGKILL)  # restarted by pstrain up, it cannot register yet
     time.sleep(6)
@@ -433,8 +432,7 @@ def stalled_after_two_checkpoints(procs: Procs, job: str) -> Stalled:
     up = up_sync_job(procs, redis, job, steps=STALLED_STEPS, restart=True)
     wait_until(lambda: len(store.complete_checkpoints(2)) >= 2 and worker_clock(store, 0) >= 45,
                90, "two checkpoints")
-    victim = server_pid(store, 0)
-    assert victim is not None
+    victim = live_server_pid(store, 0)
     os.kill(victim, signal.SIGSTOP)
     (newest, _), (older, _) = sorted(store.complete_checkpoints(2), key=lambda c: -c[1])[:2]
     return Stalled(redis, store, up, victim, newest, older)
@@ -630,8 +628,7 @@ def test_a_checkpoint_corrupt_on_the_live_shard_is_marked_bad_and_never_tried_ag
                           "the rollback")
     assert rollback.detail["checkpoint"] == older, rollback
     # Before any clock closes again (the workers restart first), shard 1 restarts too.
-    other = server_pid(store, 1)
-    assert other is not None
+    other = live_server_pid(store, 1)
     os.kill(other, signal.SIGKILL)
     wait_until(lambda: len(events_of(store, "rollback")) >= 2, 60, "the second rollback")
     assert events_of(store, "rollback")[1].detail["checkpoint"] == older

@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import pytest
 import torch
-from beats import server_pid, worker_clock
+from beats import live_server_pid, worker_clock
 from procs import REPO, Procs, wait_until
 
 from scheduler.store import Event, JobStore
@@ -152,8 +152,7 @@ def test_a_finished_worker_that_a_rollback_catches_stays_finished(procs: Procs) 
                         "trained", "--out", str(procs.workdir / "out")], "up")
     wait_until(lambda: worker_events(store, "left") and store.latest_checkpoint(2)
                and worker_clock(store, 0) >= 45, 60, "rank 1 to leave and a checkpoint")
-    victim = server_pid(store, 0)
-    assert victim is not None
+    victim = live_server_pid(store, 0)
     os.kill(victim, signal.SIGKILL)  # restarted by pstrain up; the job rolls back
     wait_until(lambda: [e for e in store.events() if e.type == "rollback"], 60, "the rollback")
     assert up.popen.wait(timeout=120) == 0, up.log()[-5000:]

@@ -119,6 +119,8 @@ def measure(mb: float = 1024.0, batch: int = 1024, checkpoints: int = 4, every_s
         "p99_step_during_checkpoint_ms": round(p99 * 1e3, 2),
         "max_step_during_checkpoint_ms": round(inside[-1] * 1e3, 2),
         "snapshot_stall_p99_ratio": round(p99 / median, 3),
+        # The same figure with no checkpoint under way: how wide steps spread without one.
+        "p99_outside_ratio": round(float(np.percentile(outside, 99)) / median, 3),
         "checkpoint_s": [round(b - a, 2) for a, b in windows],
         "slow_steps_at_s": slow_at,
     }

@@ -335,7 +335,8 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The stall run of the median `snapshot_stall_p99_ratio`, with every run's ratio."""
     ranked = sorted(runs, key=lambda r: r["snapshot_stall_p99_ratio"])
     return {**ranked[len(ranked) // 2],
-            "ratios": [r["snapshot_stall_p99_ratio"] for r in runs]}
+            "ratios": [r["snapshot_stall_p99_ratio"] for r in runs],
+            "outside_ratios": [r["p99_outside_ratio"] for r in runs]}
 
 
 def delta_section(total_mb: float, reps: int, work: Path) -> dict[str, object]:

@@ -10,12 +10,13 @@ $py -m ruff check .
 echo "== mypy"
 $py -m mypy
 # Two phases: the tests not marked `alone` two at a time (pytest-xdist), then those that bound
-# a duration one at a time. Both always run; the script fails if either does. Exit status 5
+# a duration one at a time; each lists its 15 slowest tests. Both always run; the script fails
+# if either does. Exit status 5
 # (no test selected, when arguments pick tests of one phase only) is not a failure.
 status=0
 phase() {
   local rc=0
-  $py -m pytest -q -p no:cacheprovider "$@" || rc=$?
+  $py -m pytest -q -p no:cacheprovider --durations=15 "$@" || rc=$?
   if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then status=$rc; fi
 }
 echo "== pytest, two at a time"

@@ -11,8 +11,8 @@ echo "== mypy"
 $py -m mypy
 # Two phases: the tests not marked `alone` two at a time (pytest-xdist), then those that bound
 # a duration one at a time; each lists its 15 slowest tests. Both always run; the script fails
-# if either does. Exit status 5
-# (no test selected, when arguments pick tests of one phase only) is not a failure.
+# if either does. Exit status 5 (no test selected, when arguments pick tests of one phase
+# only) is not a failure.
 status=0
 phase() {
   local rc=0

@@ -26,6 +26,7 @@ import grpc
 import pytest
 import redis
 import yaml
+from beats import live_beats
 from deployment import executable, last_json
 from procs import Proc, Procs, free_port, wait_until
 
@@ -447,8 +448,7 @@ def test_compose_cluster_trains_to_completion_through_a_killed_server_and_worker
     # A server dies: its policy starts it again, it restores the newest checkpoint, the job
     # rolls back, and each `pstrain worker` starts its script again in place.
     assert server1.proc is not None
-    before = {r: b["incarnation"] for r, b in store.heartbeats("worker", [0, 1]).items() if b}
-    assert len(before) == 2
+    before = {r: b["incarnation"] for r, b in live_beats(store, "worker", [0, 1]).items()}
     killed_at = time.time()
     os.kill(server1.proc.pid, signal.SIGKILL)
     rollback = wait_until(lambda: events("rollback", killed_at), 60, "the rollback")

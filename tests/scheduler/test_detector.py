@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from beats import worker_clock
+from beats import live_beats, worker_clock
 from procs import REPO, Proc, Procs, wait_until
 
 from scheduler.detector import FailureDetector, Health, Notice, Suspicions
@@ -181,9 +181,7 @@ def wait_training(up: Proc, store: JobStore) -> None:
 
 def pause(store: JobStore, rank: int, seconds: float) -> int:
     """SIGSTOPs worker `rank`'s script process for `seconds`, then SIGCONTs it; its pid."""
-    beat = store.heartbeats("worker", [rank])[rank]
-    assert beat is not None
-    pid = int(beat["pid"])
+    pid = int(live_beats(store, "worker", [rank])[rank]["pid"])
     os.kill(pid, signal.SIGSTOP)
     try:
         time.sleep(seconds)
@@ -263,7 +261,7 @@ def test_a_worker_paused_past_its_death_restarts_and_the_result_reports_it(
     up = up_job(procs, redis, "fenced", ["--suspect-timeout-s", str(suspect_s)])
     store = JobStore.connect(redis, "fenced")
     wait_training(up, store)
-    first = int(store.heartbeats("worker", [1])[1]["incarnation"])  # type: ignore[index]
+    first = int(live_beats(store, "worker", [1])[1]["incarnation"])
     # Paused past the suspicion the settings allow: declared dead, then resumed.
     pause(store, 1, TTL_S + suspect_s + 2.0)
     assert up.popen.wait(timeout=150) == 0, up.log()[-5000:]

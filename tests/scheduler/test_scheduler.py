@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from beats import live_server_pid, worker_clock
+from beats import live_beats, live_server_pid, worker_clock
 from procs import REPO, Proc, Procs, wait_until
 
 from ps.checkpoint import latest_complete, list_checkpoints
@@ -195,7 +195,7 @@ def test_redis_outage_pauses_coordination_not_training(procs: Procs) -> None:
     port = int(redis.rsplit(":", 1)[1].split("/")[0])
     store = JobStore.connect(redis, "outage")
     started = start_job(procs, redis, "outage", "async", workers=2)
-    address = str(store.heartbeats("server", [0])[0]["address"])  # type: ignore[index]
+    address = str(live_beats(store, "server", [0])[0]["address"])
     out = procs.workdir / "out"
     workers = [start_worker(procs, redis, "outage", r, out, 1500, 10.0) for r in range(2)]
     # Both joined: a worker still starting when Redis goes cannot register, and exits.

@@ -15,6 +15,16 @@ _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 
 
+@functools.cache
+def _glibc(function: str) -> Any:
+    """The C library's `function`, or None where it has none (a libc other than glibc)."""
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), function) if name else None
+    except (OSError, AttributeError):
+        return None
+
+
 def tune_malloc(arenas: int = 0) -> bool:
     """Keeps multi-MiB message buffers on the heap; returns False where libc is not glibc.
 
@@ -27,12 +37,8 @@ def tune_malloc(arenas: int = 0) -> bool:
     once: most of their work runs under the interpreter lock). Call it before threads
     start. Idempotent and thread-safe; affects later allocations only.
     """
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):
+    mallopt = _glibc("mallopt")
+    if mallopt is None:
         return False
     ok = mallopt(_M_MMAP_THRESHOLD, 32 * MiB)  # glibc's largest allowed value on 64-bit
     ok &= mallopt(_M_TRIM_THRESHOLD, 256 * MiB)
@@ -43,15 +49,6 @@ def tune_malloc(arenas: int = 0) -> bool:
 
 # How often a server hands the heap's free pages back to the OS (trim_heap).
 TRIM_HEAP_S = 2.0
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        return None
 
 
 def trim_heap() -> None:
@@ -66,7 +63,7 @@ def trim_heap() -> None:
     mapped on its own (ps.tables._storage). Blocking, outside the interpreter lock;
     thread-safe.
     """
-    trim = _malloc_trim()
+    trim = _glibc("malloc_trim")
     if trim is not None:
         trim(0)
 

@@ -31,7 +31,8 @@ one of 3, and restores each onto 2 and onto 3 servers the way a starting server 
 (`find_checkpoint`, which reads and verifies the shard files, resharding when the counts
 differ, then `Shard.restore`; a resharding server in a job then also writes its share,
 timed apart: `..._and_write_MBps`). Each target server's restore is timed alone with the
-checkpoint's files dropped from the page cache first, as on a machine of its own. The rate is
+checkpoint's files dropped from the page cache first, as on a machine of its own, and with
+one torch thread, as a server runs (its --torch-threads default). The rate is
 the model's MB (its files' size) over the slowest target's time (servers restore in
 parallel); `..._serial_MBps` over the sum of the targets' times (one after another on one
 machine). `reshard_restore_ratio_<n>to<m>` is the rate of n -> m over that of the same
@@ -246,6 +247,17 @@ def restore_as_a_server(work: Path, count: int, shard: int,
 
 def reshard_section(work: Path, args: argparse.Namespace) -> dict[str, object]:
     sizes = write_model_checkpoints(work, args.mb)
+    # Restores run with one torch thread, as a server does (--torch-threads).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reshard_rates(work, args, sizes)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reshard_rates(work: Path, args: argparse.Namespace,
+                   sizes: dict[int, int]) -> dict[str, object]:
     # One untimed restore first (see the module docstring: first touch of guest memory).
     restore_as_a_server(work, 2, 0, 3)
     parallel: dict[str, list[float]] = {}

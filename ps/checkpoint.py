@@ -81,6 +81,7 @@ and writers cannot break a kept checkpoint, and a delta never needs an older dir
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import dataclasses
@@ -99,8 +100,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 from urllib.parse import quote
@@ -115,6 +117,8 @@ from ps.index import KeyIndex
 log = logging.getLogger(__name__)
 
 StrPath = str | os.PathLike[str]
+# Given a sparse table's int64 keys, one bool per key: the rows to keep (read_shard's `keep`).
+KeyFilter = Callable[[np.ndarray], np.ndarray]
 
 FORMAT: Final = "pstrain.shard"
 FORMAT_VERSION: Final = 1  # of full shard files and of manifests
@@ -147,6 +151,10 @@ CHUNK_BYTES: Final = 16 * 1024 * 1024
 PACED_CHUNK_BYTES: Final = 256 * 1024
 # Reads in flight while restoring; more than one keeps the disk's queue from running dry.
 READ_THREADS: Final = 4
+# A read that keeps some rows of a table (read_shard's `keep`) passes the file through this
+# many reused buffers of this size: its memory beside the rows kept.
+STAGED_CHUNK_BYTES: Final = 4 * 1024 * 1024
+STAGING_BUFFERS: Final = READ_THREADS + 2
 # Temporary files older than this are a crashed writer's leftovers; younger ones may be live.
 STALE_TMP_AGE_S: Final = 3600.0
 
@@ -349,12 +357,14 @@ def read_checkpoint(directory: StrPath, job: str, checkpoint_id: str, shard: int
 
 
 def load_checkpoint(directory: StrPath, job: str, checkpoint_id: str, shard: int,
-                    num_shards: int, sha256: str) -> ShardState:
+                    num_shards: int, sha256: str, keep: KeyFilter | None = None) -> ShardState:
     """`read_checkpoint` for a restore: a file that fails verification (truncated, malformed,
     or not matching its digest) also marks the checkpoint bad on disk (`mark_bad`) before
     the CheckpointCorruptError goes on, so no later restore tries it again. When the file is
     a link of the delta's chain, the checkpoint it links to is marked bad too while its own
-    file is that same file (so every delta built on it is passed over). Blocks on file I/O."""
+    file is that same file (so every delta built on it is passed over). With `keep`, every
+    file of the chain keeps only the rows it selects (`read_shard`), so the result is the
+    full state's rows of those keys. Blocks on file I/O."""
 
     def failed(base: str, link: Path, exc: CheckpointError) -> None:
         if not isinstance(exc, CheckpointCorruptError):
@@ -365,7 +375,8 @@ def load_checkpoint(directory: StrPath, job: str, checkpoint_id: str, shard: int
                 mark_bad(directory, job, base, f"shard {shard}: {exc}")
 
     try:
-        return _read_by_id(directory, job, checkpoint_id, shard, num_shards, sha256, failed)
+        return _read_by_id(directory, job, checkpoint_id, shard, num_shards, sha256, failed,
+                           keep)
     except CheckpointCorruptError as exc:
         mark_bad(directory, job, checkpoint_id, f"shard {shard}: {exc}")
         raise
@@ -386,6 +397,7 @@ def read_resolved(path: StrPath, sha256: str | None = None) -> ShardState:
 def _read_by_id(
     directory: StrPath, job: str, checkpoint_id: str, shard: int, num_shards: int,
     sha256: str, failed: Callable[[str, Path, CheckpointError], None] | None,
+    keep: KeyFilter | None = None,
 ) -> ShardState:
     if not str(directory):
         raise CheckpointError(
@@ -395,18 +407,20 @@ def _read_by_id(
     check_reference(checkpoint_id, sha256)
     _check_shard_numbers(shard, num_shards)
     path = checkpoint_dir(directory, job, checkpoint_id) / shard_file_name(shard, num_shards)
-    state = _resolve(path, sha256, failed, (job, checkpoint_id, shard, num_shards))
+    state = _resolve(path, sha256, failed, (job, checkpoint_id, shard, num_shards), keep)
     return state
 
 
 def _resolve(
     path: Path, sha256: str | None, failed: Callable[[str, Path, CheckpointError], None] | None,
-    expect: tuple[str, str, int, int] | None = None,
+    expect: tuple[str, str, int, int] | None = None, keep: KeyFilter | None = None,
 ) -> ShardState:
     """Reads the file at `path` and, for a delta, its chain from the links beside it;
     `failed(base, link, error)` hears of a link that cannot be read before the error goes on.
-    `expect` is the (job, checkpoint id, shard, shard count) the file must hold."""
-    top = read_shard(path, sha256)
+    `expect` is the (job, checkpoint id, shard, shard count) the file must hold; `keep` cuts
+    every file of the chain alike (`read_shard`), which commutes with applying the deltas:
+    they change rows by key."""
+    top = read_shard(path, sha256, keep)
     if expect is not None and (top.job, top.checkpoint_id) != expect[:2]:
         raise CheckpointCorruptError(
             f"{path} holds checkpoint {top.checkpoint_id!r} of job {top.job!r}, not "
@@ -427,7 +441,7 @@ def _resolve(
             )
         link = path.parent / link_file_name(top.shard, top.num_shards, later.base)
         try:
-            base = read_shard(link, later.base_sha256)
+            base = read_shard(link, later.base_sha256, keep)
             if (base.job, base.checkpoint_id, base.shard, base.num_shards) != (
                     top.job, later.base, top.shard, top.num_shards):
                 raise CheckpointCorruptError(
@@ -607,7 +621,8 @@ def _link_chain(ckpt_dir: Path, state: ShardState, chain: tuple[ChainFile, ...]
     return tuple(linked)
 
 
-def read_shard(path: StrPath, sha256: str | None = None) -> ShardState:
+def read_shard(path: StrPath, sha256: str | None = None,
+               keep: KeyFilter | None = None) -> ShardState:
     """Reads a shard file written by `write_shard`.
 
     Blocks on file I/O. Thread-safe. With `sha256`, hashes the file while reading it (one
@@ -615,6 +630,14 @@ def read_shard(path: StrPath, sha256: str | None = None) -> ShardState:
     without it, only the structure is checked. Returned tensors are fresh, writable memory
     owned by the caller (not views of a mapping of the file). Raises CheckpointCorruptError
     for a truncated or malformed file and CheckpointError if it cannot be opened.
+
+    With `keep`, every table that has a ``keys`` tensor (a sparse table, or a row delta)
+    holds only the rows whose keys `keep` selects, in their order in the file: ``keys`` and
+    each tensor of one row per key are cut, ``evicted_keys`` by its own keys, whole-table
+    items (`WHOLE_TABLE_TENSORS`) and tables without keys are read whole. The rows left out
+    pass through small reused buffers, never into memory of the result, and are hashed all
+    the same: the digest still covers the whole file. A tensor that does not have one row
+    per key is CheckpointCorruptError.
     """
     path = Path(path)
     try:
@@ -645,17 +668,24 @@ def read_shard(path: StrPath, sha256: str | None = None) -> ShardState:
             hasher.update(head)
             hasher.update(header_bytes)
         entries, meta = _parse_header(header_bytes, size - 8 - header_len, path)
+        cuts = {} if keep is None else _row_cuts(fd, entries, meta, keep, path, 8 + header_len)
         tensors: dict[str, torch.Tensor] = {}
-        chunks: list[tuple[int, memoryview]] = []
+        chunks: list[_Chunk] = []
         offset = 8 + header_len
         for key, dtype, shape, nbytes in entries:
-            tensor = torch.empty(shape, dtype=dtype)
-            if nbytes:
-                view = _byte_view(tensor)
-                chunks.extend(
-                    (offset + begin, view[begin : begin + CHUNK_BYTES])
-                    for begin in range(0, nbytes, CHUNK_BYTES)
-                )
+            cut = cuts.get(key)
+            if cut is None:
+                tensor = torch.empty(shape, dtype=dtype)
+                if nbytes:
+                    view = _byte_view(tensor)
+                    chunks.extend(
+                        _Chunk(offset + begin, min(CHUNK_BYTES, nbytes - begin),
+                               into=view[begin : begin + CHUNK_BYTES])
+                        for begin in range(0, nbytes, CHUNK_BYTES)
+                    )
+            else:
+                tensor = torch.empty((len(cut), *shape[1:]), dtype=dtype)
+                chunks.extend(_cut_chunks(tensor, cut, offset, shape[0], nbytes))
             offset += nbytes
             tensors[key] = tensor
         _read_chunks(fd, chunks, path, hasher)
@@ -1512,22 +1542,141 @@ def _read_exact(fd: int, n: int, path: Path, offset: int) -> bytes:
     return bytes(buf)
 
 
-def _read_chunks(
-    fd: int, chunks: list[tuple[int, memoryview]], path: Path, hasher: _BackgroundSha256 | None
-) -> None:
-    """Fills each (file offset, buffer) chunk, READ_THREADS at a time, hashing them in order.
+@dataclass(frozen=True)
+class _Chunk:
+    """`nbytes` of a file at `offset`, read into `into` (a slice of a result tensor) or, when
+    it is None, into a reused staging buffer that `gather` takes what it keeps from."""
+
+    offset: int
+    nbytes: int
+    into: memoryview | None = None
+    gather: Callable[[memoryview], None] | None = None
+
+
+def _row_cuts(fd: int, entries: list[tuple[str, torch.dtype, list[int], int]],
+              meta: dict[str, str], keep: KeyFilter, path: Path,
+              data_start: int) -> dict[str, np.ndarray]:
+    """For `read_shard(keep=...)`: file key -> the sorted rows to keep, for every tensor
+    that is cut by key. Reads each keys tensor once ahead of the hashed pass."""
+    located: dict[str, tuple[int, torch.dtype, list[int], int]] = {}
+    offset = data_start
+    for key, dtype, shape, nbytes in entries:
+        located[key] = (offset, dtype, shape, nbytes)
+        offset += nbytes
+
+    def kept_rows(file_key: str, what: str) -> np.ndarray:
+        begin, dtype, shape, nbytes = located[file_key]
+        if dtype != torch.int64 or len(shape) != 1:
+            raise CheckpointCorruptError(
+                f"checkpoint shard {path}: {what} is {dtype} {shape}, not 1-d int64; the file "
+                "is corrupt")
+        keys = np.frombuffer(_read_exact(fd, nbytes, path, begin), dtype=np.int64)
+        mask = np.asarray(keep(keys))
+        if mask.dtype != np.bool_ or mask.shape != keys.shape:
+            raise CheckpointError(f"a key filter returned {mask.dtype} {list(mask.shape)} for "
+                                  f"{len(keys)} keys; it must return one bool per key")
+        return np.flatnonzero(mask)
+
+    cuts: dict[str, np.ndarray] = {}
+    try:
+        tables = json.loads(meta["tables"])
+        for table in tables:
+            names = {str(name): str(key) for name, key in table["tensors"]}
+            if "keys" not in names:
+                continue
+            rows = kept_rows(names["keys"], f"table {table['name']!r}'s keys")
+            count = located[names["keys"]][2][0]
+            for name, key in names.items():
+                if name in WHOLE_TABLE_TENSORS:
+                    continue
+                if name == EVICTED_KEYS:
+                    evicted = kept_rows(key, f"table {table['name']!r}'s {name}")
+                    if len(evicted) < located[key][2][0]:
+                        cuts[key] = evicted
+                    continue
+                shape = located[key][2]
+                if not shape or shape[0] != count:
+                    raise CheckpointCorruptError(
+                        f"checkpoint shard {path}: tensor {name!r} of table {table['name']!r} "
+                        f"has shape {shape}, not one row for each of its {count} keys; the file "
+                        "is corrupt")
+                if len(rows) < count:  # all kept: read in place, without staging
+                    cuts[key] = rows
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CheckpointCorruptError(
+            f"checkpoint shard {path} has malformed metadata ({exc!r}); the file is corrupt or "
+            "from an incompatible version") from exc
+    return cuts
+
+
+def _cut_chunks(out: torch.Tensor, rows: np.ndarray, offset: int, count: int,
+                nbytes: int) -> Iterator[_Chunk]:
+    """Staged chunks of a tensor of `count` rows at `offset`, each gathering the `rows` it
+    holds into their places in `out`."""
+    if not nbytes:
+        return
+    row_bytes = nbytes // count
+    per_chunk = max(1, STAGED_CHUNK_BYTES // row_bytes)
+    bounds = np.searchsorted(rows, np.arange(0, count + per_chunk, per_chunk).clip(max=count))
+    for i, first in enumerate(range(0, count, per_chunk)):
+        lo, hi = int(bounds[i]), int(bounds[i + 1])
+        n = min(per_chunk, count - first)
+        gather = None
+        if hi > lo:
+            gather = partial(_gather, out[lo:hi], torch.from_numpy(rows[lo:hi] - first))
+        yield _Chunk(offset + first * row_bytes, n * row_bytes, gather=gather)
+
+
+def _gather(out: torch.Tensor, rows: torch.Tensor, staged: memoryview) -> None:
+    source = torch.frombuffer(staged, dtype=out.dtype).view(-1, *out.shape[1:])
+    torch.index_select(source, 0, rows, out=out)
+
+
+def _read_chunks(fd: int, chunks: list[_Chunk], path: Path,
+                 hasher: _BackgroundSha256 | None) -> None:
+    """Reads each chunk, READ_THREADS at a time, and hashes them in file order; a staged
+    chunk is gathered from, then its buffer goes back for reuse once it is hashed.
 
     One synchronous reader leaves the disk idle between its requests and faults in the fresh
     tensor pages on one core; several preads in flight keep the device queue full and spread
     the faults. Blocks until every chunk is read or one read fails (then raises its error).
     """
+    staged_bytes = max((c.nbytes for c in chunks if c.into is None), default=0)
+    spare: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+    for _ in range(STAGING_BUFFERS if staged_bytes else 0):
+        spare.put(bytearray(staged_bytes))
     pool = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="checkpoint-read")
+    pending = iter(chunks)
+    flight: collections.deque[tuple[_Chunk, bytearray | None, memoryview, Future[None]]] = (
+        collections.deque())
+
+    def submit() -> None:
+        chunk = next(pending, None)
+        if chunk is None:
+            return
+        staging = None
+        if chunk.into is None:
+            staging = spare.get()  # freed by the hasher, which always moves on
+            into = memoryview(staging)[: chunk.nbytes]
+        else:
+            into = chunk.into
+        flight.append((chunk, staging, into,
+                       pool.submit(_readinto_exact, fd, into, path, chunk.offset)))
+
     try:
-        futures = [pool.submit(_readinto_exact, fd, buf, path, off) for off, buf in chunks]
-        for future, (_, buf) in zip(futures, chunks, strict=True):
+        for _ in range(READ_THREADS):
+            submit()
+        while flight:
+            chunk, staging, into, future = flight.popleft()
             future.result()  # local disk I/O: it ends or fails, so no timeout
+            if chunk.gather is not None:
+                chunk.gather(into)
+            release = None if staging is None else partial(spare.put, staging)
             if hasher is not None:
-                hasher.update(buf)
+                hasher.update(into, release)
+            elif release is not None:
+                release()
+            submit()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
@@ -1678,22 +1827,28 @@ class _BackgroundSha256:
 
     hashlib releases the GIL for large buffers, so hashing and I/O really run in parallel.
     Chunks are queued by reference (no copies): the caller must not change a chunk's memory
-    until `hexdigest` returns. One producer thread only; `hexdigest` must be called exactly
-    once, and waits for the queued chunks (CPU work on memory, so it cannot hang).
+    until it is hashed, which `release` (when given) announces, or `hexdigest` returns. One
+    producer thread only; `hexdigest` must be called exactly once, and waits for the queued
+    chunks (CPU work on memory, so it cannot hang).
     """
 
     def __init__(self) -> None:
         self._sha = hashlib.sha256()
-        self._queue: queue.SimpleQueue[bytes | memoryview | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[
+            tuple[bytes | memoryview, Callable[[], None] | None] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="checkpoint-sha256", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while (chunk := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            chunk, release = item
             self._sha.update(chunk)
+            if release is not None:
+                release()
 
-    def update(self, chunk: bytes | memoryview) -> None:
-        self._queue.put(chunk)
+    def update(self, chunk: bytes | memoryview,
+               release: Callable[[], None] | None = None) -> None:
+        self._queue.put((chunk, release))
 
     def hexdigest(self) -> str:
         self._queue.put(None)

@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from protos.runtime import run_in_background
@@ -41,7 +42,7 @@ from ps.checkpoint import (
 )
 from ps.deltas import WAIT_FOR_EARLIER_S
 from ps.errors import PSError
-from ps.reshard import reshard, shards_needed
+from ps.reshard import reshard, routes_here, shards_needed
 from ps.server import ParameterServer
 from ps.shard import Shard
 from scheduler.heartbeat import Heartbeat
@@ -58,6 +59,10 @@ from scheduler.store import JobStore, ride_out
 log = logging.getLogger(__name__)
 # Sparse tables a server lists in its heartbeat for `pstrain status` (by name), at most.
 _SHOWN_TABLES = 16
+# Old shard files a resharding server reads at once, at most: each read keeps about one and
+# a half cores busy (sha256 on one, the reads on others), so a server reads one file per two
+# cores it may run on. On 2 cores two at once were slower than one after the other.
+PARALLEL_READS = 4
 # The longest checkpoint id (ps.checkpoint's names).
 _MAX_ID = 200
 
@@ -486,12 +491,15 @@ def _reshard_candidate(directory: str, job: str, checkpoint_id: str, shard: int,
                        num_shards: int, entries: dict[int, dict[str, Any]],
                        count: int) -> ShardState:
     """This shard's share of checkpoint `checkpoint_id`, written by `count` servers: the
-    files of the old shards that hold its rows (`ps.reshard.shards_needed`; which dense
-    blocks those are is known once the first is read) are read (`load_checkpoint`, hashed
-    against their entries) one at a time and cut by `ps.reshard`. CheckpointError naming
-    each of them that is missing from `directory`. Blocks on file I/O; holds one old shard
-    and this shard's share in memory at a time."""
+    files of the old shards that hold its rows (`ps.reshard.shards_needed`; those that hold
+    only dense blocks of it are known once the others are read) are read, side by side where
+    the server has the cores (`PARALLEL_READS`), by `load_checkpoint` (hashed against their
+    entries, keeping only the rows that route here: `ps.reshard.routes_here`) and cut by
+    `ps.reshard`. CheckpointError naming each of them
+    that is missing from `directory`. Blocks on file I/O; holds this shard's share of the
+    model, never a whole old shard."""
     ckpt_dir = checkpoint_dir(directory, job, checkpoint_id)
+    keep = routes_here(shard, num_shards)
 
     def check_present(shards: list[int]) -> None:
         missing = [shard_file_name(k, count) for k in shards
@@ -502,29 +510,30 @@ def _reshard_candidate(directory: str, job: str, checkpoint_id: str, shard: int,
 
     def load(k: int) -> ShardState:
         return load_checkpoint(directory, job, checkpoint_id, k, count,
-                               str(entries[k].get("sha256", "")))
-
-    read: list[int] = []
-
-    def old_shards() -> Iterator[ShardState]:
-        by_key = shards_needed(count, shard, num_shards)
-        check_present(by_key)
-        first = load(by_key[0])
-        rest = [k for k in shards_needed(count, shard, num_shards,
-                                         [t.spec for t in first.tables]) if k != by_key[0]]
-        check_present(rest)
-        read.extend([by_key[0], *rest])
-        yield first
-        del first  # the next is read once reshard has let go of this one
-        for k in rest:
-            yield load(k)
+                               str(entries[k].get("sha256", "")), keep)
 
     started = time.monotonic()
-    state = reshard(old_shards(), shard, num_shards)
+    by_key = shards_needed(count, shard, num_shards)
+    check_present(by_key)
+    at_once = max(1, min(PARALLEL_READS, len(os.sched_getaffinity(0)) // 2))
+    with ThreadPoolExecutor(max_workers=at_once, thread_name_prefix="reshard-read") as pool:
+        states = list(pool.map(load, by_key))
+        rest = [k for k in shards_needed(count, shard, num_shards,
+                                         [t.spec for t in states[0].tables]) if k not in by_key]
+        check_present(rest)
+        states += pool.map(load, rest)
+    state = reshard(_handed_over(states), shard, num_shards)
     log.info("shard %d: checkpoint %s of %d servers resharded onto %d from shard(s) %s in "
-             "%.2f s (clock %d)", shard, checkpoint_id, count, num_shards, read,
+             "%.2f s (clock %d)", shard, checkpoint_id, count, num_shards, by_key + rest,
              time.monotonic() - started, state.clock)
     return state
+
+
+def _handed_over(states: list[ShardState]) -> Iterator[ShardState]:
+    """The states, each let go of here as it is yielded: `reshard` then holds the only
+    reference to what it keeps of each, and frees it as it joins the share."""
+    while states:
+        yield states.pop(0)
 
 
 def resharded_id(checkpoint_id: str, num_shards: int) -> str:

@@ -50,15 +50,16 @@ What goes where:
 Restoring onto the same count needs none of this: with N == M `reshard` returns the old
 state of shard k itself, unchanged.
 
-Memory: `states` may be an iterator that reads one old shard at a time (coordination does);
-`reshard` keeps only shard k's share of each and drops the rest before asking for the next,
-so a server holds one old shard and its own share at a time, never the whole model.
+Memory: `states` may be an iterator that reads one old shard at a time; `reshard` keeps only
+shard k's share of each and drops the rest before asking for the next. Old shards read
+through `routes_here` (coordination does) hold only that share to begin with, so a server
+never holds more than its own share of the model.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -103,6 +104,14 @@ def shards_needed(old_num_shards: int, shard: int, num_shards: int,
                                                        old_num_shards)
                       if r.start < new.end and new.start < r.end)
     return sorted(needed)
+
+
+def routes_here(shard: int, num_shards: int) -> Callable[[np.ndarray], np.ndarray]:
+    """The key filter of shard `shard` of `num_shards` (`ps.checkpoint.read_shard`'s `keep`):
+    one bool per key, true for the keys `protos.partition.shard_of_keys` routes there. An old
+    shard read through it holds exactly the rows `reshard` would take from it. Pure."""
+    _check_target(shard, num_shards)
+    return lambda keys: shard_of_keys(keys, num_shards) == shard
 
 
 def reshard(states: Iterable[ShardState], shard: int, num_shards: int) -> ShardState:
@@ -279,13 +288,29 @@ class _SparseShare:
         self.shards.add(old_shard)
 
     def result(self) -> TableState:
-        tensors = {name: parts[0] if len(parts) == 1 else torch.cat(parts)
-                   for name, parts in self.rows.items()}
+        tensors = {name: _joined(parts) for name, parts in self.rows.items()}
+        self.rows.clear()
         if self.sketch is not None:
             tensors[_SKETCH] = self.sketch.clamp_(max=255).to(torch.uint8)
         if self.bits is not None:
             tensors[_EVICTED_BITS] = self.bits
         return TableState(self.name, self.spec_dict, tensors)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat(parts)`, emptying `parts` as it goes: a part no one else holds is freed
+    once copied, so the join holds its result and one part at a time, not two copies of
+    the share (the result's fresh pages take memory only as they are written)."""
+    if len(parts) == 1:
+        return parts.pop()
+    out = torch.empty((sum(len(p) for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype)
+    at = 0
+    while parts:
+        part = parts.pop(0)
+        out[at:at + len(part)].copy_(part)
+        at += len(part)
+        del part
+    return out
 
 
 def _merged(acc: torch.Tensor | None, tensor: torch.Tensor, where: str, name: str,

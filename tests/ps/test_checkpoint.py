@@ -889,6 +889,88 @@ def test_a_full_and_three_deltas_restore_the_bytes_of_one_full_checkpoint(
     assert _tensors_by_key(back.snapshot("again")) == _tensors_by_key(reference)
 
 
+def _cut(state: ShardState, keep: Any) -> dict[str, dict[str, bytes]]:
+    """`_tensors_by_key` of `state` with every table that has keys cut to the rows `keep`
+    selects (and its evicted keys alike), as `read_shard(keep=...)` promises."""
+    tables = []
+    for table in state.tables:
+        tensors = dict(table.tensors)
+        if "keys" in tensors:
+            at = torch.from_numpy(keep(tensors["keys"].numpy()))
+            tensors = {name: t if name in ckpt.WHOLE_TABLE_TENSORS
+                       else t[torch.from_numpy(keep(t.numpy()))] if name == "evicted_keys"
+                       else t[at] for name, t in tensors.items()}
+        tables.append(TableState(table.name, table.spec, tensors, table.kind))
+    return _tensors_by_key(dataclasses.replace(state, tables=tables))
+
+
+def _even(keys: Any) -> Any:
+    return keys % 2 == 0
+
+
+@pytest.mark.parametrize("staged_bytes", [24, 100, ckpt.STAGED_CHUNK_BYTES])
+def test_a_read_that_keeps_some_keys_equals_the_whole_read_cut_to_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, staged_bytes: int) -> None:
+    monkeypatch.setattr(ckpt, "STAGED_CHUNK_BYTES", staged_bytes)  # many chunks, odd bounds
+    trained = _Trained(tmp_path, full_every=10)
+    for i in range(4):
+        for _ in range(3):
+            trained.step()
+        trained.checkpoint(f"c{i}")
+    chain = trained.files["c3"]
+    whole = load_checkpoint(tmp_path, JOB, "c3", 0, 1, chain.sha256)
+    part = load_checkpoint(tmp_path, JOB, "c3", 0, 1, chain.sha256, keep=_even)
+    assert _tensors_by_key(part) == _cut(whole, _even)
+    assert (part.checkpoint_id, part.clock, part.meta) == (whole.checkpoint_id, whole.clock,
+                                                           whole.meta)
+    # One file (a delta, with evicted keys), rows kept in their order in the file.
+    delta = read_shard(chain.path, chain.sha256)
+    assert any(len(t.tensors.get("evicted_keys", ())) for t in delta.tables)
+    cut = read_shard(chain.path, chain.sha256, keep=_even)
+    assert [t.tensors.keys() for t in cut.tables] == [t.tensors.keys() for t in delta.tables]
+    for mine, theirs in zip(cut.tables, delta.tables, strict=True):
+        if "keys" in theirs.tensors:
+            assert mine.tensors["keys"].tolist() == [
+                k for k in theirs.tensors["keys"].tolist() if k % 2 == 0]
+            assert int(_even(mine.tensors["keys"].numpy()).sum()) == len(mine.tensors["keys"])
+    nothing = read_shard(chain.path, chain.sha256,
+                         keep=lambda keys: torch.zeros(len(keys), dtype=torch.bool).numpy())
+    assert all(len(t.tensors["keys"]) == 0 for t in nothing.tables if "keys" in t.tensors)
+
+
+def test_a_read_that_keeps_some_keys_still_checks_the_whole_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ckpt, "STAGED_CHUNK_BYTES", 64)
+    keys = torch.arange(40, dtype=torch.int64)
+    state = _state(tables=[TableState("emb", SPARSE_SPEC, {
+        "keys": keys, "value": keys[:, None].float().repeat(1, 8),
+        "sketch": torch.zeros(5, dtype=torch.uint8)})])
+    written = write_shard(tmp_path, state)
+    data = bytearray(Path(written.path).read_bytes())
+    data[-1] ^= 0x01  # the value of key 39, a row the read leaves out
+    Path(written.path).write_bytes(data)
+    with pytest.raises(CheckpointCorruptError, match="checksum"):
+        read_shard(written.path, written.sha256, keep=_even)
+    kept = read_shard(written.path, keep=_even).tables[0].tensors  # no digest: not seen
+    assert kept["keys"].tolist() == list(range(0, 40, 2))
+    assert kept["value"][:, 0].tolist() == [float(k) for k in range(0, 40, 2)]
+    assert kept["sketch"].shape == (5,)
+
+
+def test_a_read_that_keeps_some_keys_refuses_a_table_not_one_row_per_key_or_a_bad_filter(
+        tmp_path: Path) -> None:
+    keys = torch.arange(6, dtype=torch.int64)
+    bad = write_shard(tmp_path / "bad", _state(tables=[TableState("emb", SPARSE_SPEC, {
+        "keys": keys, "value": torch.zeros(5, 2)})]))
+    with pytest.raises(CheckpointCorruptError, match="one row for each of its 6 keys"):
+        read_shard(bad.path, keep=_even)
+    assert read_shard(bad.path).tables  # read whole, it is only what it is
+    good = write_shard(tmp_path / "good", _state(tables=[TableState("emb", SPARSE_SPEC, {
+        "keys": keys, "value": torch.zeros(6, 2)})]))
+    with pytest.raises(CheckpointError, match="one bool per key"):
+        read_shard(good.path, keep=lambda k: k[:3] > 0)
+
+
 def test_a_corrupt_delta_or_base_is_refused_naming_the_file_and_passed_over(
         tmp_path: Path) -> None:
     trained = _Trained(tmp_path, full_every=10)

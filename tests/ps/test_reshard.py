@@ -19,7 +19,7 @@ from ps.checkpoint import ShardState, TableState
 from ps.clocks import ClockBoard, Quorum
 from ps.initializers import InitSpec
 from ps.ledger import LedgerEntry, PushLedger
-from ps.reshard import ReshardError, reshard, shards_needed
+from ps.reshard import ReshardError, reshard, routes_here, shards_needed
 from ps.shard import Shard, ShardConfig
 from ps.tables import DenseTable, OptimizerConfig, SparseTable, TableSpec
 
@@ -367,3 +367,19 @@ def test_states_that_are_not_one_checkpoint_are_refused_naming_why(how: str,
 def test_a_target_outside_the_job_is_refused(shard: int, num_shards: int) -> None:
     with pytest.raises(ReshardError, match="need 0 <= shard < num_shards"):
         reshard(iter(trained(1)), shard, num_shards)
+
+
+@pytest.mark.parametrize(("shard", "num_shards"), [(0, 1), (0, 3), (1, 3), (2, 3), (4, 5)])
+def test_the_key_filter_of_a_shard_selects_the_keys_that_route_to_it(
+        shard: int, num_shards: int) -> None:
+    keys = np.random.default_rng(1).integers(-(2**63), 2**63 - 1, 10_000, dtype=np.int64)
+    keep = routes_here(shard, num_shards)(keys)
+    assert keep.dtype == np.bool_ and keep.shape == keys.shape
+    assert np.array_equal(keep, shard_of_keys(keys, num_shards) == shard)
+    assert keep.any() and (num_shards == 1 or not keep.all())
+
+
+@pytest.mark.parametrize(("shard", "num_shards"), [(-1, 2), (2, 2), (0, 0)])
+def test_the_key_filter_of_a_shard_that_cannot_be_is_refused(shard: int, num_shards: int) -> None:
+    with pytest.raises(ReshardError, match="need 0 <= shard < num_shards"):
+        routes_here(shard, num_shards)

@@ -38,7 +38,9 @@ parallel); `..._serial_MBps` over the sum of the targets' times (one after anoth
 machine). `reshard_restore_ratio_<n>to<m>` is the rate of n -> m over that of the same
 checkpoint restored onto n (same-count); `reshard_restore_ratio` the smaller of 2 -> 3 and
 3 -> 2 (goal >= 0.7); `..._vs_<m>to<m>` over that of m servers restoring the checkpoint
-m servers wrote. Medians of --reps.
+m servers wrote. Medians of --reps. `reshard_peak_MB` gives, per case and target, the peak
+memory of a fresh process finding its share (read, verify, reshard; no restore) above what it
+held before, beside the share's size: each runs alone, once.
 
 The delta section (`--only delta` runs it alone; --mb sizes it, default ~2 GiB) builds a real
 `Shard` holding one sparse table of float32 rows x 64 with Adagrad state, its rows created by
@@ -69,6 +71,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -98,6 +101,7 @@ from ps.checkpoint import (  # noqa: E402
 )
 from ps.clocks import ClockBoard, Quorum  # noqa: E402
 from ps.coordination import find_checkpoint, write_resharded, write_snapshot  # noqa: E402
+from ps.server import tune_process  # noqa: E402
 from ps.shard import Exchange, Pull, PushMeta, Shard, ShardConfig, SparsePush  # noqa: E402
 from ps.tables import OptimizerConfig, TableSpec  # noqa: E402
 from scheduler.spec import JobSpec  # noqa: E402
@@ -245,6 +249,39 @@ def restore_as_a_server(work: Path, count: int, shard: int,
     return read, restore, write
 
 
+def peak_of_restore(work: Path, count: int, shard: int, servers: int) -> dict[str, float]:
+    """Memory of shard `shard` of `servers` finding (reading, resharding) checkpoint
+    ckpt-<count>, in a fresh process: its peak RSS above what the process held before
+    (pstrain loaded), and the share it ends up with, in MB (2**20 bytes)."""
+    child = subprocess.run(
+        [sys.executable, __file__, "--peak-of-restore", str(work), str(count), str(shard),
+         str(servers)], capture_output=True, text=True, check=True)
+    return dict(json.loads(child.stdout.strip().splitlines()[-1]))
+
+
+def _peak_of_restore_here(work: str, count: int, shard: int, servers: int) -> None:
+    tune_process(1)
+    before = _peak_rss_kib()
+    found = find_checkpoint(None, None, shard, servers, RESHARD_JOB, work, from_disk=True,
+                            resume_from=f"ckpt-{count}")
+    if found is None:
+        raise RuntimeError(f"checkpoint ckpt-{count} not found in {work}")
+    peak = _peak_rss_kib()
+    share = sum(t.numel() * t.element_size() for table in found.state.tables
+                for t in table.tensors.values())
+    print(json.dumps({"peak_above_start_MB": round((peak - before) / 1024, 1),
+                      "share_MB": round(share / 2**20, 1)}))
+
+
+def _peak_rss_kib() -> int:
+    """This process's peak RSS (VmHWM: its own, unlike ru_maxrss, which a child started by
+    a larger parent inherits)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def reshard_section(work: Path, args: argparse.Namespace) -> dict[str, object]:
     sizes = write_model_checkpoints(work, args.mb)
     # Restores run with one torch thread, as a server does (--torch-threads).
@@ -296,6 +333,9 @@ def _reshard_rates(work: Path, args: argparse.Namespace,
                 / out[f"restore_{servers}to{servers}_MBps"])
     out["reshard_restore_ratio"] = min(out["reshard_restore_ratio_2to3"],  # type: ignore[type-var]
                                        out["reshard_restore_ratio_3to2"])
+    out["reshard_peak_MB"] = {f"{count}to{servers}": [peak_of_restore(work, count, k, servers)
+                                                      for k in range(servers)]
+                              for count, servers in RESHARD_CASES}
     out["reshard_seconds"] = {"per_target_read_restore_write": parts,
                               "slowest_target": {k: [round(x, 4) for x in v]
                                                  for k, v in parallel.items()}}
@@ -402,7 +442,12 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp", help="parent of the temporary directory")
     parser.add_argument("--no-baselines", action="store_true",
                         help="skip the raw-write and safetensors comparisons")
+    parser.add_argument("--peak-of-restore", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.peak_of_restore:
+        work, *numbers = args.peak_of_restore
+        _peak_of_restore_here(work, *(int(n) for n in numbers))
+        return
     results: dict[str, object] = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.platform()}",

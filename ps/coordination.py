@@ -515,7 +515,7 @@ def _reshard_candidate(directory: str, job: str, checkpoint_id: str, shard: int,
     started = time.monotonic()
     by_key = shards_needed(count, shard, num_shards)
     check_present(by_key)
-    at_once = max(1, min(PARALLEL_READS, len(os.sched_getaffinity(0)) // 2))
+    at_once = max(1, min(PARALLEL_READS, _cores() // 2))
     with ThreadPoolExecutor(max_workers=at_once, thread_name_prefix="reshard-read") as pool:
         states = list(pool.map(load, by_key))
         rest = [k for k in shards_needed(count, shard, num_shards,
@@ -527,6 +527,11 @@ def _reshard_candidate(directory: str, job: str, checkpoint_id: str, shard: int,
              "%.2f s (clock %d)", shard, checkpoint_id, count, num_shards, by_key + rest,
              time.monotonic() - started, state.clock)
     return state
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0))
 
 
 def _handed_over(states: list[ShardState]) -> Iterator[ShardState]:

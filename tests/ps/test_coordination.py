@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -247,17 +248,22 @@ def test_a_server_of_another_count_restores_its_share_of_a_checkpoint_on_disk(
     assert restart.state.checkpoint_id == "c7.on-3"
 
 
+@pytest.mark.parametrize("cores", [2, 8])  # old files read one at a time, or side by side
 @pytest.mark.parametrize(("old", "new", "reads"), [
     (2, 3, [[0], [0, 1], [1]]), (3, 2, [[0, 1], [1, 2]]), (1, 2, [[0], [0]])])
 def test_a_server_reads_only_the_old_shard_files_that_hold_its_rows(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, old: int, new: int,
-        reads: list[list[int]]) -> None:
+        reads: list[list[int]], cores: int) -> None:
     write_checkpoint(tmp_path, old)
+    monkeypatch.setattr(coordination, "_cores", lambda: cores)
     loaded: list[int] = []
+    threads: set[str] = set()
     original = coordination.load_checkpoint
 
     def load(*args: Any) -> ShardState:
         loaded.append(args[3])  # (directory, job, checkpoint_id, shard, ...)
+        threads.add(threading.current_thread().name)
+        time.sleep(0.05)  # long enough that a second reader, if any, starts meanwhile
         return original(*args)
 
     spec = JobSpec(job=JOB, servers=new, checkpoint_dir=str(tmp_path))
@@ -270,6 +276,7 @@ def test_a_server_reads_only_the_old_shard_files_that_hold_its_rows(
         assert found is not None and found.resharded_from == old
         assert sorted(loaded) == reads[k]  # read side by side: in any order
         shares.append(found.state)
+    assert len(threads) == (2 if cores == 8 and old > 1 else 1)
     old_states = [read_shard(tmp_path / JOB / "c7" / f"shard-{k}-of-{old}.safetensors")
                   for k in range(old)]
     assert rows(shares) == rows(old_states)

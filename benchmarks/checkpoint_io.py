@@ -16,7 +16,9 @@ of file size:
   `safetensors.torch.save_file` + fsync (no hash), and `safetensors.torch.load_file` (cold)
   with every tensor cloned (it maps the file lazily; the clone reads it into owned memory,
   which is what `read_shard` returns).
-One untimed write and restore run first: on a VM the first touch of guest memory is slow
+Every section runs with one torch thread, as a server does (--torch-threads; before
+2026-11-26 they ran with torch's default, one per core). One untimed write and restore run
+first: on a VM the first touch of guest memory is slow
 (the host backs pages lazily), which would otherwise land on the first timed run only.
 Prints a table and writes JSON to benchmarks/results/checkpoint_io-<date>.json (with
 `--only S`, checkpoint_io-S-<date>.json; and --json PATH); the headline keys are
@@ -31,8 +33,7 @@ one of 3, and restores each onto 2 and onto 3 servers the way a starting server 
 (`find_checkpoint`, which reads and verifies the shard files, resharding when the counts
 differ, then `Shard.restore`; a resharding server in a job then also writes its share,
 timed apart: `..._and_write_MBps`). Each target server's restore is timed alone with the
-checkpoint's files dropped from the page cache first, as on a machine of its own, and with
-one torch thread, as a server runs (its --torch-threads default). The rate is
+checkpoint's files dropped from the page cache first, as on a machine of its own. The rate is
 the model's MB (its files' size) over the slowest target's time (servers restore in
 parallel); `..._serial_MBps` over the sum of the targets' times (one after another on one
 machine). `reshard_restore_ratio_<n>to<m>` is the rate of n -> m over that of the same
@@ -284,17 +285,6 @@ def _peak_rss_kib() -> int:
 
 def reshard_section(work: Path, args: argparse.Namespace) -> dict[str, object]:
     sizes = write_model_checkpoints(work, args.mb)
-    # Restores run with one torch thread, as a server does (--torch-threads).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _reshard_rates(work, args, sizes)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _reshard_rates(work: Path, args: argparse.Namespace,
-                   sizes: dict[int, int]) -> dict[str, object]:
     # One untimed restore first (see the module docstring: first touch of guest memory).
     restore_as_a_server(work, 2, 0, 3)
     parallel: dict[str, list[float]] = {}
@@ -448,6 +438,9 @@ def main() -> None:
         work, *numbers = args.peak_of_restore
         _peak_of_restore_here(work, *(int(n) for n in numbers))
         return
+    # Every section times what a server does, and a server runs one torch thread
+    # (--torch-threads); from 2026-11-26 on, so do they.
+    torch.set_num_threads(1)
     results: dict[str, object] = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.platform()}",

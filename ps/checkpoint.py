@@ -119,6 +119,8 @@ log = logging.getLogger(__name__)
 StrPath = str | os.PathLike[str]
 # Given a sparse table's int64 keys, one bool per key: the rows to keep (read_shard's `keep`).
 KeyFilter = Callable[[np.ndarray], np.ndarray]
+# Where read_shard puts the kept rows of a tensor: (table, tensor, dtype, shape) -> a tensor.
+Into = Callable[[str, str, torch.dtype, tuple[int, ...]], "torch.Tensor | None"]
 
 FORMAT: Final = "pstrain.shard"
 FORMAT_VERSION: Final = 1  # of full shard files and of manifests
@@ -357,14 +359,16 @@ def read_checkpoint(directory: StrPath, job: str, checkpoint_id: str, shard: int
 
 
 def load_checkpoint(directory: StrPath, job: str, checkpoint_id: str, shard: int,
-                    num_shards: int, sha256: str, keep: KeyFilter | None = None) -> ShardState:
+                    num_shards: int, sha256: str, keep: KeyFilter | None = None,
+                    into: Into | None = None) -> ShardState:
     """`read_checkpoint` for a restore: a file that fails verification (truncated, malformed,
     or not matching its digest) also marks the checkpoint bad on disk (`mark_bad`) before
     the CheckpointCorruptError goes on, so no later restore tries it again. When the file is
     a link of the delta's chain, the checkpoint it links to is marked bad too while its own
     file is that same file (so every delta built on it is passed over). With `keep`, every
     file of the chain keeps only the rows it selects (`read_shard`), so the result is the
-    full state's rows of those keys. Blocks on file I/O."""
+    full state's rows of those keys, read in place through `into` when the file is a full
+    one (`read_shard`). Blocks on file I/O."""
 
     def failed(base: str, link: Path, exc: CheckpointError) -> None:
         if not isinstance(exc, CheckpointCorruptError):
@@ -376,7 +380,7 @@ def load_checkpoint(directory: StrPath, job: str, checkpoint_id: str, shard: int
 
     try:
         return _read_by_id(directory, job, checkpoint_id, shard, num_shards, sha256, failed,
-                           keep)
+                           keep, into)
     except CheckpointCorruptError as exc:
         mark_bad(directory, job, checkpoint_id, f"shard {shard}: {exc}")
         raise
@@ -397,7 +401,7 @@ def read_resolved(path: StrPath, sha256: str | None = None) -> ShardState:
 def _read_by_id(
     directory: StrPath, job: str, checkpoint_id: str, shard: int, num_shards: int,
     sha256: str, failed: Callable[[str, Path, CheckpointError], None] | None,
-    keep: KeyFilter | None = None,
+    keep: KeyFilter | None = None, into: Into | None = None,
 ) -> ShardState:
     if not str(directory):
         raise CheckpointError(
@@ -407,20 +411,22 @@ def _read_by_id(
     check_reference(checkpoint_id, sha256)
     _check_shard_numbers(shard, num_shards)
     path = checkpoint_dir(directory, job, checkpoint_id) / shard_file_name(shard, num_shards)
-    state = _resolve(path, sha256, failed, (job, checkpoint_id, shard, num_shards), keep)
+    state = _resolve(path, sha256, failed, (job, checkpoint_id, shard, num_shards), keep, into)
     return state
 
 
 def _resolve(
     path: Path, sha256: str | None, failed: Callable[[str, Path, CheckpointError], None] | None,
     expect: tuple[str, str, int, int] | None = None, keep: KeyFilter | None = None,
+    into: Into | None = None,
 ) -> ShardState:
     """Reads the file at `path` and, for a delta, its chain from the links beside it;
     `failed(base, link, error)` hears of a link that cannot be read before the error goes on.
     `expect` is the (job, checkpoint id, shard, shard count) the file must hold; `keep` cuts
     every file of the chain alike (`read_shard`), which commutes with applying the deltas:
-    they change rows by key."""
-    top = read_shard(path, sha256, keep)
+    they change rows by key. `into` serves the file at `path` alone (read_shard uses it only
+    for a full file)."""
+    top = read_shard(path, sha256, keep, into)
     if expect is not None and (top.job, top.checkpoint_id) != expect[:2]:
         raise CheckpointCorruptError(
             f"{path} holds checkpoint {top.checkpoint_id!r} of job {top.job!r}, not "
@@ -459,6 +465,42 @@ def _resolve(
     if len(chain) == 1:
         return top
     return apply_deltas(chain[-1], chain[-2::-1])
+
+
+def kept_rows(path: StrPath, keep: KeyFilter) -> dict[str, int] | None:
+    """Per table with keys, how many rows `read_shard(path, keep=keep)` would keep; None for
+    a delta file (its rows are not the state's). Reads the header and the keys only, and
+    checks no digest: what it says is a plan, and the read that follows verifies the file.
+    CheckpointError / CheckpointCorruptError as read_shard. Blocks on file I/O."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise CheckpointError(f"cannot open checkpoint shard {path}: {exc}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"checkpoint shard {path} is not a regular file")
+        os.set_blocking(fd, True)
+        size = os.fstat(fd).st_size
+        (header_len,) = struct.unpack("<Q", _read_exact(fd, 8, path, 0))
+        if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+            raise CheckpointCorruptError(
+                f"checkpoint shard {path} is truncated or not a safetensors file (its header "
+                "does not fit in it); restore from another checkpoint")
+        entries, meta = _parse_header(_read_exact(fd, header_len, path, 8),
+                                      size - 8 - header_len, path)
+        if meta.get("kind", FULL) != FULL:
+            return None
+        shapes = {key: shape for key, _, shape, _ in entries}
+        counts: dict[str, int] = {}
+        for key, cut in _row_cuts(fd, entries, meta, keep, path, 8 + header_len).items():
+            if cut.name == "keys":
+                counts[cut.table] = shapes[key][0] if cut.rows is None else len(cut.rows)
+        return counts
+    except OSError as exc:
+        raise CheckpointError(f"reading checkpoint shard {path} failed: {exc}") from exc
+    finally:
+        os.close(fd)
 
 
 def mark_bad(directory: StrPath, job: str, checkpoint_id: str, reason: str) -> None:
@@ -621,8 +663,8 @@ def _link_chain(ckpt_dir: Path, state: ShardState, chain: tuple[ChainFile, ...]
     return tuple(linked)
 
 
-def read_shard(path: StrPath, sha256: str | None = None,
-               keep: KeyFilter | None = None) -> ShardState:
+def read_shard(path: StrPath, sha256: str | None = None, keep: KeyFilter | None = None,
+               into: Into | None = None) -> ShardState:
     """Reads a shard file written by `write_shard`.
 
     Blocks on file I/O. Thread-safe. With `sha256`, hashes the file while reading it (one
@@ -638,6 +680,11 @@ def read_shard(path: StrPath, sha256: str | None = None,
     pass through small reused buffers, never into memory of the result, and are hashed all
     the same: the digest still covers the whole file. A tensor that does not have one row
     per key is CheckpointCorruptError.
+
+    `into` (with `keep`, for a full file) says where the kept rows of each cut tensor go:
+    called with (table, tensor name, dtype, kept shape), it returns a contiguous CPU tensor
+    of that dtype and shape to fill (say, a slice of a larger one), or None for fresh memory;
+    anything else it returns is passed over for fresh memory too.
     """
     path = Path(path)
     try:
@@ -674,8 +721,13 @@ def read_shard(path: StrPath, sha256: str | None = None,
         offset = 8 + header_len
         for key, dtype, shape, nbytes in entries:
             cut = cuts.get(key)
-            if cut is None:
-                tensor = torch.empty(shape, dtype=dtype)
+            kept = shape if cut is None or cut.rows is None else [len(cut.rows), *shape[1:]]
+            tensor = None
+            if cut is not None and into is not None and meta.get("kind", FULL) == FULL:
+                tensor = _target(into(cut.table, cut.name, dtype, tuple(kept)), dtype, kept)
+            if tensor is None:
+                tensor = torch.empty(kept, dtype=dtype)
+            if cut is None or cut.rows is None:
                 if nbytes:
                     view = _byte_view(tensor)
                     chunks.extend(
@@ -684,8 +736,7 @@ def read_shard(path: StrPath, sha256: str | None = None,
                         for begin in range(0, nbytes, CHUNK_BYTES)
                     )
             else:
-                tensor = torch.empty((len(cut), *shape[1:]), dtype=dtype)
-                chunks.extend(_cut_chunks(tensor, cut, offset, shape[0], nbytes))
+                chunks.extend(_cut_chunks(tensor, cut.rows, offset, shape[0], nbytes))
             offset += nbytes
             tensors[key] = tensor
         _read_chunks(fd, chunks, path, hasher)
@@ -1553,18 +1604,27 @@ class _Chunk:
     gather: Callable[[memoryview], None] | None = None
 
 
+@dataclass(frozen=True)
+class _Cut:
+    """A tensor of table `table` cut by key: the rows kept (None: all of them)."""
+
+    table: str
+    name: str
+    rows: np.ndarray | None
+
+
 def _row_cuts(fd: int, entries: list[tuple[str, torch.dtype, list[int], int]],
               meta: dict[str, str], keep: KeyFilter, path: Path,
-              data_start: int) -> dict[str, np.ndarray]:
-    """For `read_shard(keep=...)`: file key -> the sorted rows to keep, for every tensor
-    that is cut by key. Reads each keys tensor once ahead of the hashed pass."""
+              data_start: int) -> dict[str, _Cut]:
+    """For `read_shard(keep=...)`: file key -> how it is cut, for every tensor cut by key.
+    Reads each keys tensor once ahead of the hashed pass."""
     located: dict[str, tuple[int, torch.dtype, list[int], int]] = {}
     offset = data_start
     for key, dtype, shape, nbytes in entries:
         located[key] = (offset, dtype, shape, nbytes)
         offset += nbytes
 
-    def kept_rows(file_key: str, what: str) -> np.ndarray:
+    def kept_rows(file_key: str, what: str) -> np.ndarray | None:
         begin, dtype, shape, nbytes = located[file_key]
         if dtype != torch.int64 or len(shape) != 1:
             raise CheckpointCorruptError(
@@ -1575,38 +1635,47 @@ def _row_cuts(fd: int, entries: list[tuple[str, torch.dtype, list[int], int]],
         if mask.dtype != np.bool_ or mask.shape != keys.shape:
             raise CheckpointError(f"a key filter returned {mask.dtype} {list(mask.shape)} for "
                                   f"{len(keys)} keys; it must return one bool per key")
-        return np.flatnonzero(mask)
+        rows = np.flatnonzero(mask)
+        return None if len(rows) == len(keys) else rows  # all kept: read in place
 
-    cuts: dict[str, np.ndarray] = {}
+    cuts: dict[str, _Cut] = {}
     try:
         tables = json.loads(meta["tables"])
         for table in tables:
             names = {str(name): str(key) for name, key in table["tensors"]}
             if "keys" not in names:
                 continue
-            rows = kept_rows(names["keys"], f"table {table['name']!r}'s keys")
+            name_of = str(table["name"])
+            rows = kept_rows(names["keys"], f"table {name_of!r}'s keys")
             count = located[names["keys"]][2][0]
             for name, key in names.items():
                 if name in WHOLE_TABLE_TENSORS:
                     continue
                 if name == EVICTED_KEYS:
-                    evicted = kept_rows(key, f"table {table['name']!r}'s {name}")
-                    if len(evicted) < located[key][2][0]:
-                        cuts[key] = evicted
+                    cuts[key] = _Cut(name_of, name, kept_rows(key, f"table {name_of!r}'s {name}"))
                     continue
                 shape = located[key][2]
                 if not shape or shape[0] != count:
                     raise CheckpointCorruptError(
-                        f"checkpoint shard {path}: tensor {name!r} of table {table['name']!r} "
-                        f"has shape {shape}, not one row for each of its {count} keys; the file "
-                        "is corrupt")
-                if len(rows) < count:  # all kept: read in place, without staging
-                    cuts[key] = rows
+                        f"checkpoint shard {path}: tensor {name!r} of table {name_of!r} has "
+                        f"shape {shape}, not one row for each of its {count} keys; the file is "
+                        "corrupt")
+                cuts[key] = _Cut(name_of, name, rows)
     except (ValueError, TypeError, KeyError) as exc:
         raise CheckpointCorruptError(
             f"checkpoint shard {path} has malformed metadata ({exc!r}); the file is corrupt or "
             "from an incompatible version") from exc
     return cuts
+
+
+def _target(tensor: torch.Tensor | None, dtype: torch.dtype,
+            shape: list[int]) -> torch.Tensor | None:
+    """`into`'s answer when it is a contiguous CPU tensor of `dtype` and `shape`; None (so
+    fresh memory) for anything else."""
+    if (tensor is None or tensor.dtype != dtype or list(tensor.shape) != shape
+            or tensor.device.type != "cpu" or not tensor.is_contiguous()):
+        return None
+    return tensor
 
 
 def _cut_chunks(out: torch.Tensor, rows: np.ndarray, offset: int, count: int,

@@ -28,10 +28,12 @@ from ps.checkpoint import (
     CheckpointLinkError,
     CheckpointNotFoundError,
     CheckpointUnsignedError,
+    Into,
     ShardFile,
     ShardState,
     bad_reason,
     checkpoint_dir,
+    kept_rows,
     list_checkpoints,
     load_checkpoint,
     prune,
@@ -42,7 +44,7 @@ from ps.checkpoint import (
 )
 from ps.deltas import WAIT_FOR_EARLIER_S
 from ps.errors import PSError
-from ps.reshard import reshard, routes_here, shards_needed
+from ps.reshard import JoinedRows, reshard, routes_here, shards_needed
 from ps.server import ParameterServer
 from ps.shard import Shard
 from scheduler.heartbeat import Heartbeat
@@ -508,16 +510,25 @@ def _reshard_candidate(directory: str, job: str, checkpoint_id: str, shard: int,
             raise CheckpointError(_partial_message(checkpoint_id, count, num_shards,
                                                    str(ckpt_dir), missing))
 
-    def load(k: int) -> ShardState:
+    def load(k: int, into: Into | None = None) -> ShardState:
         return load_checkpoint(directory, job, checkpoint_id, k, count,
-                               str(entries[k].get("sha256", "")), keep)
+                               str(entries[k].get("sha256", "")), keep, into)
 
     started = time.monotonic()
     by_key = shards_needed(count, shard, num_shards)
     check_present(by_key)
+    def planned(k: int) -> dict[str, int] | None:
+        try:
+            return kept_rows(ckpt_dir / shard_file_name(k, count), keep)
+        except CheckpointError:  # the read that follows reports it, and marks it bad
+            return None
+
+    # Each file's rows are read straight into their place in the share (JoinedRows).
+    layout = JoinedRows([planned(k) for k in by_key])
     at_once = max(1, min(PARALLEL_READS, _cores() // 2))
     with ThreadPoolExecutor(max_workers=at_once, thread_name_prefix="reshard-read") as pool:
-        states = list(pool.map(load, by_key))
+        states = list(pool.map(lambda i: load(by_key[i], layout.into(i)),
+                               range(len(by_key))))
         rest = [k for k in shards_needed(count, shard, num_shards,
                                          [t.spec for t in states[0].tables]) if k not in by_key]
         check_present(rest)

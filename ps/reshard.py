@@ -59,7 +59,8 @@ never holds more than its own share of the model.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -298,11 +299,17 @@ class _SparseShare:
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """`torch.cat(parts)`, emptying `parts` as it goes: a part no one else holds is freed
-    once copied, so the join holds its result and one part at a time, not two copies of
-    the share (the result's fresh pages take memory only as they are written)."""
+    """`torch.cat(parts)`, emptying `parts`. Parts that are consecutive slices covering one
+    tensor (read in place: `JoinedRows`) are that tensor, with no copy. Otherwise each part
+    no one else holds is freed once copied, so the join holds its result and one part at a
+    time, not two copies of the share (the result's fresh pages take memory only as they
+    are written)."""
     if len(parts) == 1:
         return parts.pop()
+    whole = _tiled(parts)
+    if whole is not None:
+        parts.clear()
+        return whole
     out = torch.empty((sum(len(p) for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype)
     at = 0
     while parts:
@@ -311,6 +318,71 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
         at += len(part)
         del part
     return out
+
+
+def _tiled(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor that `parts` are, in order, consecutive slices of along dim 0, covering it
+    whole; None when they are not."""
+    found = getattr(parts[0], "_base", None)
+    if not isinstance(found, torch.Tensor):
+        return None
+    base: torch.Tensor = found
+    if base.dim() < 1 or not base.is_contiguous():
+        return None
+    row_bytes = base.element_size() * math.prod(base.shape[1:])
+    rows = 0
+    for part in parts:
+        if not len(part):
+            continue
+        if (getattr(part, "_base", None) is not base or not part.is_contiguous()
+                or part.data_ptr() != base.data_ptr() + rows * row_bytes):
+            return None
+        rows += len(part)
+    return base if rows == len(base) else None
+
+
+class JoinedRows:
+    """Where each old shard's rows go in shard k's share, so that old shards read in place
+    (`ps.checkpoint.read_shard`'s `into`) leave `reshard` nothing to join: each sparse
+    tensor of the share is allocated once, and old shard i fills the slice after the rows
+    of the shards before it. `counts[i]` is old shard i's kept rows per table
+    (`ps.checkpoint.kept_rows`), None for one not read in place. Thread-safe."""
+
+    def __init__(self, counts: Sequence[Mapping[str, int] | None]) -> None:
+        self._counts = list(counts)
+        self._offsets: list[dict[str, int] | None] = []
+        self._totals: dict[str, int] = {}
+        for found in self._counts:
+            if found is None:
+                self._offsets.append(None)
+                continue
+            self._offsets.append({t: self._totals.get(t, 0) for t in found})
+            for table, rows in found.items():
+                self._totals[table] = self._totals.get(table, 0) + rows
+        self._lock = threading.Lock()
+        self._tensors: dict[tuple[str, str], torch.Tensor] = {}
+
+    def into(self, index: int) -> Callable[[str, str, torch.dtype, tuple[int, ...]],
+                                           torch.Tensor | None] | None:
+        """`read_shard`'s `into` for old shard `index` (in the order of `counts`)."""
+        offsets, counts = self._offsets[index], self._counts[index]
+        if offsets is None or counts is None:
+            return None
+
+        def place(table: str, name: str, dtype: torch.dtype,
+                  shape: tuple[int, ...]) -> torch.Tensor | None:
+            if table not in offsets or not shape or shape[0] != counts[table]:
+                return None
+            with self._lock:
+                whole = self._tensors.get((table, name))
+                if whole is None:
+                    whole = torch.empty((self._totals[table], *shape[1:]), dtype=dtype)
+                    self._tensors[(table, name)] = whole
+            if whole.dtype != dtype or tuple(whole.shape[1:]) != tuple(shape[1:]):
+                return None
+            return whole[offsets[table]:offsets[table] + shape[0]]
+
+        return place
 
 
 def _merged(acc: torch.Tensor | None, tensor: torch.Tensor, where: str, name: str,

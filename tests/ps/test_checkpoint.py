@@ -1097,3 +1097,33 @@ def test_pruning_keeps_every_checkpoint_after_the_kept_full_ones_restorable(
         state = read_checkpoint(tmp_path, JOB, manifest.checkpoint_id, 0, 1,
                                 manifest.shards[0].sha256)
         assert state.kind == "full"
+
+
+def test_a_read_in_place_fills_the_tensors_given_for_a_full_file_only(tmp_path: Path) -> None:
+    trained = _Trained(tmp_path, full_every=10)
+    for i in range(2):
+        trained.step()
+        trained.checkpoint(f"c{i}")
+    full, delta = trained.files["c0"], trained.files["c1"]
+    given: dict[tuple[str, str], torch.Tensor] = {}
+
+    def into(table: str, name: str, dtype: torch.dtype,
+             shape: tuple[int, ...]) -> torch.Tensor | None:
+        if name == "value":  # the others: fresh memory
+            return given.setdefault((table, name), torch.empty(shape, dtype=dtype))
+        if name == "keys":  # a wrong answer is passed over
+            return torch.empty((shape[0] + 1, *shape[1:]), dtype=dtype)
+        return None
+
+    read = read_shard(full.path, full.sha256, keep=_even, into=into)
+    assert _tensors_by_key(read) == _cut(read_shard(full.path), _even)
+    sparse = [t for t in read.tables if "keys" in t.tensors]
+    assert sparse and {(t.name, "value") for t in sparse} == set(given)
+    for table in sparse:
+        assert table.tensors["value"] is given[(table.name, "value")]
+    given.clear()
+    read_shard(delta.path, delta.sha256, keep=_even, into=into)
+    assert not given  # a delta's rows are not the state's: never read in place
+    assert ckpt.kept_rows(delta.path, _even) is None
+    assert ckpt.kept_rows(full.path, _even) == {
+        t.name: len(t.tensors["keys"]) for t in sparse}

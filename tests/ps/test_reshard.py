@@ -6,6 +6,7 @@ shards held; then restored into real `Shard`s of M."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import weakref
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ from ps.checkpoint import ShardState, TableState
 from ps.clocks import ClockBoard, Quorum
 from ps.initializers import InitSpec
 from ps.ledger import LedgerEntry, PushLedger
-from ps.reshard import ReshardError, reshard, routes_here, shards_needed
+from ps.reshard import JoinedRows, ReshardError, reshard, routes_here, shards_needed
 from ps.shard import Shard, ShardConfig
 from ps.tables import DenseTable, OptimizerConfig, SparseTable, TableSpec
 
@@ -383,3 +384,55 @@ def test_the_key_filter_of_a_shard_selects_the_keys_that_route_to_it(
 def test_the_key_filter_of_a_shard_that_cannot_be_is_refused(shard: int, num_shards: int) -> None:
     with pytest.raises(ReshardError, match="need 0 <= shard < num_shards"):
         routes_here(shard, num_shards)
+
+
+def test_old_shards_read_in_place_are_joined_without_a_copy() -> None:
+    old = trained(2)
+    expected = reshard(trained(2), 1, 3)
+    keep = routes_here(1, 3)
+    sparse = [{t.name: int(keep(t.tensors["keys"].numpy()).sum())
+               for t in s.tables if "keys" in t.tensors} for s in old]
+    layout = JoinedRows(sparse)
+    placed, first = [], {}
+    for i, state in enumerate(old):
+        into = layout.into(i)
+        assert into is not None
+        tables = []
+        for table in state.tables:
+            if "keys" not in table.tensors:
+                tables.append(table)
+                continue
+            mask = torch.from_numpy(keep(table.tensors["keys"].numpy()))
+            tensors = {}
+            for name, tensor in table.tensors.items():
+                if name in ("sketch", "evicted_bits"):
+                    tensors[name] = tensor
+                    continue
+                kept = tensor[mask]
+                target = into(table.name, name, kept.dtype, tuple(kept.shape))
+                assert target is not None and target.shape == kept.shape
+                tensors[name] = target.copy_(kept)  # what read_shard(into=...) does
+                first.setdefault((table.name, name), target.data_ptr())
+            tables.append(TableState(table.name, table.spec, tensors))
+        placed.append(dataclasses.replace(state, tables=tables))
+    got = reshard(placed, 1, 3)
+    for mine, theirs in zip(got.tables, expected.tables, strict=True):
+        assert mine.tensors.keys() == theirs.tensors.keys()
+        for name, tensor in mine.tensors.items():
+            assert torch.equal(tensor, theirs.tensors[name]), (mine.name, name)
+            if (mine.name, name) in first:  # the tensor the parts were read into: no copy
+                assert tensor.data_ptr() == first[(mine.name, name)], (mine.name, name)
+
+
+def test_a_layout_places_nothing_it_did_not_plan() -> None:
+    layout = JoinedRows([{"emb": 3}, None, {"emb": 2, "ids": 1}])
+    assert layout.into(1) is None  # not read in place (a delta, say)
+    first, third = layout.into(0), layout.into(2)
+    assert first is not None and third is not None
+    head = first("emb", "value", torch.float32, (3, 4))
+    tail = third("emb", "value", torch.float32, (2, 4))
+    assert head is not None and tail is not None
+    assert tail.data_ptr() == head.data_ptr() + 3 * 4 * 4  # right after shard 0's rows
+    assert first("emb", "value", torch.float32, (4, 4)) is None  # not the rows planned
+    assert third("emb", "value", torch.float64, (2, 4)) is None  # not the tensor's dtype
+    assert first("other", "value", torch.float32, (3, 4)) is None

@@ -393,7 +393,8 @@ def test_old_shards_read_in_place_are_joined_without_a_copy() -> None:
     sparse = [{t.name: int(keep(t.tensors["keys"].numpy()).sum())
                for t in s.tables if "keys" in t.tensors} for s in old]
     layout = JoinedRows(sparse)
-    placed, first = [], {}
+    placed: list[ShardState] = []
+    first: dict[tuple[str, str], int] = {}
     for i, state in enumerate(old):
         into = layout.into(i)
         assert into is not None

@@ -52,8 +52,10 @@ state of shard k itself, unchanged.
 
 Memory: `states` may be an iterator that reads one old shard at a time; `reshard` keeps only
 shard k's share of each and drops the rest before asking for the next. Old shards read
-through `routes_here` (coordination does) hold only that share to begin with, so a server
-never holds more than its own share of the model.
+through `routes_here` hold only that share to begin with, and read into the slices
+`JoinedRows` hands out (coordination does both) they are the share already: `reshard`
+returns those tensors without joining them, so a server holds its own share of the model
+and no more.
 """
 
 from __future__ import annotations

@@ -1624,7 +1624,7 @@ def _row_cuts(fd: int, entries: list[tuple[str, torch.dtype, list[int], int]],
         located[key] = (offset, dtype, shape, nbytes)
         offset += nbytes
 
-    def kept_rows(file_key: str, what: str) -> np.ndarray | None:
+    def rows_kept(file_key: str, what: str) -> np.ndarray | None:
         begin, dtype, shape, nbytes = located[file_key]
         if dtype != torch.int64 or len(shape) != 1:
             raise CheckpointCorruptError(
@@ -1646,13 +1646,13 @@ def _row_cuts(fd: int, entries: list[tuple[str, torch.dtype, list[int], int]],
             if "keys" not in names:
                 continue
             name_of = str(table["name"])
-            rows = kept_rows(names["keys"], f"table {name_of!r}'s keys")
+            rows = rows_kept(names["keys"], f"table {name_of!r}'s keys")
             count = located[names["keys"]][2][0]
             for name, key in names.items():
                 if name in WHOLE_TABLE_TENSORS:
                     continue
                 if name == EVICTED_KEYS:
-                    cuts[key] = _Cut(name_of, name, kept_rows(key, f"table {name_of!r}'s {name}"))
+                    cuts[key] = _Cut(name_of, name, rows_kept(key, f"table {name_of!r}'s {name}"))
                     continue
                 shape = located[key][2]
                 if not shape or shape[0] != count:

@@ -62,8 +62,7 @@ log = logging.getLogger(__name__)
 # Sparse tables a server lists in its heartbeat for `pstrain status` (by name), at most.
 _SHOWN_TABLES = 16
 # Old shard files a resharding server reads at once, at most, and at most one per core it may
-# run on: each file's sha256 runs on a thread of its own, and hashing bounds a read. On
-# 2 cores two at once took 0.85-0.94 s where one after the other took 0.97-1.06 s.
+# run on: each file's sha256 runs on a thread of its own, and hashing bounds a read.
 PARALLEL_READS = 4
 # The longest checkpoint id (ps.checkpoint's names).
 _MAX_ID = 200
@@ -497,9 +496,10 @@ def _reshard_candidate(directory: str, job: str, checkpoint_id: str, shard: int,
     only dense blocks of it are known once the others are read) are read, side by side where
     the server has the cores (`PARALLEL_READS`), by `load_checkpoint` (hashed against their
     entries, keeping only the rows that route here: `ps.reshard.routes_here`) and cut by
-    `ps.reshard`. CheckpointError naming each of them
-    that is missing from `directory`. Blocks on file I/O; holds this shard's share of the
-    model, never a whole old shard."""
+    `ps.reshard`, each file's rows read straight into their place in the share
+    (`ps.reshard.JoinedRows`). CheckpointError naming each of them that is missing from
+    `directory`. Blocks on file I/O; holds this shard's share of the model, never a whole old
+    shard."""
     ckpt_dir = checkpoint_dir(directory, job, checkpoint_id)
     keep = routes_here(shard, num_shards)
 
@@ -514,16 +514,15 @@ def _reshard_candidate(directory: str, job: str, checkpoint_id: str, shard: int,
         return load_checkpoint(directory, job, checkpoint_id, k, count,
                                str(entries[k].get("sha256", "")), keep, into)
 
-    started = time.monotonic()
-    by_key = shards_needed(count, shard, num_shards)
-    check_present(by_key)
     def planned(k: int) -> dict[str, int] | None:
         try:
             return kept_rows(ckpt_dir / shard_file_name(k, count), keep)
         except CheckpointError:  # the read that follows reports it, and marks it bad
             return None
 
-    # Each file's rows are read straight into their place in the share (JoinedRows).
+    started = time.monotonic()
+    by_key = shards_needed(count, shard, num_shards)
+    check_present(by_key)
     layout = JoinedRows([planned(k) for k in by_key])
     at_once = max(1, min(PARALLEL_READS, _cores()))
     with ThreadPoolExecutor(max_workers=at_once, thread_name_prefix="reshard-read") as pool:

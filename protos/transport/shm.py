@@ -155,8 +155,10 @@ class Client:
             raise ValueError(f"capacity_bytes must be >= {_MIN_SEGMENT}, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self._token = secrets.token_hex(12)
-        # Guards _free, _all, _total, _next and _closed.
-        self._lock = threading.Lock()
+        # Guards _free, _all, _total, _next and _closed. Reentrant: a region goes back to the
+        # pool from the finalizer of the last array viewing it (`_give_back`), and the garbage
+        # collector may run that in the middle of a section below, in the thread holding it.
+        self._lock = threading.RLock()
         self._free: dict[int, list[_Segment]] = {}
         self._all: dict[int, _Segment] = {}
         self._total = 0
@@ -181,13 +183,15 @@ class Client:
             if self._closed:
                 return None
             free = self._free.get(size)
-            if free:
-                return ShmRegion(self, free.pop(), session)
-            if self._total + size > self.capacity_bytes:
-                return None
-            ident = self._next
-            self._next += 1
-            self._total += size
+            reused = free.pop() if free else None
+            if reused is None:
+                if self._total + size > self.capacity_bytes:
+                    return None
+                ident = self._next
+                self._next += 1
+                self._total += size
+        if reused is not None:  # made outside the lock, as every object here
+            return ShmRegion(self, reused, session)
         try:
             segment = _Segment(self._token, ident, size)
         except OSError as exc:

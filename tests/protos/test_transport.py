@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import pytest
 
 from protos import pstrain_pb2 as pb
-from protos.transport import HandshakeError, TransportError, available, parse_choice, select
+from protos.transport import HandshakeError, TransportError, available, parse_choice, select, shm
 from protos.transport.shm import size_class
 
 HOST = "h/boot/1"
@@ -96,3 +99,48 @@ def test_grpc_and_shm_are_available_on_linux() -> None:
 def test_size_classes_bound_the_waste(nbytes: int, size: int) -> None:
     assert size_class(nbytes) == size
     assert size < 2 * nbytes or nbytes <= 65536
+
+
+@pytest.mark.parametrize("during", ["lease", "give_back"])
+def test_a_region_given_back_by_a_finalizer_inside_the_pool_s_lock_does_not_deadlock(
+        monkeypatch: pytest.MonkeyPatch, during: str) -> None:
+    """A segment goes back to the pool from the finalizer of the last array viewing it, and
+    the garbage collector runs finalizers wherever an object is allocated: also inside the
+    pool's own sections, in the thread holding its lock."""
+    pool = shm.Client(capacity_bytes=1 << 22)
+    first, second, third = (pool.lease(100, 1) for _ in range(3))
+    assert first is not None and second is not None and third is not None
+    third.release()
+    finalizers = [first.release, second.release]
+
+    def collect() -> None:  # what a collection that finds a dropped answer array runs
+        while finalizers:
+            finalizers.pop()()
+
+    if during == "lease":
+        made = shm.ShmRegion.__init__
+
+        def region(self: shm.ShmRegion, *args: Any) -> None:
+            collect()
+            made(self, *args)
+
+        monkeypatch.setattr(shm.ShmRegion, "__init__", region)
+        work = lambda: pool.lease(100, 1)  # noqa: E731
+    else:
+        held = pool.lease(100, 1)
+        assert held is not None
+        segments = pool._free
+
+        class Free(dict):  # type: ignore[type-arg]
+            def setdefault(self, *args: Any) -> Any:
+                collect()
+                return super().setdefault(*args)
+
+        pool._free = Free(segments)
+        work = held.release
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (work(), done.set()), daemon=True)
+    worker.start()
+    assert done.wait(10), "the pool deadlocked on its own lock"
+    assert not finalizers
+    assert len(pool.segments()) == 3

@@ -428,8 +428,10 @@ class _Pool:
 
     capacity_bytes: int
     cache_bytes: int
-    # Guards every field below.
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    # Guards every field below. Reentrant: a buffer comes back from the finalizer of the last
+    # array viewing it (`give`), which the garbage collector may run in the middle of a
+    # section below, in the thread holding the lock.
+    lock: threading.RLock = field(default_factory=threading.RLock)
     free: dict[int, list[_Buffer]] = field(default_factory=dict)
     held: list[tuple[_Buffer, list[Any]]] = field(default_factory=list)
     used: int = 0

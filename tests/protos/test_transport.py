@@ -144,3 +144,28 @@ def test_a_region_given_back_by_a_finalizer_inside_the_pool_s_lock_does_not_dead
     assert done.wait(10), "the pool deadlocked on its own lock"
     assert not finalizers
     assert len(pool.segments()) == 3
+
+
+def test_a_ucx_buffer_given_back_by_a_finalizer_inside_the_pool_s_lock_does_not_deadlock(
+) -> None:
+    """The ucx pool takes buffers back from the same finalizer (an answer array's), so a
+    collection inside its own section, in the thread holding its lock, must not hang it."""
+    from protos.transport import ucx  # noqa: PLC0415 - loads no UCX library
+
+    pool = ucx._Pool(capacity_bytes=1 << 22, cache_bytes=1 << 22)
+    first, second = pool.take(100, strict=True), pool.take(100, strict=True)
+    assert first is not None and second is not None
+    finalizers = [lambda: pool.give(first, [])]
+
+    class Free(dict):  # type: ignore[type-arg]
+        def setdefault(self, *args: Any) -> Any:
+            while finalizers:  # what a collection that finds a dropped answer array runs
+                finalizers.pop()()
+            return super().setdefault(*args)
+
+    pool.free = Free()
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (pool.give(second, []), done.set()), daemon=True)
+    worker.start()
+    assert done.wait(10), "the pool deadlocked on its own lock"
+    assert pool.used == 0 and sum(len(b) for b in pool.free.values()) == 2

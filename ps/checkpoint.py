@@ -473,27 +473,14 @@ def kept_rows(path: StrPath, keep: KeyFilter) -> dict[str, int] | None:
     checks no digest: what it says is a plan, and the read that follows verifies the file.
     CheckpointError / CheckpointCorruptError as read_shard. Blocks on file I/O."""
     path = Path(path)
+    fd = _open_shard(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        raise CheckpointError(f"cannot open checkpoint shard {path}: {exc}") from exc
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CheckpointError(f"checkpoint shard {path} is not a regular file")
-        os.set_blocking(fd, True)
-        size = os.fstat(fd).st_size
-        (header_len,) = struct.unpack("<Q", _read_exact(fd, 8, path, 0))
-        if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-            raise CheckpointCorruptError(
-                f"checkpoint shard {path} is truncated or not a safetensors file (its header "
-                "does not fit in it); restore from another checkpoint")
-        entries, meta = _parse_header(_read_exact(fd, header_len, path, 8),
-                                      size - 8 - header_len, path)
+        prefix, entries, meta = _read_header(fd, path)
         if meta.get("kind", FULL) != FULL:
             return None
         shapes = {key: shape for key, _, shape, _ in entries}
         counts: dict[str, int] = {}
-        for key, cut in _row_cuts(fd, entries, meta, keep, path, 8 + header_len).items():
+        for key, cut in _row_cuts(fd, entries, meta, keep, path, len(prefix)).items():
             if cut.name == "keys":
                 counts[cut.table] = shapes[key][0] if cut.rows is None else len(cut.rows)
         return counts
@@ -663,6 +650,42 @@ def _link_chain(ckpt_dir: Path, state: ShardState, chain: tuple[ChainFile, ...]
     return tuple(linked)
 
 
+def _open_shard(path: Path) -> int:
+    """A blocking read-only descriptor of the shard file at `path` (opened without blocking,
+    so that a FIFO or a device cannot hang it; refused). CheckpointError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot open checkpoint shard {path}: {exc}; check the path and permissions"
+        ) from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"checkpoint shard {path} is not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_header(fd: int, path: Path) -> tuple[bytes, list[tuple[str, torch.dtype, list[int],
+                                                                 int]], dict[str, str]]:
+    """The file's bytes before its tensors (length and header: hashed first), the tensors
+    (`_parse_header`) and the metadata. CheckpointCorruptError; OSError from reading."""
+    size = os.fstat(fd).st_size
+    head = _read_exact(fd, 8, path, 0)
+    (header_len,) = struct.unpack("<Q", head)
+    if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+        raise CheckpointCorruptError(  # names no byte of the file: it may not be ours
+            f"checkpoint shard {path} is truncated or not a safetensors file (its header "
+            "does not fit in it); restore from another checkpoint"
+        )
+    header_bytes = _read_exact(fd, header_len, path, 8)
+    entries, meta = _parse_header(header_bytes, size - 8 - header_len, path)
+    return head + header_bytes, entries, meta
+
+
 def read_shard(path: StrPath, sha256: str | None = None, keep: KeyFilter | None = None,
                into: Into | None = None) -> ShardState:
     """Reads a shard file written by `write_shard`.
@@ -687,38 +710,18 @@ def read_shard(path: StrPath, sha256: str | None = None, keep: KeyFilter | None 
     anything else it returns is passed over for fresh memory too.
     """
     path = Path(path)
-    try:
-        # Non-blocking, so that opening a FIFO or a device cannot hang; refused below.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        raise CheckpointError(
-            f"cannot open checkpoint shard {path}: {exc}; check the path and permissions"
-        ) from exc
+    fd = _open_shard(path)
     hasher = _BackgroundSha256() if sha256 is not None else None
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise CheckpointError(f"checkpoint shard {path} is not a regular file")
-        os.set_blocking(fd, True)
         with contextlib.suppress(AttributeError, OSError):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        size = info.st_size
-        head = _read_exact(fd, 8, path, 0)
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-            raise CheckpointCorruptError(  # names no byte of the file: it may not be ours
-                f"checkpoint shard {path} is truncated or not a safetensors file (its header "
-                "does not fit in it); restore from another checkpoint"
-            )
-        header_bytes = _read_exact(fd, header_len, path, 8)
+        prefix, entries, meta = _read_header(fd, path)
         if hasher is not None:
-            hasher.update(head)
-            hasher.update(header_bytes)
-        entries, meta = _parse_header(header_bytes, size - 8 - header_len, path)
-        cuts = {} if keep is None else _row_cuts(fd, entries, meta, keep, path, 8 + header_len)
+            hasher.update(prefix)
+        cuts = {} if keep is None else _row_cuts(fd, entries, meta, keep, path, len(prefix))
         tensors: dict[str, torch.Tensor] = {}
         chunks: list[_Chunk] = []
-        offset = 8 + header_len
+        offset = len(prefix)
         for key, dtype, shape, nbytes in entries:
             cut = cuts.get(key)
             kept = shape if cut is None or cut.rows is None else [len(cut.rows), *shape[1:]]

@@ -43,10 +43,17 @@ def shard_of_keys(keys: np.ndarray, num_shards: int) -> np.ndarray:
     keys = np.ascontiguousarray(keys, dtype=np.int64)
     if num_shards == 1:
         return np.zeros(len(keys), dtype=np.int64)
-    high = _splitmix64(keys) >> np.uint64(32)
+    high = route_hash(keys)
     # Multiply-shift maps the top 32 hash bits onto [0, num_shards) without a division.
     with np.errstate(over="ignore"):
         return ((high * np.uint64(num_shards)) >> np.uint64(32)).astype(np.int64)
+
+
+def route_hash(keys: np.ndarray) -> np.ndarray:
+    """The top 32 bits of each int64 key's routing hash, as uint64: `shard_of_keys` gives a
+    key the shard whose `key_range` holds this value, under every shard count, so rows kept
+    in this order leave each shard's keys in one run. Pure."""
+    return _splitmix64(np.ascontiguousarray(keys, dtype=np.int64)) >> np.uint64(32)
 
 
 def key_range(shard: int, num_shards: int) -> tuple[int, int]:

@@ -11,6 +11,9 @@ little-endian header length, a JSON header, then the raw bytes of every tensor. 
 pickled, so reading a checkpoint cannot run code. This module writes the format itself, so
 that tensor bytes go from tensor memory straight to the file (no serialised copy) and are
 hashed as they are written; `safetensors.torch.load_file` reads the result (the tests check).
+The rows of a table with keys (every tensor one row per key) are written in the order of
+their keys' routing hash (`protos.partition.route_hash`), so the rows any shard of any
+shard count owns are one run of the file (see Integrity).
 Tensor keys are ``<table>/<tensor>`` with both names percent-encoded (`urllib.parse.quote`
 with no safe characters), so any string is a valid name and no key can contain a stray
 ``/``. Everything that is not a tensor (job, shard, checkpoint id, clock, `meta`, table specs
@@ -39,9 +42,16 @@ its newest entry (when it became complete, for a complete one). `list_checkpoint
 `latest_complete` order checkpoints by (that time, checkpoint id). Wall time rather than the
 id, because ids of different kinds ("c000042", "t1732170000") do not sort against each other.
 
-Integrity: each entry records the sha256 and size of its shard file. `read_manifest` checks
-that every recorded file exists with its recorded size (cheap; catches truncation and
-deletion); `read_shard(path, sha256)` checks the digest, computed while reading. A checkpoint
+Integrity: each entry records the digest and size of its shard file. Every tensor's bytes
+are cut into blocks of whole rows, about BLOCK_BYTES each, and the header lists the sha256
+of each block (``blocks`` in ``__metadata__``); the file's digest is the sha256 of its
+header (length and JSON), which so covers every byte. `read_manifest` checks that every
+recorded file exists with its recorded size (cheap; catches truncation and deletion);
+`read_shard(path, sha256)` checks the header against the digest before anything else, then
+each block it reads against the header, several at once on the reading threads. A read that
+keeps some rows (resharding) reads, and checks, only the blocks that hold them: a block it
+does not read cannot change what it returns. Files of versions 1 and 2 (before blocks)
+have one sha256 of the whole file, checked while reading all of it. A checkpoint
 whose file fails that check when a server restores it is marked bad: ``<checkpoint_id>/BAD``
 holds the reason (written atomically, by `load_checkpoint`), and `list_checkpoints` and
 `latest_complete` pass over it from then on. Writing a shard into the directory again (a new
@@ -57,9 +67,10 @@ delta (a `TableState` of kind ``rows``: the keys of the rows changed or created,
 optimizer state, steps and touch stamps, the keys evicted since (``evicted_keys``), and the
 small whole-table items that changed, ``sketch`` and ``evicted_bits``), each table that had
 to be written whole (a dense table that changed, a table declared since the base) as in a
-full file, and no entry at all for a table that did not change. Full files are format
-version 1, as before deltas existed; delta files are version 2, which older builds refuse
-rather than misread. Which kind a snapshot is, the shard decides (ps/deltas.py).
+full file, and no entry at all for a table that did not change. Files of both kinds are
+written in format version 3 (blocks), which older builds refuse rather than misread;
+version 1 (full) and 2 (delta) files of older builds are still read. Which kind a snapshot
+is, the shard decides (ps/deltas.py).
 
 A delta's directory holds hard links to every file its chain needs, full file first:
 ``shard-<k>-of-<n>.base-<id>.safetensors`` for each checkpoint ``<id>`` it builds on. So a
@@ -111,6 +122,7 @@ import numpy as np
 import torch
 
 from protos.exported import sha256_file
+from protos.partition import route_hash
 from ps.errors import PSError
 from ps.index import KeyIndex
 
@@ -123,8 +135,14 @@ KeyFilter = Callable[[np.ndarray], np.ndarray]
 Into = Callable[[str, str, torch.dtype, tuple[int, ...]], "torch.Tensor | None"]
 
 FORMAT: Final = "pstrain.shard"
-FORMAT_VERSION: Final = 1  # of full shard files and of manifests
-DELTA_FORMAT_VERSION: Final = 2  # of delta shard files
+# Shard files are written in version 3 (either kind; a sha256 per block, see the module
+# docstring). Versions 1 (full) and 2 (delta), one sha256 of the whole file, are still read.
+FORMAT_VERSION: Final = 3
+FLAT_FULL_VERSION: Final = 1
+FLAT_DELTA_VERSION: Final = 2
+MANIFEST_VERSION: Final = 1
+_KINDS_OF_VERSION: Final = {FLAT_FULL_VERSION: ("full",), FLAT_DELTA_VERSION: ("delta",),
+                            FORMAT_VERSION: ("full", "delta")}
 # The kinds of a shard file, and of the tables in a delta: written whole, or changed rows.
 FULL: Final = "full"
 DELTA: Final = "delta"
@@ -151,6 +169,11 @@ CHUNK_BYTES: Final = 16 * 1024 * 1024
 # copying and hashing between two pauses is short. At 64 MB/s beside training on 2 cores,
 # 256 KiB made the p99 step 4.8-7.3x the median, 64 KiB 7.1-8.3x, 1 MiB 10.1-10.6x.
 PACED_CHUNK_BYTES: Final = 256 * 1024
+# A shard file's tensors are hashed in blocks of about this size (whole rows of a table),
+# each block's sha256 in the header: a read checks the blocks it reads, several at once.
+BLOCK_BYTES: Final = 4 * 1024 * 1024
+# Blocks a writer may be ahead of its hashing thread (their memory is held until hashed).
+HASHING_AHEAD: Final = 8
 # Reads in flight while restoring; more than one keeps the disk's queue from running dry.
 READ_THREADS: Final = 4
 # A read that keeps some rows of a table (read_shard's `keep`) passes the file through this
@@ -267,8 +290,9 @@ class ChainFile:
 
 @dataclass(frozen=True)
 class ShardFile:
-    """A written shard file: its final path, the sha256 of its bytes, and its size; for a
-    delta, the checkpoint it builds on and every file of its chain, full file first."""
+    """A written shard file: its final path, its digest (`sha256`: of its header, which lists
+    the sha256 of every block; of all its bytes in a file of version 1 or 2), and its size;
+    for a delta, the checkpoint it builds on and every file of its chain, full file first."""
 
     path: str
     sha256: str
@@ -480,7 +504,7 @@ def kept_rows(path: StrPath, keep: KeyFilter) -> dict[str, int] | None:
             return None
         shapes = {key: shape for key, _, shape, _ in entries}
         counts: dict[str, int] = {}
-        for key, cut in _row_cuts(fd, entries, meta, keep, path, len(prefix)).items():
+        for key, cut in _row_cuts(fd, entries, meta, keep, path, len(prefix), None).items():
             if cut.name == "keys":
                 counts[cut.table] = shapes[key][0] if cut.rows is None else len(cut.rows)
         return counts
@@ -523,9 +547,10 @@ def write_shard(directory: StrPath, state: ShardState, base: ShardFile | None = 
     found of) this shard's file of checkpoint `state.base`. Its sha256 goes into the new
     file's header, and it and its own chain are hard-linked beside the new file first (see
     the module docstring). Blocks until the file and its directory entry are on disk (fsync),
-    then returns its path, sha256, size, kind and chain for `write_manifest`. Replaces an
+    then returns its path, digest, size, kind and chain for `write_manifest`. Replaces an
     existing file of the same shard and checkpoint id. Thread-safe and process-safe (no
-    shared state; concurrent writers of one file leave one whole file). The tensors must not
+    shared state; concurrent writers of one file leave one whole file). The rows of a table
+    with keys are written in routing order (module docstring). The tensors must not
     change during the call: their memory is written directly, without a snapshot copy.
     `max_bytes_per_s` (> 0) paces the write to that rate on average (`Pace`), in chunks of
     PACED_CHUNK_BYTES; 0 writes as fast as it can.
@@ -541,32 +566,42 @@ def write_shard(directory: StrPath, state: ShardState, base: ShardFile | None = 
     chain = _check_kind(state, base)
     if base is not None and chain:
         state = dataclasses.replace(state, base_sha256=base.sha256)
-    header, tensors = _build_header(state)
+    header, items = _build_header(state)
+    placeholder = _encode_header(header, items, None, state.shard)
     _ensure_dir(ckpt_dir)
     _remove_stale_temps(ckpt_dir)
     linked = _link_chain(ckpt_dir, state, chain)
     final = ckpt_dir / shard_file_name(state.shard, state.num_shards)
-    hasher = _BackgroundSha256()
     pace = Pace(max_bytes_per_s)
     step = PACED_CHUNK_BYTES if pace.bytes_per_s > 0 else CHUNK_BYTES
+    # One helper thread hashes the blocks while this one writes them; a block's memory (a
+    # view of the tensor, or the rows gathered into their order) lives until it is hashed.
+    hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-sha256")
+    digests: list[Future[bytes]] = []
     try:
         with _atomic_file(final) as fd:
-            hasher.update(header)
-            _write_all(fd, memoryview(header))
-            offset = len(header)
-            for tensor in tensors:
-                view = _byte_view(tensor)
-                for begin in range(0, len(view), step):
-                    chunk = view[begin : begin + step]
-                    hasher.update(chunk)
-                    _write_all(fd, chunk)
-                    # Starting writeback now lets the disk work while we fill the page cache,
-                    # so the final fsync waits for the last chunks only.
-                    _start_writeback(fd, offset, len(chunk))
-                    offset += len(chunk)
-                    pace.wrote(len(chunk))
+            _write_all(fd, memoryview(placeholder))
+            offset = len(placeholder)
+            for item in items:
+                for block in _blocks_to_write(item):
+                    digests.append(hashing.submit(_sha256, block))
+                    for begin in range(0, len(block), step):
+                        chunk = block[begin : begin + step]
+                        _write_all(fd, chunk)
+                        # Starting writeback now lets the disk work while we fill the page
+                        # cache, so the final fsync waits for the last chunks only.
+                        _start_writeback(fd, offset, len(chunk))
+                        offset += len(chunk)
+                        pace.wrote(len(chunk))
+                    if len(digests) > HASHING_AHEAD:
+                        digests[-HASHING_AHEAD].result()
+            prefix = _encode_header(header, items, [d.result() for d in digests], state.shard)
+            if len(prefix) != len(placeholder):
+                raise AssertionError("a header's digests changed its length")
+            _pwrite_all(fd, prefix, 0)
     finally:
-        digest = hasher.hexdigest()
+        hashing.shutdown(wait=True, cancel_futures=True)
+    digest = hashlib.sha256(prefix).hexdigest()
     elapsed = time.perf_counter() - start
     log.info(
         "job %s shard %d/%d checkpoint %s clock %d: wrote %s (%d bytes, %.0f MB/s)",
@@ -690,19 +725,22 @@ def read_shard(path: StrPath, sha256: str | None = None, keep: KeyFilter | None 
                into: Into | None = None) -> ShardState:
     """Reads a shard file written by `write_shard`.
 
-    Blocks on file I/O. Thread-safe. With `sha256`, hashes the file while reading it (one
-    pass) and raises CheckpointCorruptError naming the file and both digests on a mismatch;
-    without it, only the structure is checked. Returned tensors are fresh, writable memory
+    Blocks on file I/O. Thread-safe. With `sha256` (the digest its manifest records), checks
+    the header against it and each block read against the header (a file of version 1 or 2:
+    hashes the whole file while reading it), and raises CheckpointCorruptError naming the
+    file and the digests on a mismatch; without it, only the structure is checked. Returned tensors are fresh, writable memory
     owned by the caller (not views of a mapping of the file). Raises CheckpointCorruptError
     for a truncated or malformed file and CheckpointError if it cannot be opened.
 
     With `keep`, every table that has a ``keys`` tensor (a sparse table, or a row delta)
     holds only the rows whose keys `keep` selects, in their order in the file: ``keys`` and
     each tensor of one row per key are cut, ``evicted_keys`` by its own keys, whole-table
-    items (`WHOLE_TABLE_TENSORS`) and tables without keys are read whole. The rows left out
-    pass through small reused buffers, never into memory of the result, and are hashed all
-    the same: the digest still covers the whole file. A tensor that does not have one row
-    per key is CheckpointCorruptError.
+    items (`WHOLE_TABLE_TENSORS`) and tables without keys are read whole. The keys are read
+    (and checked) first; a block whose rows are all kept is then read straight into the
+    result, one that keeps some passes through a small reused buffer, and one that keeps none
+    is not read (in a version 1 or 2 file it passes through a buffer, to be hashed). Rows
+    kept by `protos.partition` routing are one run of the file, so a shard reads little more
+    than its rows. A tensor that does not have one row per key is CheckpointCorruptError.
 
     `into` (with `keep`, for a full file) says where the kept rows of each cut tensor go:
     called with (table, tensor name, dtype, kept shape), it returns a contiguous CPU tensor
@@ -711,14 +749,21 @@ def read_shard(path: StrPath, sha256: str | None = None, keep: KeyFilter | None 
     """
     path = Path(path)
     fd = _open_shard(path)
-    hasher = _BackgroundSha256() if sha256 is not None else None
+    hasher = None
     try:
         with contextlib.suppress(AttributeError, OSError):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         prefix, entries, meta = _read_header(fd, path)
-        if hasher is not None:
+        blocks = _blocks_of(meta, entries, path)
+        if sha256 is not None and blocks is not None:
+            _check_digest(path, hashlib.sha256(prefix).hexdigest(), sha256)
+        elif sha256 is not None:
+            hasher = _BackgroundSha256()
             hasher.update(prefix)
-        cuts = {} if keep is None else _row_cuts(fd, entries, meta, keep, path, len(prefix))
+        if sha256 is None:
+            blocks = None if blocks is None else {k: (b, None) for k, (b, _) in blocks.items()}
+        cuts = ({} if keep is None
+                else _row_cuts(fd, entries, meta, keep, path, len(prefix), blocks))
         tensors: dict[str, torch.Tensor] = {}
         chunks: list[_Chunk] = []
         offset = len(prefix)
@@ -730,30 +775,70 @@ def read_shard(path: StrPath, sha256: str | None = None, keep: KeyFilter | None 
                 tensor = _target(into(cut.table, cut.name, dtype, tuple(kept)), dtype, kept)
             if tensor is None:
                 tensor = torch.empty(kept, dtype=dtype)
+            block = None if blocks is None else blocks.get(key)
             if cut is None or cut.rows is None:
-                if nbytes:
-                    view = _byte_view(tensor)
-                    chunks.extend(
-                        _Chunk(offset + begin, min(CHUNK_BYTES, nbytes - begin),
-                               into=view[begin : begin + CHUNK_BYTES])
-                        for begin in range(0, nbytes, CHUNK_BYTES)
-                    )
+                chunks.extend(_whole_chunks(tensor, offset, nbytes, block))
             else:
-                chunks.extend(_cut_chunks(tensor, cut.rows, offset, shape[0], nbytes))
+                chunks.extend(_cut_chunks(tensor, cut.rows, offset, shape[0], nbytes, block,
+                                          path))
             offset += nbytes
             tensors[key] = tensor
         _read_chunks(fd, chunks, path, hasher)
     except OSError as exc:
         raise CheckpointError(f"reading checkpoint shard {path} failed: {exc}") from exc
+    except _BlockMismatch as exc:
+        raise CheckpointCorruptError(f"{exc} (the manifest records sha256 {sha256} for the "
+                                     "file)") from None
     finally:
         os.close(fd)
         actual = hasher.hexdigest() if hasher is not None else None
-    if sha256 is not None and actual != sha256.lower():
+    if hasher is not None and sha256 is not None:
+        _check_digest(path, actual or "", sha256)
+    return _state_from_meta(meta, tensors, path)
+
+
+def _check_digest(path: Path, actual: str, recorded: str) -> None:
+    if actual != recorded.lower():
         raise CheckpointCorruptError(
             f"checkpoint shard {path} fails its checksum: sha256 {actual}, manifest says "
-            f"{sha256}; the file is corrupt, restore from another checkpoint"
+            f"{recorded}; the file is corrupt, restore from another checkpoint"
         )
-    return _state_from_meta(meta, tensors, path)
+
+
+# A tensor's blocks as the header lists them: (block size, sha256 of each; None: unchecked).
+_Blocks = tuple[int, "list[bytes] | None"]
+
+
+def _blocks_of(meta: dict[str, str], entries: list[tuple[str, torch.dtype, list[int], int]],
+               path: Path) -> dict[str, _Blocks] | None:
+    """The blocks of each tensor with bytes, from the header of a version-3 file; None for a
+    file of an older version (one sha256 of the whole file). CheckpointCorruptError."""
+    try:
+        if int(meta.get("format_version", "0")) != FORMAT_VERSION:
+            return None
+        listed = json.loads(meta["blocks"])
+        if not isinstance(listed, dict):
+            raise TypeError("blocks is not a JSON object")
+        blocks: dict[str, _Blocks] = {}
+        for key, _, _, nbytes in entries:
+            if not nbytes:
+                continue
+            block_bytes, hexes = listed.pop(key)
+            if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) \
+                    or block_bytes < 1 or not isinstance(hexes, str):
+                raise ValueError(f"tensor {key!r} has blocks {block_bytes!r}")
+            if len(hexes) != 64 * -(-nbytes // block_bytes):
+                raise ValueError(f"tensor {key!r} of {nbytes} bytes lists {len(hexes) // 64} "
+                                 f"digests of blocks of {block_bytes}")
+            digests = bytes.fromhex(hexes)
+            blocks[key] = (block_bytes, [digests[i : i + 32] for i in range(0, len(digests), 32)])
+        if listed:
+            raise ValueError(f"blocks of tensors not in the file: {sorted(listed)[:5]}")
+        return blocks
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CheckpointCorruptError(
+            f"checkpoint shard {path} has a malformed block list ({exc!r}); the file is corrupt"
+        ) from exc
 
 
 def write_manifest(
@@ -812,7 +897,7 @@ def write_manifest(
     for shard, shard_file in sorted(shards.items()):
         entry = {
             "format": ENTRY_FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": MANIFEST_VERSION,
             "job": job,
             "checkpoint_id": checkpoint_id,
             "shard": shard,
@@ -996,7 +1081,7 @@ def latest_complete(
         if verify_checksums:
             files = [(f.path, f.sha256) for f in manifest.shards.values()]
             files += [(c.path, c.sha256) for f in manifest.shards.values() for c in f.chain]
-            bad = [path for path, sha256 in files if _hash_file(Path(path)) != sha256]
+            bad = [path for path, sha256 in files if _file_digest(Path(path)) != sha256]
             if bad:
                 log.warning(
                     "job %s: skipping checkpoint %s: %s fails its checksum",
@@ -1252,10 +1337,12 @@ def _json_round_trips(what: str, value: object) -> str:
     return text
 
 
-def _build_header(state: ShardState) -> tuple[bytes, list[torch.Tensor]]:
-    """The padded header, and the tensors in the order their bytes follow it."""
+def _build_header(state: ShardState) -> tuple[dict[str, object], list[_Item]]:
+    """The header (without its block digests) and the tensors in the order their bytes
+    follow it, each with its block size and, for the rows of a keyed table, the order they
+    are written in."""
     tables_meta: list[dict[str, object]] = []
-    items: list[tuple[str, torch.Tensor]] = []
+    items: list[_Item] = []
     seen: set[str] = set()
     for table in state.tables:
         if not isinstance(table.name, str):
@@ -1268,22 +1355,28 @@ def _build_header(state: ShardState) -> tuple[bytes, list[torch.Tensor]]:
         seen.add(table.name)
         _json_round_trips(f"spec of table {table.name!r}", table.spec)
         pairs: list[list[str]] = []
+        plain: dict[str, torch.Tensor] = {}
         for tensor_name, tensor in table.tensors.items():
             if not isinstance(tensor_name, str):
                 raise CheckpointError(
                     f"tensor name {tensor_name!r} in table {table.name!r} must be a str"
                 )
             key = _tensor_key(table.name, tensor_name)
-            items.append((key, _plain_tensor(tensor, f"{table.name!r}/{tensor_name!r}")))
+            plain[tensor_name] = _plain_tensor(tensor, f"{table.name!r}/{tensor_name!r}")
             pairs.append([tensor_name, key])
+        order = _route_order(plain)
+        for tensor_name, tensor in plain.items():
+            rows = order if order is not None and _is_row_tensor(tensor_name) else None
+            items.append(_Item(_tensor_key(table.name, tensor_name), tensor, rows))
         described: dict[str, object] = {"name": table.name, "spec": table.spec, "tensors": pairs}
         if table.kind != FULL:
             described["kind"] = table.kind
         tables_meta.append(described)
     delta = state.kind == DELTA
-    metadata = {
+    metadata: dict[str, str] = {
         "format": FORMAT,
-        "format_version": str(DELTA_FORMAT_VERSION if delta else FORMAT_VERSION),
+        "format_version": str(FORMAT_VERSION),
+        "kind": state.kind,
         "job": state.job,
         "shard": str(state.shard),
         "num_shards": str(state.num_shards),
@@ -1293,28 +1386,90 @@ def _build_header(state: ShardState) -> tuple[bytes, list[torch.Tensor]]:
         "tables": json.dumps(tables_meta, ensure_ascii=False, separators=(",", ":")),
     }
     if delta:
-        metadata.update(kind=DELTA, base=state.base, base_sha256=state.base_sha256)
+        metadata.update(base=state.base, base_sha256=state.base_sha256)
     # Widest elements first keeps every tensor aligned to its element size (the header is
     # padded to 8), as safetensors itself does, so readers that map the file can use it in place.
-    items.sort(key=lambda kv: (-kv[1].element_size(), kv[0]))
+    items.sort(key=lambda item: (-item.tensor.element_size(), item.key))
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
-    for key, tensor in items:
-        nbytes = tensor.numel() * tensor.element_size()
-        header[key] = {
-            "dtype": _DTYPE_TO_ST[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + nbytes],
+    for item in items:
+        header[item.key] = {
+            "dtype": _DTYPE_TO_ST[item.tensor.dtype],
+            "shape": list(item.tensor.shape),
+            "data_offsets": [offset, offset + item.nbytes],
         }
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        offset += item.nbytes
+    return header, items
+
+
+def _encode_header(header: dict[str, object], items: Sequence[_Item],
+                   digests: Sequence[bytes] | None, shard: int) -> bytes:
+    """The file's bytes before its tensors: length and padded JSON header, with the sha256 of
+    every block (`digests`, in file order; None: zeros, a placeholder of the same length)."""
+    blocks: dict[str, list[object]] = {}
+    given = iter(digests) if digests is not None else None
+    for item in items:
+        if item.nbytes:
+            count = -(-item.nbytes // item.block_bytes)
+            hexes = ("".join(next(given).hex() for _ in range(count)) if given is not None
+                     else "0" * 64 * count)
+            blocks[item.key] = [item.block_bytes, hexes]
+    meta = dict(header["__metadata__"])  # type: ignore[call-overload]
+    meta["blocks"] = json.dumps(blocks, separators=(",", ":"))
+    text = json.dumps({**header, "__metadata__": meta}, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % 8)
     if len(text) > MAX_HEADER_BYTES:
         raise CheckpointError(
-            f"checkpoint header of shard {state.shard} is {len(text)} bytes, over the "
+            f"checkpoint header of shard {shard} is {len(text)} bytes, over the "
             f"safetensors limit of {MAX_HEADER_BYTES}; move bulk data from meta/specs into tensors"
         )
-    return struct.pack("<Q", len(text)) + text, [t for _, t in items]
+    return struct.pack("<Q", len(text)) + text
+
+
+@dataclass(frozen=True)
+class _Item:
+    """A tensor to write: its file key, its bytes, and for the rows of a keyed table the
+    order to write them in (indices into its rows; None: as they are)."""
+
+    key: str
+    tensor: torch.Tensor
+    rows: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    @property
+    def block_bytes(self) -> int:
+        return _block_bytes(self.nbytes, self.tensor.shape[0] if self.tensor.dim() else 1)
+
+
+def _block_bytes(nbytes: int, rows: int) -> int:
+    """The size of a tensor's blocks: whole rows, as many as fit BLOCK_BYTES (at least one),
+    so a read that keeps a run of rows reads and checks whole blocks only."""
+    row_bytes = nbytes // rows if rows else nbytes
+    return max(1, row_bytes) * max(1, BLOCK_BYTES // max(1, row_bytes))
+
+
+def _is_row_tensor(name: str) -> bool:
+    """Whether tensor `name` of a table with keys has one row per key (`read_shard`'s cut)."""
+    return name not in WHOLE_TABLE_TENSORS and name != EVICTED_KEYS
+
+
+def _route_order(tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """For a table with keys, the order that sorts its rows by `route_hash` (so each shard
+    of any count finds its rows in one run: see `read_shard`); None when they already are
+    sorted, or the table has no keys or a tensor not one row per key (written as it is)."""
+    keys = tensors.get("keys")
+    if keys is None or keys.dtype != torch.int64 or keys.dim() != 1 or len(keys) < 2:
+        return None
+    count = len(keys)
+    if any(t.dim() == 0 or t.shape[0] != count for n, t in tensors.items() if _is_row_tensor(n)):
+        return None
+    hashes = route_hash(keys.numpy())
+    if bool(np.all(hashes[1:] >= hashes[:-1])):
+        return None
+    return torch.from_numpy(np.argsort(hashes, kind="stable"))
 
 
 def _plain_tensor(tensor: object, what: str) -> torch.Tensor:
@@ -1380,13 +1535,13 @@ def _state_from_meta(
 ) -> ShardState:
     try:
         version = int(meta["format_version"])
-        if version not in (FORMAT_VERSION, DELTA_FORMAT_VERSION):
-            raise ValueError(
-                f"format version {version}; this build reads versions {FORMAT_VERSION} and "
-                f"{DELTA_FORMAT_VERSION}"
-            )
         kind = meta.get("kind", FULL)
-        if kind not in (FULL, DELTA) or (kind == DELTA) != (version == DELTA_FORMAT_VERSION):
+        kinds = _KINDS_OF_VERSION.get(version)
+        if kinds is None:
+            raise ValueError(
+                f"format version {version}; this build reads versions "
+                f"{sorted(_KINDS_OF_VERSION)}")
+        if kind not in kinds:
             raise ValueError(f"kind {kind!r} in a file of format version {version}")
         base, base_sha256 = meta.get("base", ""), meta.get("base_sha256", "")
         if kind == DELTA and not (_NAME_RE.fullmatch(base) and _SHA256_RE.fullmatch(base_sha256)):
@@ -1481,7 +1636,7 @@ def _check_entry_kind(entry: dict[str, Any]) -> None:
 def _manifest_json(manifest: Manifest) -> dict[str, object]:
     return {
         "format": MANIFEST_FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": MANIFEST_VERSION,
         "job": manifest.job,
         "checkpoint_id": manifest.checkpoint_id,
         "clock": manifest.clock,
@@ -1584,10 +1739,35 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     return flat.numpy().data.cast("B")
 
 
+def _blocks_to_write(item: _Item) -> Iterator[memoryview]:
+    """`item`'s bytes, block by block: views of the tensor, or its rows gathered into their
+    written order one block at a time."""
+    nbytes, block_bytes = item.nbytes, item.block_bytes
+    if item.rows is None:
+        view = _byte_view(item.tensor)
+        for begin in range(0, nbytes, block_bytes):
+            yield view[begin : begin + block_bytes]
+        return
+    per_block = block_bytes // (nbytes // len(item.rows))
+    for first in range(0, len(item.rows), per_block):
+        yield _byte_view(item.tensor.index_select(0, item.rows[first : first + per_block]))
+
+
+def _sha256(data: bytes | memoryview) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
 def _write_all(fd: int, data: memoryview) -> None:
     while data:
         written = os.write(fd, data)
         data = data[written:]
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
 
 
 def _read_exact(fd: int, n: int, path: Path, offset: int) -> bytes:
@@ -1599,12 +1779,14 @@ def _read_exact(fd: int, n: int, path: Path, offset: int) -> bytes:
 @dataclass(frozen=True)
 class _Chunk:
     """`nbytes` of a file at `offset`, read into `into` (a slice of a result tensor) or, when
-    it is None, into a reused staging buffer that `gather` takes what it keeps from."""
+    it is None, into a reused staging buffer that `gather` takes what it keeps from; with
+    `digest`, checked against it."""
 
     offset: int
     nbytes: int
     into: memoryview | None = None
     gather: Callable[[memoryview], None] | None = None
+    digest: bytes | None = None  # its sha256, checked as it is read (a block's)
 
 
 @dataclass(frozen=True)
@@ -1618,9 +1800,10 @@ class _Cut:
 
 def _row_cuts(fd: int, entries: list[tuple[str, torch.dtype, list[int], int]],
               meta: dict[str, str], keep: KeyFilter, path: Path,
-              data_start: int) -> dict[str, _Cut]:
+              data_start: int, blocks: dict[str, _Blocks] | None) -> dict[str, _Cut]:
     """For `read_shard(keep=...)`: file key -> how it is cut, for every tensor cut by key.
-    Reads each keys tensor once ahead of the hashed pass."""
+    Reads each keys tensor once ahead of the hashed pass, checking its `blocks` (when they
+    have digests) before it decides anything."""
     located: dict[str, tuple[int, torch.dtype, list[int], int]] = {}
     offset = data_start
     for key, dtype, shape, nbytes in entries:
@@ -1633,7 +1816,12 @@ def _row_cuts(fd: int, entries: list[tuple[str, torch.dtype, list[int], int]],
             raise CheckpointCorruptError(
                 f"checkpoint shard {path}: {what} is {dtype} {shape}, not 1-d int64; the file "
                 "is corrupt")
-        keys = np.frombuffer(_read_exact(fd, nbytes, path, begin), dtype=np.int64)
+        data = _read_exact(fd, nbytes, path, begin)
+        block_bytes, digests = (blocks or {}).get(file_key, (0, None))
+        for i, digest in enumerate(digests or ()):
+            piece = memoryview(data)[i * block_bytes : (i + 1) * block_bytes]
+            _check_block(path, begin + i * block_bytes, piece, digest)
+        keys = np.frombuffer(data, dtype=np.int64)
         mask = np.asarray(keep(keys))
         if mask.dtype != np.bool_ or mask.shape != keys.shape:
             raise CheckpointError(f"a key filter returned {mask.dtype} {list(mask.shape)} for "
@@ -1681,22 +1869,51 @@ def _target(tensor: torch.Tensor | None, dtype: torch.dtype,
     return tensor
 
 
+def _whole_chunks(out: torch.Tensor, offset: int, nbytes: int,
+                  blocks: _Blocks | None) -> Iterator[_Chunk]:
+    """Chunks reading a tensor of `nbytes` at `offset` straight into `out`: its blocks, or
+    CHUNK_BYTES at a time in a file without them."""
+    view = _byte_view(out) if nbytes else memoryview(b"")
+    step, digests = blocks if blocks is not None else (CHUNK_BYTES, None)
+    for i, begin in enumerate(range(0, nbytes, step)):
+        yield _Chunk(offset + begin, min(step, nbytes - begin), into=view[begin : begin + step],
+                     digest=None if digests is None else digests[i])
+
+
 def _cut_chunks(out: torch.Tensor, rows: np.ndarray, offset: int, count: int,
-                nbytes: int) -> Iterator[_Chunk]:
-    """Staged chunks of a tensor of `count` rows at `offset`, each gathering the `rows` it
-    holds into their places in `out`."""
+                nbytes: int, blocks: _Blocks | None, path: Path) -> Iterator[_Chunk]:
+    """Chunks of a tensor of `count` rows at `offset` that put the `rows` it keeps (sorted
+    indices) into their places in `out`: a chunk whose rows are all kept is read straight
+    into `out`, one keeping some is staged and gathered from. In a file with blocks, chunks
+    are its blocks and one keeping no row is not read at all (its digest covers it alone);
+    without, every byte is read, for the file's one digest."""
     if not nbytes:
         return
     row_bytes = nbytes // count
-    per_chunk = max(1, STAGED_CHUNK_BYTES // row_bytes)
+    if blocks is None:
+        per_chunk, digests = max(1, STAGED_CHUNK_BYTES // row_bytes), None
+    else:
+        block_bytes, digests = blocks
+        if block_bytes % row_bytes:
+            raise CheckpointCorruptError(
+                f"checkpoint shard {path}: a tensor of rows of {row_bytes} bytes has blocks of "
+                f"{block_bytes} bytes, not whole rows; the file is corrupt")
+        per_chunk = block_bytes // row_bytes
+    view = _byte_view(out) if out.numel() else memoryview(b"")
     bounds = np.searchsorted(rows, np.arange(0, count + per_chunk, per_chunk).clip(max=count))
     for i, first in enumerate(range(0, count, per_chunk)):
         lo, hi = int(bounds[i]), int(bounds[i + 1])
         n = min(per_chunk, count - first)
-        gather = None
-        if hi > lo:
-            gather = partial(_gather, out[lo:hi], torch.from_numpy(rows[lo:hi] - first))
-        yield _Chunk(offset + first * row_bytes, n * row_bytes, gather=gather)
+        digest = None if digests is None else digests[i]
+        where = offset + first * row_bytes
+        if hi - lo == n:
+            yield _Chunk(where, n * row_bytes, into=view[lo * row_bytes : hi * row_bytes],
+                         digest=digest)
+        elif hi > lo:
+            yield _Chunk(where, n * row_bytes, digest=digest, gather=partial(
+                _gather, out[lo:hi], torch.from_numpy(rows[lo:hi] - first)))
+        elif blocks is None:
+            yield _Chunk(where, n * row_bytes)
 
 
 def _gather(out: torch.Tensor, rows: torch.Tensor, staged: memoryview) -> None:
@@ -1706,7 +1923,8 @@ def _gather(out: torch.Tensor, rows: torch.Tensor, staged: memoryview) -> None:
 
 def _read_chunks(fd: int, chunks: list[_Chunk], path: Path,
                  hasher: _BackgroundSha256 | None) -> None:
-    """Reads each chunk, READ_THREADS at a time, and hashes them in file order; a staged
+    """Reads each chunk, READ_THREADS at a time, checking a chunk's digest (a block's) on
+    its reading thread, and feeds `hasher` (a file without blocks) in file order; a staged
     chunk is gathered from, then its buffer goes back for reuse once it is hashed.
 
     One synchronous reader leaves the disk idle between its requests and faults in the fresh
@@ -1733,7 +1951,7 @@ def _read_chunks(fd: int, chunks: list[_Chunk], path: Path,
         else:
             into = chunk.into
         flight.append((chunk, staging, into,
-                       pool.submit(_readinto_exact, fd, into, path, chunk.offset)))
+                       pool.submit(_read_chunk, fd, into, path, chunk.offset, chunk.digest)))
 
     try:
         for _ in range(READ_THREADS):
@@ -1751,6 +1969,26 @@ def _read_chunks(fd: int, chunks: list[_Chunk], path: Path,
             submit()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _read_chunk(fd: int, buf: memoryview, path: Path, offset: int,
+                digest: bytes | None) -> None:
+    _readinto_exact(fd, buf, path, offset)
+    if digest is not None:
+        _check_block(path, offset, buf, digest)
+
+
+class _BlockMismatch(CheckpointCorruptError):
+    """A block of a shard file does not match its digest in the file's header."""
+
+
+def _check_block(path: Path, offset: int, data: memoryview, digest: bytes) -> None:
+    actual = hashlib.sha256(data).digest()
+    if actual != digest:
+        raise _BlockMismatch(
+            f"checkpoint shard {path} fails its checksum: the block of {len(data)} bytes at "
+            f"offset {offset} has sha256 {actual.hex()}, its header says {digest.hex()}; the "
+            "file is corrupt, restore from another checkpoint")
 
 
 def _readinto_exact(fd: int, buf: memoryview, path: Path, offset: int) -> None:
@@ -1854,12 +2092,33 @@ def _atomic_write_bytes(final: Path, data: bytes, *, sync_dir: bool = True) -> N
         _write_all(fd, memoryview(data))
 
 
-def _hash_file(path: Path) -> str:
-    """The file's sha256, hex; "" (logged) when it cannot be read."""
+def _file_digest(path: Path) -> str:
+    """The digest a manifest records for the shard file at `path`, once its bytes check out:
+    for a file with blocks, the sha256 of its header after every block matched its digest
+    there; for an older file, the sha256 of the whole file. "" (logged) when a block does not
+    match or the file cannot be read."""
     try:
-        return sha256_file(path)
-    except OSError as exc:
-        log.warning("cannot hash %s: %s", path, exc)
+        fd = _open_shard(path)
+        try:
+            prefix, entries, meta = _read_header(fd, path)
+            blocks = _blocks_of(meta, entries, path)
+            if blocks is None:
+                return sha256_file(path)
+            offset = len(prefix)
+            for key, _, _, nbytes in entries:
+                if nbytes:
+                    block_bytes, digests = blocks[key]
+                    for i, digest in enumerate(digests or ()):
+                        begin = offset + i * block_bytes
+                        data = _read_exact(fd, min(block_bytes, offset + nbytes - begin), path,
+                                           begin)
+                        _check_block(path, begin, memoryview(data), digest)
+                offset += nbytes
+            return hashlib.sha256(prefix).hexdigest()
+        finally:
+            os.close(fd)
+    except (OSError, CheckpointError) as exc:
+        log.warning("cannot verify %s: %s", path, exc)
         return ""
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import os
@@ -14,13 +15,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from protos import modes
 from protos.modes import Kind, Mode
+from protos.partition import route_hash, shard_of_keys
 from ps import checkpoint as ckpt
 from ps.checkpoint import (
     CheckpointCorruptError,
@@ -938,23 +941,109 @@ def test_a_read_that_keeps_some_keys_equals_the_whole_read_cut_to_them(
     assert all(len(t.tensors["keys"]) == 0 for t in nothing.tables if "keys" in t.tensors)
 
 
-def test_a_read_that_keeps_some_keys_still_checks_the_whole_file(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ckpt, "STAGED_CHUNK_BYTES", 64)
-    keys = torch.arange(40, dtype=torch.int64)
+def _keyed_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: int = 4000,
+                ) -> tuple[ShardFile, torch.Tensor]:
+    """A shard file of one table whose row of key k holds k, in blocks of 32 rows; the keys
+    in the order the file holds them."""
+    monkeypatch.setattr(ckpt, "BLOCK_BYTES", 32 * 8 * 4)
+    keys = torch.randperm(rows, generator=torch.Generator().manual_seed(5)) * 7 + 3
     state = _state(tables=[TableState("emb", SPARSE_SPEC, {
         "keys": keys, "value": keys[:, None].float().repeat(1, 8),
         "sketch": torch.zeros(5, dtype=torch.uint8)})])
     written = write_shard(tmp_path, state)
-    data = bytearray(Path(written.path).read_bytes())
-    data[-1] ^= 0x01  # the value of key 39, a row the read leaves out
+    return written, read_shard(written.path, written.sha256).tables[0].tensors["keys"]
+
+
+def _routes(shard: int, count: int) -> Any:
+    return lambda keys: shard_of_keys(keys, count) == shard
+
+
+def _data_offset(path: str, key: str) -> int:
+    """Where tensor `key`'s bytes begin in the safetensors file at `path`."""
+    raw = Path(path).read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    return 8 + length + json.loads(raw[8 : 8 + length])[key]["data_offsets"][0]
+
+
+def test_keyed_rows_are_written_in_route_order_and_a_shard_reads_only_its_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    written, keys = _keyed_file(tmp_path, monkeypatch)
+    hashes = route_hash(keys.numpy())
+    assert bool(np.all(hashes[1:] >= hashes[:-1])) and len(set(keys.tolist())) == 4000
+    read_bytes: list[int] = []
+    real = ckpt._read_chunk
+
+    def counted(fd: int, buf: memoryview, path: Path, offset: int, digest: bytes | None) -> None:
+        read_bytes.append(len(buf))
+        real(fd, buf, path, offset, digest)
+
+    monkeypatch.setattr(ckpt, "_read_chunk", counted)
+    block = ckpt.BLOCK_BYTES
+    for count in (2, 3, 5):
+        for shard in range(count):
+            read_bytes.clear()
+            got = read_shard(written.path, written.sha256, keep=_routes(shard, count))
+            tensors = got.tables[0].tensors
+            expected = keys[torch.from_numpy(shard_of_keys(keys.numpy(), count) == shard)]
+            assert torch.equal(tensors["keys"], expected)
+            assert torch.equal(tensors["value"], expected[:, None].float().repeat(1, 8))
+            # Keys (8 bytes a row) and values (32): the run's blocks, and at most one more at
+            # each end of it, plus the 5-byte sketch.
+            assert sum(read_bytes) <= len(expected) * 40 + 2 * 2 * block + 5, (count, shard)
+
+
+def test_a_filtered_read_checks_every_block_it_reads_and_reads_no_other(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    written, keys = _keyed_file(tmp_path, monkeypatch)
+    clean = Path(written.path).read_bytes()
+    owner = shard_of_keys(keys.numpy(), 2)
+    row = int(np.flatnonzero(owner == 0)[0])  # a value of shard 0 of 2, far from shard 1's
+    data = bytearray(clean)
+    data[_data_offset(written.path, "emb/value") + row * 32] ^= 0x01
     Path(written.path).write_bytes(data)
+    other = read_shard(written.path, written.sha256, keep=_routes(1, 2)).tables[0]
+    assert torch.equal(other.tensors["keys"], keys[torch.from_numpy(owner == 1)])
+    for keep in (_routes(0, 2), _even, None):
+        with pytest.raises(CheckpointCorruptError, match=f"fails its checksum.*{written.sha256}"):
+            read_shard(written.path, written.sha256, keep=keep)
+    assert read_shard(written.path, keep=_routes(0, 2)).tables  # no digest: not checked
+    data = bytearray(clean)  # a key of shard 1's run: every filtered read checks all keys
+    data[_data_offset(written.path, "emb/keys") + int(np.flatnonzero(owner == 1)[-1]) * 8] ^= 1
+    Path(written.path).write_bytes(data)
+    with pytest.raises(CheckpointCorruptError, match="fails its checksum"):
+        read_shard(written.path, written.sha256, keep=_routes(0, 2))
+    data = bytearray(clean)  # the header: its digest is the file's
+    data[data.index(b'"clock":"42"') + 9] = ord("3")
+    Path(written.path).write_bytes(data)
+    with pytest.raises(CheckpointCorruptError, match=f"sha256 .* manifest says {written.sha256}"):
+        read_shard(written.path, written.sha256, keep=_routes(1, 2))
+
+
+def test_a_file_of_the_flat_format_is_still_read_and_hashed_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    written, keys = _keyed_file(tmp_path, monkeypatch)
+    with safe_open(written.path, "pt") as f:
+        meta = dict(f.metadata())
+        names = f.keys()
+        tensors = {k: f.get_tensor(k) for k in names}
+    meta["format_version"] = "1"
+    del meta["blocks"], meta["kind"]
+    flat = tmp_path / "flat.safetensors"
+    save_file(tensors, str(flat), metadata=meta)
+    digest = hashlib.sha256(flat.read_bytes()).hexdigest()
+    whole = read_shard(flat, digest)
+    assert torch.equal(whole.tables[0].tensors["keys"], keys)
+    half = read_shard(flat, digest, keep=_routes(1, 2)).tables[0].tensors
+    assert torch.equal(half["keys"], keys[torch.from_numpy(shard_of_keys(keys.numpy(), 2) == 1)])
+    assert ckpt._file_digest(flat) == digest and ckpt._file_digest(Path(written.path)) == (
+        written.sha256)
+    data = bytearray(flat.read_bytes())
+    row = int(np.flatnonzero(shard_of_keys(keys.numpy(), 2) == 0)[0])
+    data[_data_offset(str(flat), "emb/value") + row * 32] ^= 0x01  # a row the read leaves out
+    flat.write_bytes(data)
     with pytest.raises(CheckpointCorruptError, match="checksum"):
-        read_shard(written.path, written.sha256, keep=_even)
-    kept = read_shard(written.path, keep=_even).tables[0].tensors  # no digest: not seen
-    assert kept["keys"].tolist() == list(range(0, 40, 2))
-    assert kept["value"][:, 0].tolist() == [float(k) for k in range(0, 40, 2)]
-    assert kept["sketch"].shape == (5,)
+        read_shard(flat, digest, keep=_routes(1, 2))
+    assert ckpt._file_digest(flat) != digest
 
 
 def test_a_read_that_keeps_some_keys_refuses_a_table_not_one_row_per_key_or_a_bad_filter(

@@ -141,12 +141,12 @@ FORMAT_VERSION: Final = 3
 FLAT_FULL_VERSION: Final = 1
 FLAT_DELTA_VERSION: Final = 2
 MANIFEST_VERSION: Final = 1
-_KINDS_OF_VERSION: Final = {FLAT_FULL_VERSION: ("full",), FLAT_DELTA_VERSION: ("delta",),
-                            FORMAT_VERSION: ("full", "delta")}
 # The kinds of a shard file, and of the tables in a delta: written whole, or changed rows.
 FULL: Final = "full"
 DELTA: Final = "delta"
 ROWS: Final = "rows"
+_KINDS_OF_VERSION: Final = {FLAT_FULL_VERSION: (FULL,), FLAT_DELTA_VERSION: (DELTA,),
+                            FORMAT_VERSION: (FULL, DELTA)}
 # A row delta's tensors that are not one row per key: the keys evicted since its base, and
 # whole-table items that replace the base's.
 EVICTED_KEYS: Final = "evicted_keys"
@@ -728,9 +728,10 @@ def read_shard(path: StrPath, sha256: str | None = None, keep: KeyFilter | None 
     Blocks on file I/O. Thread-safe. With `sha256` (the digest its manifest records), checks
     the header against it and each block read against the header (a file of version 1 or 2:
     hashes the whole file while reading it), and raises CheckpointCorruptError naming the
-    file and the digests on a mismatch; without it, only the structure is checked. Returned tensors are fresh, writable memory
-    owned by the caller (not views of a mapping of the file). Raises CheckpointCorruptError
-    for a truncated or malformed file and CheckpointError if it cannot be opened.
+    file and the digests on a mismatch; without it, only the structure is checked. Returned
+    tensors are fresh, writable memory owned by the caller (not views of a mapping of the
+    file). Raises CheckpointCorruptError for a truncated or malformed file and
+    CheckpointError if it cannot be opened.
 
     With `keep`, every table that has a ``keys`` tensor (a sparse table, or a row delta)
     holds only the rows whose keys `keep` selects, in their order in the file: ``keys`` and
@@ -1361,13 +1362,12 @@ def _build_header(state: ShardState) -> tuple[dict[str, object], list[_Item]]:
                 raise CheckpointError(
                     f"tensor name {tensor_name!r} in table {table.name!r} must be a str"
                 )
-            key = _tensor_key(table.name, tensor_name)
             plain[tensor_name] = _plain_tensor(tensor, f"{table.name!r}/{tensor_name!r}")
-            pairs.append([tensor_name, key])
+            pairs.append([tensor_name, _tensor_key(table.name, tensor_name)])
         order = _route_order(plain)
-        for tensor_name, tensor in plain.items():
+        for (tensor_name, key), tensor in zip(pairs, plain.values(), strict=True):
             rows = order if order is not None and _is_row_tensor(tensor_name) else None
-            items.append(_Item(_tensor_key(table.name, tensor_name), tensor, rows))
+            items.append(_Item(key, tensor, rows))
         described: dict[str, object] = {"name": table.name, "spec": table.spec, "tensors": pairs}
         if table.kind != FULL:
             described["kind"] = table.kind

@@ -7,7 +7,13 @@ import itertools
 import numpy as np
 import pytest
 
-from protos.partition import MIN_SPLIT_BYTES, dense_placement, key_range, shard_of_keys
+from protos.partition import (
+    MIN_SPLIT_BYTES,
+    dense_placement,
+    key_range,
+    route_hash,
+    shard_of_keys,
+)
 
 
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 7])
@@ -179,3 +185,16 @@ def test_a_key_moves_only_between_shards_whose_key_ranges_overlap(old: int, new:
                    if key_range(i, old)[0] < key_range(k, new)[1]
                    and key_range(k, new)[0] < key_range(i, old)[1]}
     assert moves == overlapping  # every overlap is used by some key, and nothing else
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5, 7])
+def test_a_key_lies_in_its_shards_range_of_the_route_hash(count: int) -> None:
+    keys = np.random.default_rng(count).integers(-(2**63), 2**63 - 1, 20_000)
+    hashes = route_hash(keys)
+    assert hashes.dtype == np.uint64 and int(hashes.max()) < 1 << 32
+    ranges = np.array([key_range(s, count) for s in range(count)], dtype=np.uint64)
+    owner = shard_of_keys(keys, count)
+    assert np.all((ranges[owner, 0] <= hashes) & (hashes < ranges[owner, 1]))
+    # So keys in route-hash order hold each shard's keys in one run.
+    in_order = owner[np.argsort(hashes, kind="stable")]
+    assert np.all(np.diff(in_order) >= 0)

@@ -1469,7 +1469,11 @@ def _route_order(tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
     hashes = route_hash(keys.numpy())
     if bool(np.all(hashes[1:] >= hashes[:-1])):
         return None
-    return torch.from_numpy(np.argsort(hashes, kind="stable"))
+    # The hash has 32 bits: two stable passes on 16 of them (numpy sorts 16-bit integers by
+    # radix, in linear time) order it fully, in under half the time of one comparison sort.
+    order = np.argsort((hashes & np.uint64(0xFFFF)).astype(np.uint16), kind="stable")
+    high = (hashes >> np.uint64(16)).astype(np.uint16)
+    return torch.from_numpy(order[np.argsort(high[order], kind="stable")])
 
 
 def _plain_tensor(tensor: object, what: str) -> torch.Tensor:

@@ -992,6 +992,18 @@ def test_keyed_rows_are_written_in_route_order_and_a_shard_reads_only_its_run(
             assert sum(read_bytes) <= len(expected) * 40 + 2 * 2 * block + 5, (count, shard)
 
 
+def test_route_order_sorts_by_all_32_bits_of_the_hash_and_leaves_other_tables_be() -> None:
+    keys = torch.from_numpy(np.random.default_rng(2).integers(-(2**63), 2**63 - 1, 300_000))
+    order = ckpt._route_order({"keys": keys, "value": torch.zeros(300_000, 2)})
+    assert order is not None
+    hashes = route_hash(keys[order].numpy())  # ~4.6 keys per value of the top 16 bits
+    assert bool(np.all(hashes[1:] >= hashes[:-1]))
+    assert sorted(order.tolist()) == list(range(300_000))
+    assert ckpt._route_order({"keys": keys[order], "value": torch.zeros(300_000, 2)}) is None
+    assert ckpt._route_order({"keys": keys, "value": torch.zeros(5, 2)}) is None
+    assert ckpt._route_order({"value": torch.zeros(5, 2)}) is None
+
+
 def test_a_filtered_read_checks_every_block_it_reads_and_reads_no_other(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     written, keys = _keyed_file(tmp_path, monkeypatch)

@@ -574,8 +574,8 @@ def write_shard(directory: StrPath, state: ShardState, base: ShardFile | None = 
     final = ckpt_dir / shard_file_name(state.shard, state.num_shards)
     pace = Pace(max_bytes_per_s)
     step = PACED_CHUNK_BYTES if pace.bytes_per_s > 0 else CHUNK_BYTES
-    # One helper thread hashes the blocks while this one writes them; a block's memory (a
-    # view of the tensor, or the rows gathered into their order) lives until it is hashed.
+    # One helper thread hashes the chunks, in order, while this one writes them; a chunk's
+    # memory (a view of the tensor, or rows gathered into their order) lives until hashed.
     hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-sha256")
     digests: list[Future[bytes]] = []
     try:
@@ -583,16 +583,17 @@ def write_shard(directory: StrPath, state: ShardState, base: ShardFile | None = 
             _write_all(fd, memoryview(placeholder))
             offset = len(placeholder)
             for item in items:
-                for block in _blocks_to_write(item):
-                    digests.append(hashing.submit(_sha256, block))
-                    for begin in range(0, len(block), step):
-                        chunk = block[begin : begin + step]
+                for block in _blocks_to_write(item, step):
+                    sha = hashlib.sha256()
+                    for chunk in block:
+                        hashing.submit(sha.update, chunk)  # one thread: in order
                         _write_all(fd, chunk)
                         # Starting writeback now lets the disk work while we fill the page
                         # cache, so the final fsync waits for the last chunks only.
                         _start_writeback(fd, offset, len(chunk))
                         offset += len(chunk)
                         pace.wrote(len(chunk))
+                    digests.append(hashing.submit(sha.digest))
                     if len(digests) > HASHING_AHEAD:
                         digests[-HASHING_AHEAD].result()
             prefix = _encode_header(header, items, [d.result() for d in digests], state.shard)
@@ -1743,22 +1744,24 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     return flat.numpy().data.cast("B")
 
 
-def _blocks_to_write(item: _Item) -> Iterator[memoryview]:
-    """`item`'s bytes, block by block: views of the tensor, or its rows gathered into their
-    written order one block at a time."""
+def _blocks_to_write(item: _Item, step: int) -> Iterator[Iterator[memoryview]]:
+    """`item`'s bytes, block by block, each block in chunks of at most `step` bytes (whole
+    rows, when its rows are gathered into their written order one chunk at a time): a paced
+    write copies and hashes one short burst between two pauses."""
     nbytes, block_bytes = item.nbytes, item.block_bytes
     if item.rows is None:
         view = _byte_view(item.tensor)
         for begin in range(0, nbytes, block_bytes):
-            yield view[begin : begin + block_bytes]
+            block = view[begin : min(begin + block_bytes, nbytes)]
+            yield (block[at : at + step] for at in range(0, len(block), step))
         return
-    per_block = block_bytes // (nbytes // len(item.rows))
-    for first in range(0, len(item.rows), per_block):
-        yield _byte_view(item.tensor.index_select(0, item.rows[first : first + per_block]))
-
-
-def _sha256(data: bytes | memoryview) -> bytes:
-    return hashlib.sha256(data).digest()
+    rows = item.rows
+    row_bytes = nbytes // len(rows)
+    per_block, per_chunk = block_bytes // row_bytes, max(1, step // row_bytes)
+    for first in range(0, len(rows), per_block):
+        last = min(first + per_block, len(rows))
+        yield (_byte_view(item.tensor.index_select(0, rows[at : min(at + per_chunk, last)]))
+               for at in range(first, last, per_chunk))
 
 
 def _write_all(fd: int, data: memoryview) -> None:

@@ -122,14 +122,21 @@ def test_a_pace_of_zero_never_sleeps_and_a_negative_one_is_refused() -> None:
 
 def test_a_paced_write_takes_its_time_and_writes_the_same_file(tmp_path: Path) -> None:
     values = torch.arange(3 * 2**18, dtype=torch.float32).reshape(-1, 64)  # 3 MiB
-    state = _state(tables=[TableState("emb", {"dim": 64}, {"value": values})])
+    keys = torch.randperm(len(values), generator=torch.Generator().manual_seed(1))
+    state = _state(tables=[  # the keyed table's rows are gathered in routing order
+        TableState("emb", {"dim": 64}, {"value": values}),
+        TableState("rows", {"dim": 64},
+                   {"keys": keys, "value": keys[:, None].float().repeat(1, 64)})])
     fast = write_shard(tmp_path / "fast", state)
     started = time.monotonic()
     paced = write_shard(tmp_path / "paced", state, max_bytes_per_s=10e6)
     took = time.monotonic() - started
-    assert took >= fast.nbytes / 10e6 * 0.95  # about 0.31 s: 3 MiB at 10 MB/s
+    assert took >= fast.nbytes / 10e6 * 0.95  # about 0.63 s: 6 MiB at 10 MB/s
     assert paced.sha256 == fast.sha256
     assert Path(paced.path).read_bytes() == Path(fast.path).read_bytes()
+    rows = read_shard(paced.path, paced.sha256).tables[1].tensors
+    assert torch.equal(rows["value"], rows["keys"][:, None].float().repeat(1, 64))
+    assert not torch.equal(rows["keys"], keys)  # they were reordered
 
 
 # ---- round trips ----------------------------------------------------------------------------

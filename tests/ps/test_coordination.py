@@ -69,6 +69,9 @@ def job(module_procs: Procs) -> Job:
     secret_file.write_text(os.urandom(32).hex())
     server = module_procs.server(extra=["--redis", redis, "--job", JOB, "--secret-file",
                                         str(secret_file)])
+    # A request already pending when the server joins its job is an earlier run's: ask once
+    # it has joined (its ready file comes first).
+    wait_until(lambda: 0 in store.members("server"), 30, "the server to join its job")
     for checkpoint_id in ("c1", "c2"):
         store.request_checkpoint(checkpoint_id, -1)
         wait_until(listed(store, checkpoint_id), 30, f"checkpoint {checkpoint_id}")
@@ -401,6 +404,7 @@ def test_a_checkpoint_asked_while_one_is_written_is_cut_after_that_write(
                              checkpoint_dir=directory, checkpoint_full_every=1,
                              checkpoint_write_mb_s=1.0), adopt=False)
     server = procs.server(extra=["--redis", redis, "--job", "paced"])
+    wait_until(lambda: 0 in store.members("server"), 30, "the server to join its job")
     with PSClient([server.address]) as client:
         client.declare_dense("w", [500_000], optimizer="sgd", lr=1.0)  # 2 MB: 2 s at 1 MB/s
         store.request_checkpoint("c1", -1)

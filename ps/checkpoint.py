@@ -756,14 +756,12 @@ def read_shard(path: StrPath, sha256: str | None = None, keep: KeyFilter | None 
         with contextlib.suppress(AttributeError, OSError):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         prefix, entries, meta = _read_header(fd, path)
-        blocks = _blocks_of(meta, entries, path)
+        blocks = _blocks_of(meta, entries, path, checked=sha256 is not None)
         if sha256 is not None and blocks is not None:
             _check_digest(path, hashlib.sha256(prefix).hexdigest(), sha256)
         elif sha256 is not None:
             hasher = _BackgroundSha256()
             hasher.update(prefix)
-        if sha256 is None:
-            blocks = None if blocks is None else {k: (b, None) for k, (b, _) in blocks.items()}
         cuts = ({} if keep is None
                 else _row_cuts(fd, entries, meta, keep, path, len(prefix), blocks))
         tensors: dict[str, torch.Tensor] = {}
@@ -812,9 +810,10 @@ _Blocks = tuple[int, "list[bytes] | None"]
 
 
 def _blocks_of(meta: dict[str, str], entries: list[tuple[str, torch.dtype, list[int], int]],
-               path: Path) -> dict[str, _Blocks] | None:
-    """The blocks of each tensor with bytes, from the header of a version-3 file; None for a
-    file of an older version (one sha256 of the whole file). CheckpointCorruptError."""
+               path: Path, checked: bool = True) -> dict[str, _Blocks] | None:
+    """The blocks of each tensor with bytes, from the header of a version-3 file (without
+    their digests unless `checked`); None for a file of an older version (one sha256 of the
+    whole file). CheckpointCorruptError."""
     try:
         if int(meta.get("format_version", "0")) != FORMAT_VERSION:
             return None
@@ -833,7 +832,8 @@ def _blocks_of(meta: dict[str, str], entries: list[tuple[str, torch.dtype, list[
                 raise ValueError(f"tensor {key!r} of {nbytes} bytes lists {len(hexes) // 64} "
                                  f"digests of blocks of {block_bytes}")
             digests = bytes.fromhex(hexes)
-            blocks[key] = (block_bytes, [digests[i : i + 32] for i in range(0, len(digests), 32)])
+            blocks[key] = (block_bytes, [digests[i : i + 32] for i in range(0, len(digests), 32)]
+                           if checked else None)
         if listed:
             raise ValueError(f"blocks of tensors not in the file: {sorted(listed)[:5]}")
         return blocks
@@ -1825,9 +1825,9 @@ def _row_cuts(fd: int, entries: list[tuple[str, torch.dtype, list[int], int]],
                 "is corrupt")
         data = _read_exact(fd, nbytes, path, begin)
         block_bytes, digests = (blocks or {}).get(file_key, (0, None))
-        for i, digest in enumerate(digests or ()):
-            piece = memoryview(data)[i * block_bytes : (i + 1) * block_bytes]
-            _check_block(path, begin + i * block_bytes, piece, digest)
+        if digests is not None:
+            for (at, n), digest in zip(_spans(nbytes, block_bytes), digests, strict=True):
+                _check_block(path, begin + at, memoryview(data)[at : at + n], digest)
         keys = np.frombuffer(data, dtype=np.int64)
         mask = np.asarray(keep(keys))
         if mask.dtype != np.bool_ or mask.shape != keys.shape:
@@ -1882,9 +1882,14 @@ def _whole_chunks(out: torch.Tensor, offset: int, nbytes: int,
     CHUNK_BYTES at a time in a file without them."""
     view = _byte_view(out) if nbytes else memoryview(b"")
     step, digests = blocks if blocks is not None else (CHUNK_BYTES, None)
-    for i, begin in enumerate(range(0, nbytes, step)):
-        yield _Chunk(offset + begin, min(step, nbytes - begin), into=view[begin : begin + step],
+    for i, (begin, n) in enumerate(_spans(nbytes, step)):
+        yield _Chunk(offset + begin, n, into=view[begin : begin + n],
                      digest=None if digests is None else digests[i])
+
+
+def _spans(nbytes: int, step: int) -> Iterator[tuple[int, int]]:
+    """(start, length) of each piece of `nbytes` bytes cut every `step` (a tensor's blocks)."""
+    return ((begin, min(step, nbytes - begin)) for begin in range(0, nbytes, step))
 
 
 def _cut_chunks(out: torch.Tensor, rows: np.ndarray, offset: int, count: int,
@@ -2111,16 +2116,14 @@ def _file_digest(path: Path) -> str:
             blocks = _blocks_of(meta, entries, path)
             if blocks is None:
                 return sha256_file(path)
-            offset = len(prefix)
+            chunks, offset = [], len(prefix)
             for key, _, _, nbytes in entries:
                 if nbytes:
                     block_bytes, digests = blocks[key]
-                    for i, digest in enumerate(digests or ()):
-                        begin = offset + i * block_bytes
-                        data = _read_exact(fd, min(block_bytes, offset + nbytes - begin), path,
-                                           begin)
-                        _check_block(path, begin, memoryview(data), digest)
+                    chunks += [_Chunk(offset + begin, n, digest=digest) for (begin, n), digest
+                               in zip(_spans(nbytes, block_bytes), digests or (), strict=True)]
                 offset += nbytes
+            _read_chunks(fd, chunks, path, None)  # staged, each block checked as it is read
             return hashlib.sha256(prefix).hexdigest()
         finally:
             os.close(fd)

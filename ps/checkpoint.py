@@ -11,9 +11,10 @@ little-endian header length, a JSON header, then the raw bytes of every tensor. 
 pickled, so reading a checkpoint cannot run code. This module writes the format itself, so
 that tensor bytes go from tensor memory straight to the file (no serialised copy) and are
 hashed as they are written; `safetensors.torch.load_file` reads the result (the tests check).
-The rows of a table with keys (every tensor one row per key) are written in the order of
-their keys' routing hash (`protos.partition.route_hash`), so the rows any shard of any
-shard count owns are one run of the file (see Integrity).
+The rows of a table with keys (every tensor one row per key) are written ordered by the top
+16 bits of their keys' routing hash (`protos.partition.route_hash`), so the rows any shard of
+any shard count owns are one run of the file, give or take the bucket at each end of its
+range (see Integrity).
 Tensor keys are ``<table>/<tensor>`` with both names percent-encoded (`urllib.parse.quote`
 with no safe characters), so any string is a valid name and no key can contain a stray
 ``/``. Everything that is not a tensor (job, shard, checkpoint id, clock, `meta`, table specs
@@ -172,6 +173,12 @@ PACED_CHUNK_BYTES: Final = 256 * 1024
 # A shard file's tensors are hashed in blocks of about this size (whole rows of a table),
 # each block's sha256 in the header: a read checks the blocks it reads, several at once.
 BLOCK_BYTES: Final = 4 * 1024 * 1024
+# A keyed table's rows are written ordered by this many top bits of their routing hash: a
+# shard of any count shares at most the bucket at each end of its range (2**-16 of the rows
+# each) with a neighbour, far less than a block.
+ROUTE_BUCKET_BITS: Final = 16  # at most 16: buckets are uint16
+# Keys a write orders at a time (see `_route_order`): each piece is a short burst of CPU.
+ORDER_CHUNK_KEYS: Final = 64 * 1024
 # Blocks a writer may be ahead of its hashing thread (their memory is held until hashed).
 HASHING_AHEAD: Final = 8
 # Reads in flight while restoring; more than one keeps the disk's queue from running dry.
@@ -566,13 +573,13 @@ def write_shard(directory: StrPath, state: ShardState, base: ShardFile | None = 
     chain = _check_kind(state, base)
     if base is not None and chain:
         state = dataclasses.replace(state, base_sha256=base.sha256)
-    header, items = _build_header(state)
+    pace = Pace(max_bytes_per_s)
+    header, items = _build_header(state, pace)
     placeholder = _encode_header(header, items, None, state.shard)
     _ensure_dir(ckpt_dir)
     _remove_stale_temps(ckpt_dir)
     linked = _link_chain(ckpt_dir, state, chain)
     final = ckpt_dir / shard_file_name(state.shard, state.num_shards)
-    pace = Pace(max_bytes_per_s)
     step = PACED_CHUNK_BYTES if pace.bytes_per_s > 0 else CHUNK_BYTES
     # One helper thread hashes the chunks, in order, while this one writes them; a chunk's
     # memory (a view of the tensor, or rows gathered into their order) lives until hashed.
@@ -1339,10 +1346,10 @@ def _json_round_trips(what: str, value: object) -> str:
     return text
 
 
-def _build_header(state: ShardState) -> tuple[dict[str, object], list[_Item]]:
+def _build_header(state: ShardState, pace: Pace) -> tuple[dict[str, object], list[_Item]]:
     """The header (without its block digests) and the tensors in the order their bytes
     follow it, each with its block size and, for the rows of a keyed table, the order they
-    are written in."""
+    are written in (found at `pace`)."""
     tables_meta: list[dict[str, object]] = []
     items: list[_Item] = []
     seen: set[str] = set()
@@ -1365,7 +1372,7 @@ def _build_header(state: ShardState) -> tuple[dict[str, object], list[_Item]]:
                 )
             plain[tensor_name] = _plain_tensor(tensor, f"{table.name!r}/{tensor_name!r}")
             pairs.append([tensor_name, _tensor_key(table.name, tensor_name)])
-        order = _route_order(plain)
+        order = _route_order(plain, pace)
         for (tensor_name, key), tensor in zip(pairs, plain.values(), strict=True):
             rows = order if order is not None and _is_row_tensor(tensor_name) else None
             items.append(_Item(key, tensor, rows))
@@ -1457,24 +1464,43 @@ def _is_row_tensor(name: str) -> bool:
     return name not in WHOLE_TABLE_TENSORS and name != EVICTED_KEYS
 
 
-def _route_order(tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """For a table with keys, the order that sorts its rows by `route_hash` (so each shard
-    of any count finds its rows in one run: see `read_shard`); None when they already are
-    sorted, or the table has no keys or a tensor not one row per key (written as it is)."""
+def _route_order(tensors: dict[str, torch.Tensor], pace: Pace) -> torch.Tensor | None:
+    """For a table with keys, an order of its rows by the top ROUTE_BUCKET_BITS bits of
+    `route_hash` (stable: rows of one bucket keep their order), so each shard of any count
+    finds its rows in one run, apart from the bucket at each end of its range that it shares
+    with a neighbour (see `read_shard`); None when they already are in that order, or the
+    table has no keys or a tensor not one row per key (written as it is).
+
+    A counting sort, ORDER_CHUNK_KEYS keys at a time: each piece charges `pace` for its
+    keys' bytes, so that ordering a large table beside training is paced like the write
+    that follows, not one burst of CPU before it."""
     keys = tensors.get("keys")
     if keys is None or keys.dtype != torch.int64 or keys.dim() != 1 or len(keys) < 2:
         return None
     count = len(keys)
     if any(t.dim() == 0 or t.shape[0] != count for n, t in tensors.items() if _is_row_tensor(n)):
         return None
-    hashes = route_hash(keys.numpy())
-    if bool(np.all(hashes[1:] >= hashes[:-1])):
+    flat = keys.numpy()
+    buckets = np.empty(count, dtype=np.uint16)
+    shift = np.uint64(32 - ROUTE_BUCKET_BITS)
+    for at in range(0, count, ORDER_CHUNK_KEYS):
+        piece = flat[at : at + ORDER_CHUNK_KEYS]
+        buckets[at : at + len(piece)] = route_hash(piece) >> shift
+        pace.wrote(piece.nbytes)  # the keys' bytes, read
+    if bool(np.all(buckets[1:] >= buckets[:-1])):
         return None
-    # The hash has 32 bits: two stable passes on 16 of them (numpy sorts 16-bit integers by
-    # radix, in linear time) order it fully, in under half the time of one comparison sort.
-    order = np.argsort((hashes & np.uint64(0xFFFF)).astype(np.uint16), kind="stable")
-    high = (hashes >> np.uint64(16)).astype(np.uint16)
-    return torch.from_numpy(order[np.argsort(high[order], kind="stable")])
+    sizes = np.bincount(buckets, minlength=1 << ROUTE_BUCKET_BITS)
+    next_free = np.cumsum(sizes) - sizes  # where each bucket's next row goes
+    order = np.empty(count, dtype=np.int64)
+    for at in range(0, count, ORDER_CHUNK_KEYS):
+        piece = buckets[at : at + ORDER_CHUNK_KEYS]
+        local = np.argsort(piece, kind="stable")  # 16-bit keys: numpy sorts them by radix
+        ranked = piece[local]
+        run_starts = np.searchsorted(ranked, ranked, side="left")
+        order[next_free[ranked] + np.arange(len(ranked)) - run_starts] = local + at
+        next_free += np.bincount(piece, minlength=1 << ROUTE_BUCKET_BITS)
+        pace.wrote(len(piece) * flat.itemsize)  # the keys' bytes again, for the same CPU
+    return torch.from_numpy(order)
 
 
 def _plain_tensor(tensor: object, what: str) -> torch.Tensor:

@@ -116,7 +116,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 from urllib.parse import quote
 
 import numpy as np
@@ -246,13 +246,30 @@ class CheckpointUnsignedError(CheckpointError):
     Redis, or the job's secret changed."""
 
 
+class LaterRows(Protocol):
+    """A tensor of a snapshot whose rows are read as they are written (a copy-on-write
+    snapshot of a live table: `ps.tables.SparseTable.snapshot_later`). Thread-safe."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """A new tensor of the snapshot's rows `rows` (int64 indices), in that order."""
+        ...
+
+
 @dataclass(frozen=True, eq=False)
 class TableState:
     """One table of a shard snapshot.
 
     `spec` is opaque JSON (round-tripped exactly). `tensors` may use any names and any
-    supported dtype; tensors may be empty or 0-d. ``eq=False``: comparing tensors with ``==``
-    is elementwise, so dataclass equality would raise rather than answer.
+    supported dtype; tensors may be empty or 0-d. `later` (a snapshot about to be written
+    only; `read_shard` never makes one) holds more tensors, by name, whose rows are read
+    when written; `materialized` copies them into `tensors`. ``eq=False``: comparing tensors
+    with ``==`` is elementwise, so dataclass equality would raise rather than answer.
     """
 
     name: str
@@ -261,6 +278,7 @@ class TableState:
     # FULL: the table whole; ROWS (in a delta only): the rows of a sparse table that changed
     # since the base (see the module docstring).
     kind: str = FULL
+    later: dict[str, LaterRows] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False)
@@ -282,6 +300,21 @@ class ShardState:
     kind: str = FULL
     base: str = ""
     base_sha256: str = ""
+
+
+def materialized(state: ShardState) -> ShardState:
+    """`state` with every tensor in its tables' `tensors` (the rows of `later` copied out:
+    each a new tensor); `state` itself when none has any. For what reads a live snapshot
+    in memory rather than writing it (a restore from it, tests)."""
+    if not any(table.later for table in state.tables):
+        return state
+    tables = [
+        dataclasses.replace(table, later={}, tensors={**table.tensors, **{
+            name: rows.gather(torch.arange(rows.shape[0] if rows.shape else 1))
+            for name, rows in table.later.items()}})
+        for table in state.tables
+    ]
+    return dataclasses.replace(state, tables=tables)
 
 
 @dataclass(frozen=True)
@@ -1364,13 +1397,17 @@ def _build_header(state: ShardState, pace: Pace) -> tuple[dict[str, object], lis
         seen.add(table.name)
         _json_round_trips(f"spec of table {table.name!r}", table.spec)
         pairs: list[list[str]] = []
-        plain: dict[str, torch.Tensor] = {}
-        for tensor_name, tensor in table.tensors.items():
-            if not isinstance(tensor_name, str):
+        plain: dict[str, torch.Tensor | LaterRows] = {}
+        both: list[tuple[str, object]] = [*table.tensors.items(), *table.later.items()]
+        for tensor_name, tensor in both:
+            if not isinstance(tensor_name, str) or tensor_name in plain:
                 raise CheckpointError(
-                    f"tensor name {tensor_name!r} in table {table.name!r} must be a str"
+                    f"tensor name {tensor_name!r} in table {table.name!r} must be a str, "
+                    "once in the table"
                 )
-            plain[tensor_name] = _plain_tensor(tensor, f"{table.name!r}/{tensor_name!r}")
+            what = f"{table.name!r}/{tensor_name!r}"
+            plain[tensor_name] = (_later_rows(tensor, what) if tensor_name in table.later
+                                  else _plain_tensor(tensor, what))
             pairs.append([tensor_name, _tensor_key(table.name, tensor_name)])
         order = _route_order(plain, pace)
         for (tensor_name, key), tensor in zip(pairs, plain.values(), strict=True):
@@ -1397,13 +1434,13 @@ def _build_header(state: ShardState, pace: Pace) -> tuple[dict[str, object], lis
         metadata.update(base=state.base, base_sha256=state.base_sha256)
     # Widest elements first keeps every tensor aligned to its element size (the header is
     # padded to 8), as safetensors itself does, so readers that map the file can use it in place.
-    items.sort(key=lambda item: (-item.tensor.element_size(), item.key))
+    items.sort(key=lambda item: (-item.tensor.dtype.itemsize, item.key))
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for item in items:
         header[item.key] = {
             "dtype": _DTYPE_TO_ST[item.tensor.dtype],
-            "shape": list(item.tensor.shape),
+            "shape": list(item.tensor.shape),  # a LaterRows' too
             "data_offsets": [offset, offset + item.nbytes],
         }
         offset += item.nbytes
@@ -1436,20 +1473,22 @@ def _encode_header(header: dict[str, object], items: Sequence[_Item],
 
 @dataclass(frozen=True)
 class _Item:
-    """A tensor to write: its file key, its bytes, and for the rows of a keyed table the
-    order to write them in (indices into its rows; None: as they are)."""
+    """A tensor to write (or rows read as they are written): its file key, its bytes, and
+    for the rows of a keyed table the order to write them in (indices into its rows; None:
+    as they are)."""
 
     key: str
-    tensor: torch.Tensor
+    tensor: torch.Tensor | LaterRows
     rows: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+        return math.prod(self.tensor.shape) * self.tensor.dtype.itemsize
 
     @property
     def block_bytes(self) -> int:
-        return _block_bytes(self.nbytes, self.tensor.shape[0] if self.tensor.dim() else 1)
+        shape = self.tensor.shape
+        return _block_bytes(self.nbytes, shape[0] if len(shape) else 1)
 
 
 def _block_bytes(nbytes: int, rows: int) -> int:
@@ -1464,7 +1503,8 @@ def _is_row_tensor(name: str) -> bool:
     return name not in WHOLE_TABLE_TENSORS and name != EVICTED_KEYS
 
 
-def _route_order(tensors: dict[str, torch.Tensor], pace: Pace) -> torch.Tensor | None:
+def _route_order(tensors: dict[str, torch.Tensor | LaterRows], pace: Pace
+                 ) -> torch.Tensor | None:
     """For a table with keys, an order of its rows by the top ROUTE_BUCKET_BITS bits of
     `route_hash` (stable: rows of one bucket keep their order), so each shard of any count
     finds its rows in one run, apart from the bucket at each end of its range that it shares
@@ -1475,10 +1515,11 @@ def _route_order(tensors: dict[str, torch.Tensor], pace: Pace) -> torch.Tensor |
     keys' bytes, so that ordering a large table beside training is paced like the write
     that follows, not one burst of CPU before it."""
     keys = tensors.get("keys")
-    if keys is None or keys.dtype != torch.int64 or keys.dim() != 1 or len(keys) < 2:
+    if (not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or keys.dim() != 1
+            or len(keys) < 2):
         return None
     count = len(keys)
-    if any(t.dim() == 0 or t.shape[0] != count for n, t in tensors.items() if _is_row_tensor(n)):
+    if any(not t.shape or t.shape[0] != count for n, t in tensors.items() if _is_row_tensor(n)):
         return None
     flat = keys.numpy()
     buckets = np.empty(count, dtype=np.uint16)
@@ -1501,6 +1542,19 @@ def _route_order(tensors: dict[str, torch.Tensor], pace: Pace) -> torch.Tensor |
         next_free += np.bincount(piece, minlength=1 << ROUTE_BUCKET_BITS)
         pace.wrote(len(piece) * flat.itemsize)  # the keys' bytes again, for the same CPU
     return torch.from_numpy(order)
+
+
+def _later_rows(rows: object, what: str) -> LaterRows:
+    """`rows` (a TableState's `later` entry), after checking it has a dtype safetensors
+    stores and at least one dimension."""
+    dtype, shape = getattr(rows, "dtype", None), getattr(rows, "shape", None)
+    if dtype not in _DTYPE_TO_ST or not shape or not callable(getattr(rows, "gather", None)):
+        raise CheckpointError(
+            f"tensor {what} is read when written, so needs a dtype safetensors stores, a "
+            f"shape of at least one dimension and a gather method; got {type(rows).__name__} "
+            f"of dtype {dtype} and shape {shape}"
+        )
+    return rows  # type: ignore[return-value]
 
 
 def _plain_tensor(tensor: object, what: str) -> torch.Tensor:
@@ -1774,19 +1828,23 @@ def _blocks_to_write(item: _Item, step: int) -> Iterator[Iterator[memoryview]]:
     """`item`'s bytes, block by block, each block in chunks of at most `step` bytes (whole
     rows, when its rows are gathered into their written order one chunk at a time): a paced
     write copies and hashes one short burst between two pauses."""
-    nbytes, block_bytes = item.nbytes, item.block_bytes
-    if item.rows is None:
-        view = _byte_view(item.tensor)
+    nbytes, block_bytes, tensor = item.nbytes, item.block_bytes, item.tensor
+    if item.rows is None and isinstance(tensor, torch.Tensor):
+        view = _byte_view(tensor)
         for begin in range(0, nbytes, block_bytes):
             block = view[begin : min(begin + block_bytes, nbytes)]
             yield (block[at : at + step] for at in range(0, len(block), step))
         return
-    rows = item.rows
+    if not nbytes:
+        return
+    rows = item.rows if item.rows is not None else torch.arange(tensor.shape[0])
+    gather = (partial(tensor.index_select, 0) if isinstance(tensor, torch.Tensor)
+              else tensor.gather)
     row_bytes = nbytes // len(rows)
     per_block, per_chunk = block_bytes // row_bytes, max(1, step // row_bytes)
     for first in range(0, len(rows), per_block):
         last = min(first + per_block, len(rows))
-        yield (_byte_view(item.tensor.index_select(0, rows[at : min(at + per_chunk, last)]))
+        yield (_byte_view(gather(rows[at : min(at + per_chunk, last)]))
                for at in range(first, last, per_chunk))
 
 

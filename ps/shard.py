@@ -27,7 +27,7 @@ from protos.codec import tensor_from_bytes
 from protos.modes import ASYNC, Mode
 from protos.partition import RowRange, dense_placement
 from ps.aggregate import Aggregate, DenseSum, SparseSum
-from ps.checkpoint import DELTA, FULL, ROWS, ShardState, TableState
+from ps.checkpoint import DELTA, FULL, ROWS, ShardState, TableState, materialized
 from ps.clocks import ClockBoard, Quorum
 from ps.consistency import ClockView, Decision, Policy, make_policy
 from ps.deltas import SnapshotLog
@@ -969,7 +969,10 @@ class Shard:
     def snapshot(self, checkpoint_id: str) -> ShardState:
         """A consistent copy of the shard: tables, optimizer state, clocks, ledger; full, or
         a delta of the snapshot before (`self.snapshots` decides; whoever writes it reports
-        how the write went there). Blocks pushes for as long as the copies take."""
+        how the write went there). Blocks pushes for as long as the copies take: a delta's
+        changed rows, a full one's keys and dense blocks; a sparse table's rows are read as
+        they are written, copied only before they change (`SparseTable.snapshot_later`;
+        `ps.checkpoint.materialized` copies them all)."""
         with self._clocks:
             return self._snapshot(checkpoint_id)
 
@@ -1121,7 +1124,8 @@ class Shard:
             spec = table.spec.to_dict()
             changes = table.snapshot_changes() if kind == DELTA else None
             if changes is None:
-                states.append(TableState(name, spec, table.snapshot()))
+                tensors, later = table.snapshot_later()
+                states.append(TableState(name, spec, tensors, later=later))
             elif changes:
                 states.append(TableState(name, spec, changes, kind=ROWS))
         meta: dict[str, object] = {
@@ -1158,6 +1162,8 @@ class Shard:
                 f"checkpoint {state.checkpoint_id} is a {state.kind} of {state.base!r}, not a "
                 "whole state: restore what ps.checkpoint.load_checkpoint returns"
             )
+        if state is not None:
+            state = materialized(state)  # one of this shard's own, read while it lives
         with self._clocks:
             self.snapshots.reset()
             if generation is not None:

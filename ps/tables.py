@@ -12,6 +12,7 @@ import math
 import mmap
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from protos import modes
 from protos.codec import FLOAT_DTYPES
 from protos.partition import RowRange, shard_of_keys
 from protos.runtime import trim_heap
-from ps.checkpoint import EVICTED_KEYS
+from ps.checkpoint import EVICTED_KEYS, LaterRows
 from ps.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from ps.index import MAX_ROWS, SLOT_BYTES, KeyIndex, capacity_for
 from ps.initializers import InitSpec, init_rows
@@ -519,6 +520,10 @@ class DenseTable(_Counted):
             out.update({f"state.{k}": v.clone() for k, v in self.state.items()})
         return out
 
+    def snapshot_later(self) -> tuple[dict[str, torch.Tensor], dict[str, LaterRows]]:
+        """`snapshot`, with nothing left to read later (a dense block is copied whole)."""
+        return self.snapshot(), {}
+
     def snapshot_changes(self) -> dict[str, torch.Tensor] | None:
         """What changed since the last snapshot, for a delta: {} when nothing did, None when
         the block did (a delta holds a dense block whole: take `snapshot`). Thread-safe."""
@@ -607,6 +612,8 @@ class SparseTable(_Counted):
         # Shared by every read and update of rows; exclusive while storage is reallocated.
         self._storage = RWLock()
         self._update_lock = _update_guard(hogwild)
+        # The copy-on-write snapshot being read (`snapshot_later`), while its rows live.
+        self._cow: weakref.ref[_CopyOnWrite] | None = None
         self._grow(INITIAL_SPARSE_ROWS)
 
     # ---- memory --------------------------------------------------------------------------
@@ -853,6 +860,7 @@ class SparseTable(_Counted):
         if not bool(held.all()):
             rows, values = rows[held], values[held]
         with self._storage.shared(), self._update_lock:
+            self._save_for_snapshot(rows.numpy())
             if assign:
                 rows_scatter_(self.value, rows, values)
             else:
@@ -975,7 +983,9 @@ class SparseTable(_Counted):
             self._grow(grown_capacity(needed, self._capacity, max_rows=self._evict.max_rows))
         with self._storage.shared():
             # New rows are invisible to other requests until the index lock is released,
-            # so writing them needs no update lock.
+            # so writing them needs no update lock; a slot freed by eviction may still hold
+            # a row a snapshot reads.
+            self._save_for_snapshot(rows)
             per_part = max(1, _INIT_BYTES // (4 * self.spec.dim))
             for start in range(0, len(rows), per_part):
                 part = slice(start, start + per_part)
@@ -1134,32 +1144,68 @@ class SparseTable(_Counted):
         """Copies of the keys, values, optimizer state and steps of every row held (rows in
         slot order; an evicted row is not there), the clock each was last touched and the
         evicted-id bits (under eviction) and the admission sketch (under count:K). Every row
-        counts as unchanged from here on (`snapshot_changes`)."""
+        counts as unchanged from here on (`snapshot_changes`). Blocking (copies every row);
+        thread-safe."""
+        return self._snapshot(later=False)[0]
+
+    def snapshot_later(self) -> tuple[dict[str, torch.Tensor], dict[str, LaterRows]]:
+        """`snapshot`, but copy on write: the values, optimizer state and steps of its rows
+        are read when the snapshot is written (the second dict, `TableState.later`), and
+        until then the table copies a row of it aside before its first change. So taking it
+        costs a copy of the keys (and stamps), not of the rows; the rows changed while it is
+        read take memory again. It lasts while those row objects live. One at a time: while
+        one lives, this copies every row, as `snapshot` does. Thread-safe."""
+        return self._snapshot(later=True)
+
+    def _snapshot(self, later: bool) -> tuple[dict[str, torch.Tensor], dict[str, LaterRows]]:
         with self._index_lock, self._storage.shared(), self._update_lock:
             self._forget_changes()
             if self.index.row_limit == len(self.index):  # no holes: rows 0..n-1
-                rows = len(self.index)
-                out = {"keys": torch.from_numpy(self.index.keys_by_row()),
-                       "value": self.value[:rows].clone()}
-                out.update({f"state.{k}": v[:rows].clone() for k, v in self.state.items()})
-                if self.step is not None:
-                    out["step"] = self.step[:rows].clone()
-                held = np.arange(rows, dtype=np.int64)
+                keys = self.index.keys_by_row()
+                held = np.arange(len(keys), dtype=np.int64)
             else:
                 keys, held = self.index.items()
                 order = np.argsort(held)
                 keys, held = keys[order], held[order]
+            out = {"keys": torch.from_numpy(keys)}
+            rows: dict[str, LaterRows] = {}
+            if later and (self._cow is None or self._cow() is None):
+                cow = _CopyOnWrite(held, self.index.row_limit, self._row_tensors())
+                self._cow = weakref.ref(cow)
+                rows = {name: _SnapshotRows(self, cow, name, tensor)
+                        for name, tensor in self._row_tensors().items()}
+            elif len(held) and held[-1] == len(held) - 1:  # rows 0..n-1
+                out.update({name: t[:len(held)].clone()
+                            for name, t in self._row_tensors().items()})
+            else:
                 at = torch.from_numpy(held)
-                out = {"keys": torch.from_numpy(keys), "value": self.value.index_select(0, at)}
-                out.update({f"state.{k}": v.index_select(0, at) for k, v in self.state.items()})
-                if self.step is not None:
-                    out["step"] = self.step.index_select(0, at)
+                out.update({name: t.index_select(0, at)
+                            for name, t in self._row_tensors().items()})
             if self._evict.active:
                 out["touched"] = torch.from_numpy(self._touched_clock[held].copy())
                 out["evicted_bits"] = torch.from_numpy(self._evicted_bits.copy())
             if self._sketch is not None:
                 out["sketch"] = torch.from_numpy(self._sketch.counters.copy())
-        return out
+        return out, rows
+
+    def _row_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors that hold one row per slot, by their names in a snapshot. Caller holds
+        the storage lock (shared) while it uses them."""
+        rows = {"value": self.value, **{f"state.{k}": v for k, v in self.state.items()}}
+        if self.step is not None:
+            rows["step"] = self.step
+        return rows
+
+    def _save_for_snapshot(self, slots: np.ndarray) -> None:
+        """Before rows at `slots` change: copies aside those a live copy-on-write snapshot
+        still reads from the table. Caller holds the storage lock (shared)."""
+        cow = self._cow() if self._cow is not None else None
+        if cow is not None:
+            cow.save(self._row_tensors(), slots)
+
+    def _snapshot_rows(self, cow: _CopyOnWrite, name: str, rows: torch.Tensor) -> torch.Tensor:
+        with self._storage.shared():
+            return cow.gather(self._row_tensors()[name], name, rows)
 
     def snapshot_changes(self) -> dict[str, torch.Tensor] | None:
         """A row delta of what changed since the last snapshot (ps/checkpoint.py): the keys
@@ -1259,6 +1305,7 @@ class SparseTable(_Counted):
             if n > self._capacity:
                 self._grow(n)
             with self._storage.shared(), self._update_lock:
+                self._save_for_snapshot(np.arange(self._capacity, dtype=np.int64))
                 self.value[:n].copy_(rows_of("value"))
                 for k, v in self.state.items():
                     v[:n].copy_(rows_of(f"state.{k}"))
@@ -1371,3 +1418,76 @@ def check_same_spec(existing: TableSpec, declared: TableSpec) -> None:
             f"  held:     {existing.describe()}\n  declared: {declared.describe()}\n"
             f"Use a new table name, or restart the servers to change it"
         )
+
+
+# A slot's entry in `_CopyOnWrite.saved_at`: not a row of the snapshot, or one still read
+# from the table (any other value: where its copy is).
+_NOT_SNAPSHOT = -2
+_LIVE = -1
+
+
+class _CopyOnWrite:
+    """The rows of a copy-on-write snapshot of a SparseTable (`snapshot_later`): which it
+    still reads from the table, and copies of those that changed since it was taken."""
+
+    def __init__(self, slots: np.ndarray, limit: int, like: dict[str, torch.Tensor]) -> None:
+        # Row i of the snapshot is slot slots[i] of the table.
+        self.slots = slots
+        self.saved_at = np.full(limit, _NOT_SNAPSHOT, dtype=np.int64)
+        self.saved_at[slots] = _LIVE
+        self.saved = {name: torch.empty((0, *t.shape[1:]), dtype=t.dtype)
+                      for name, t in like.items()}
+        self.used = 0
+        # Held while rows are saved or read: a row the reader finds live has not changed.
+        self.lock = threading.Lock()
+
+    def save(self, live: dict[str, torch.Tensor], slots: np.ndarray) -> None:
+        """Copies aside the rows at `slots` (of the table's `live` tensors) that are still
+        read live, before the caller changes them."""
+        with self.lock:
+            slots = slots[slots < len(self.saved_at)]
+            slots = slots[self.saved_at[slots] == _LIVE]
+            if not len(slots):
+                return
+            end = self.used + len(slots)
+            room = len(next(iter(self.saved.values())))
+            if end > room:
+                grown = max(end, 2 * room, 1024)
+                for name, old in self.saved.items():
+                    new = torch.empty((grown, *old.shape[1:]), dtype=old.dtype)
+                    new[:self.used] = old[:self.used]
+                    self.saved[name] = new
+            at = torch.from_numpy(slots)
+            for name, tensor in live.items():
+                self.saved[name][self.used:end] = tensor.index_select(0, at)
+            self.saved_at[slots] = np.arange(self.used, end, dtype=np.int64)
+            self.used = end
+
+    def gather(self, live: torch.Tensor, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """Rows `rows` of the snapshot's tensor `name`, whose table tensor is `live`."""
+        with self.lock:
+            slots = self.slots[rows.numpy()]
+            at = self.saved_at[slots]
+            changed = at >= 0
+            if not changed.any():
+                return live.index_select(0, torch.from_numpy(slots))
+            out = torch.empty((len(slots), *live.shape[1:]), dtype=live.dtype)
+            same = ~changed
+            out[torch.from_numpy(same)] = live.index_select(0, torch.from_numpy(slots[same]))
+            out[torch.from_numpy(changed)] = self.saved[name].index_select(
+                0, torch.from_numpy(at[changed]))
+            return out
+
+
+class _SnapshotRows:
+    """One row tensor (values, a state slot, steps) of a copy-on-write snapshot: a
+    `ps.checkpoint.LaterRows`. The snapshot lasts while these live."""
+
+    def __init__(self, table: SparseTable, cow: _CopyOnWrite, name: str,
+                 like: torch.Tensor) -> None:
+        self._table, self._cow, self._name = table, cow, name
+        self.dtype = like.dtype
+        self.shape = (len(cow.slots), *like.shape[1:])
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._table._snapshot_rows(self._cow, self._name, rows)

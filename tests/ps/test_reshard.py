@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from protos.partition import dense_placement, shard_of_keys
-from ps.checkpoint import ShardState, TableState
+from ps.checkpoint import ShardState, TableState, materialized
 from ps.clocks import ClockBoard, Quorum
 from ps.initializers import InitSpec
 from ps.ledger import LedgerEntry, PushLedger
@@ -293,7 +293,7 @@ def test_a_resharded_state_restores_into_real_shards_that_snapshot_it_back() -> 
         shard.restore(state)
         assert shard.clock_state().open_clock == 10 + min(read)
         assert shard.clock_state().clocks == {w: 10 + w + max(read) for w in range(3)}
-        snapshots.append(shard.snapshot("again"))
+        snapshots.append(materialized(shard.snapshot("again")))
     assert_same_rows(before, snapshots)
 
 

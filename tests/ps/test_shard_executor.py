@@ -21,6 +21,7 @@ import torch
 
 from protos import codec, modes
 from protos.partition import RowRange
+from ps.checkpoint import materialized
 from ps.clocks import Quorum
 from ps.errors import ClockWaitTimeoutError, InvalidArgumentError, ResourceExhaustedError
 from ps.index import capacity_for
@@ -176,7 +177,7 @@ def push_emb(shard: Shard, worker: int, seq: int, keys: list[int], rows: list[li
 
 def values(shard: Shard) -> tuple[list[float], dict[int, list[float]]]:
     """The dense table and every sparse row, read without counting as a pull."""
-    state = shard.snapshot("probe")
+    state = materialized(shard.snapshot("probe"))
     tables = {t.name: t.tensors for t in state.tables}
     rows = {int(k): v.tolist() for k, v in zip(tables["emb"]["keys"], tables["emb"]["value"],
                                                 strict=True)}

@@ -1122,3 +1122,102 @@ def test_a_delta_holds_the_admission_sketch_when_pulls_counted_sights() -> None:
     changes = table.snapshot_changes()
     assert changes is not None and list(changes["keys"]) == []
     assert int(changes["sketch"].max()) == 1
+
+
+# ---- copy-on-write snapshots ----------------------------------------------------------------
+
+
+def read_later(later: dict[str, Any], order: torch.Tensor | None = None) -> dict[str, bytes]:
+    """Every row tensor of a copy-on-write snapshot, read as a writer reads it (in `order`,
+    in pieces of 5 rows), as bytes in snapshot row order."""
+    out = {}
+    for name, rows in later.items():
+        count = rows.shape[0]
+        at = torch.arange(count) if order is None else order
+        parts = [rows.gather(at[i : i + 5]) for i in range(0, count, 5)]
+        got = torch.cat(parts) if parts else torch.empty((0, *rows.shape[1:]), dtype=rows.dtype)
+        back = torch.empty_like(got)
+        back[at] = got
+        out[name] = bytes(back.contiguous().untyped_storage())
+    return out
+
+
+def eager_rows(snap: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    return {name: bytes(t.contiguous().untyped_storage()) for name, t in snap.items()
+            if name in ("value", "step") or name.startswith("state.")}
+
+
+def test_a_copy_on_write_snapshot_reads_its_rows_as_they_were_and_copies_only_the_changed() -> None:
+    table = warm_sparse()
+    expected = table.snapshot()
+    small, later = table.snapshot_later()
+    assert set(later) == {"value", "state.exp_avg", "state.exp_avg_sq", "step"}
+    assert torch.equal(small["keys"], expected["keys"]) and "value" not in small
+    assert later["value"].shape == tuple(expected["value"].shape)
+    changed = keys(3, 100, 101)
+    table.apply(changed, torch.ones(3, 4), assign=False)  # value, state and steps change
+    table.apply(keys(-5), torch.full((1, 4), 9.0), assign=True)
+    table.pull(keys(777, 778))  # new rows after the snapshot: not in it
+    table.apply(changed, torch.ones(3, 4), assign=False)  # a second change copies nothing
+    assert read_later(later, torch.randperm(len(expected["keys"]))) == eager_rows(expected)
+    assert later["value"]._cow.used == 4  # type: ignore[attr-defined]
+
+
+def test_a_copy_on_write_snapshot_lasts_while_its_rows_live_and_one_at_a_time() -> None:
+    table = warm_sparse()
+    first_small, first = table.snapshot_later()
+    second_small, second = table.snapshot_later()  # while the first lives: copies
+    assert second == {} and torch.equal(second_small["value"], first["value"].gather(
+        torch.arange(first["value"].shape[0])))
+    del first
+    table.apply(keys(3), torch.ones(1, 4), assign=False)
+    assert table._cow is not None and table._cow() is None  # gone with its rows
+    _, third = table.snapshot_later()
+    assert set(third) == {"value", "state.exp_avg", "state.exp_avg_sq", "step"}
+
+
+def test_a_copy_on_write_snapshot_keeps_rows_whose_slots_eviction_gave_to_new_ids() -> None:
+    now = FakeTime()
+    table = SparseTable(sparse_spec(optimizer=ADAM, max_rows=3), 0, 1, clock=now)
+    for key in (1, 2, 3):
+        table.apply(keys(key), torch.full((1, 4), float(key)), assign=False)
+        now.now += 1
+    expected = table.snapshot()
+    _, later = table.snapshot_later()
+    for key in (4, 5, 6):  # each evicts the oldest row and takes its slot
+        now.now += 1
+        table.apply(keys(key), torch.full((1, 4), float(key)), assign=True)
+    assert held_keys(table) == {4, 5, 6}
+    assert read_later(later) == eager_rows(expected)
+
+
+def test_a_copy_on_write_snapshot_survives_growth_and_a_restore() -> None:
+    table = warm_sparse()
+    expected = table.snapshot()
+    _, later = table.snapshot_later()
+    table.pull(np.arange(10_000, 10_000 + 3 * INITIAL_SPARSE_ROWS, dtype=np.int64))  # grows
+    assert read_later(later) == eager_rows(expected)
+    table.restore(warm_sparse(sparse_spec(optimizer=ADAM, seed=99)).snapshot())
+    assert read_later(later) == eager_rows(expected)
+
+
+@pytest.mark.parametrize("hogwild", [False, True])
+def test_a_copy_on_write_snapshot_read_beside_racing_updates_is_its_cut(hogwild: bool) -> None:
+    table = SparseTable(sparse_spec(optimizer=ADAM), 0, 1, hogwild)
+    held = np.arange(2000, dtype=np.int64)
+    table.apply(held, torch.ones(len(held), 4), assign=False)
+    expected = table.snapshot()
+    _, later = table.snapshot_later()
+    got: dict[str, bytes] = {}
+
+    def work(k: int) -> None:
+        if k == 0:
+            got.update(read_later(later, torch.randperm(len(held))))
+            return
+        rng = np.random.default_rng(k)
+        for _ in range(200):
+            ids = np.unique(rng.integers(0, 2500, size=64))
+            table.apply(ids, torch.full((len(ids), 4), float(k)), assign=bool(k % 2))
+
+    run_in_threads(work, 3)
+    assert got == eager_rows(expected)

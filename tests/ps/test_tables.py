@@ -1165,7 +1165,7 @@ def test_a_copy_on_write_snapshot_reads_its_rows_as_they_were_and_copies_only_th
 
 def test_a_copy_on_write_snapshot_lasts_while_its_rows_live_and_one_at_a_time() -> None:
     table = warm_sparse()
-    first_small, first = table.snapshot_later()
+    _, first = table.snapshot_later()
     second_small, second = table.snapshot_later()  # while the first lives: copies
     assert second == {} and torch.equal(second_small["value"], first["value"].gather(
         torch.arange(first["value"].shape[0])))

@@ -1435,7 +1435,9 @@ class _CopyOnWrite:
         self.slots = slots
         self.saved_at = np.full(limit, _NOT_SNAPSHOT, dtype=np.int64)
         self.saved_at[slots] = _LIVE
-        self.saved = {name: torch.empty((0, *t.shape[1:]), dtype=t.dtype)
+        # Room for every row of it, in mappings of their own (_storage): only the rows
+        # copied become resident, and nothing moves as more are.
+        self.saved = {name: _storage((len(slots), *t.shape[1:]), t.dtype, huge=False)
                       for name, t in like.items()}
         self.used = 0
         # Held while rows are saved or read: a row the reader finds live has not changed.
@@ -1446,20 +1448,13 @@ class _CopyOnWrite:
         read live, before the caller changes them."""
         with self.lock:
             slots = slots[slots < len(self.saved_at)]
-            slots = slots[self.saved_at[slots] == _LIVE]
+            slots = np.unique(slots[self.saved_at[slots] == _LIVE])  # each row once
             if not len(slots):
                 return
             end = self.used + len(slots)
-            room = len(next(iter(self.saved.values())))
-            if end > room:
-                grown = max(end, 2 * room, 1024)
-                for name, old in self.saved.items():
-                    new = torch.empty((grown, *old.shape[1:]), dtype=old.dtype)
-                    new[:self.used] = old[:self.used]
-                    self.saved[name] = new
             at = torch.from_numpy(slots)
             for name, tensor in live.items():
-                self.saved[name][self.used:end] = tensor.index_select(0, at)
+                torch.index_select(tensor, 0, at, out=self.saved[name][self.used:end])
             self.saved_at[slots] = np.arange(self.used, end, dtype=np.int64)
             self.used = end
 

@@ -1149,12 +1149,13 @@ class SparseTable(_Counted):
         return self._snapshot(later=False)[0]
 
     def snapshot_later(self) -> tuple[dict[str, torch.Tensor], dict[str, LaterRows]]:
-        """`snapshot`, but copy on write: the values, optimizer state and steps of its rows
-        are read when the snapshot is written (the second dict, `TableState.later`), and
-        until then the table copies a row of it aside before its first change. So taking it
-        costs a copy of the keys (and stamps), not of the rows; the rows changed while it is
-        read take memory again. It lasts while those row objects live. One at a time: while
-        one lives, this copies every row, as `snapshot` does. Thread-safe."""
+        """`snapshot` without stopping the table for the copy of its rows: it copies the
+        keys (and stamps) at once, and the values, optimizer state and steps of its rows
+        (the second dict, `TableState.later`, read as the snapshot is written) on a thread
+        of its own, a piece at a time, while updates go on; an update of a row not copied
+        yet copies it first (copy on write). It takes the memory of a copy of the rows, as
+        `snapshot` does, and lasts while those row objects live. One at a time: while one
+        lives, this copies every row at once, as `snapshot` does. Thread-safe."""
         return self._snapshot(later=True)
 
     def _snapshot(self, later: bool) -> tuple[dict[str, torch.Tensor], dict[str, LaterRows]]:
@@ -1172,6 +1173,8 @@ class SparseTable(_Counted):
             if later and (self._cow is None or self._cow() is None):
                 cow = _CopyOnWrite(held, self.index.row_limit, self._row_tensors())
                 self._cow = weakref.ref(cow)
+                threading.Thread(target=self._copy_snapshot, args=(cow,), daemon=True,
+                                 name=f"snapshot-copy-{self.spec.name}").start()
                 rows = {name: _SnapshotRows(self, cow, name, tensor)
                         for name, tensor in self._row_tensors().items()}
             elif len(held) and held[-1] == len(held) - 1:  # rows 0..n-1
@@ -1206,6 +1209,14 @@ class SparseTable(_Counted):
     def _snapshot_rows(self, cow: _CopyOnWrite, name: str, rows: torch.Tensor) -> torch.Tensor:
         with self._storage.shared():
             return cow.gather(self._row_tensors()[name], name, rows)
+
+    def _copy_snapshot(self, cow: _CopyOnWrite) -> None:
+        """Copies the rows of `cow` a piece at a time, letting updates in between (the
+        thread `snapshot_later` starts)."""
+        for start in range(0, max(1, len(cow.slots)), _COPY_PIECE_ROWS):
+            with self._storage.shared():
+                cow.copy_piece(self._row_tensors(), start)
+            time.sleep(0)  # let a waiting update have the interpreter
 
     def snapshot_changes(self) -> dict[str, torch.Tensor] | None:
         """A row delta of what changed since the last snapshot (ps/checkpoint.py): the keys
@@ -1420,57 +1431,73 @@ def check_same_spec(existing: TableSpec, declared: TableSpec) -> None:
         )
 
 
-# A slot's entry in `_CopyOnWrite.saved_at`: not a row of the snapshot, or one still read
-# from the table (any other value: where its copy is).
-_NOT_SNAPSHOT = -2
-_LIVE = -1
+# Rows of a snapshot its background copy takes at a time (see _CopyOnWrite), holding the
+# lock that updates of the table's rows wait for: 4 MiB of 64 float32 values.
+_COPY_PIECE_ROWS = 16384
 
 
 class _CopyOnWrite:
-    """The rows of a copy-on-write snapshot of a SparseTable (`snapshot_later`): which it
-    still reads from the table, and copies of those that changed since it was taken."""
+    """A snapshot of a SparseTable's rows taken without stopping it (`snapshot_later`): a
+    copy made on a thread of its own, a piece at a time (`copy_rest`), and of each row not
+    copied yet, by the first update that changes it, just before."""
 
     def __init__(self, slots: np.ndarray, limit: int, like: dict[str, torch.Tensor]) -> None:
-        # Row i of the snapshot is slot slots[i] of the table.
-        self.slots = slots
-        self.saved_at = np.full(limit, _NOT_SNAPSHOT, dtype=np.int64)
-        self.saved_at[slots] = _LIVE
-        # Room for every row of it, in mappings of their own (_storage): only the rows
-        # copied become resident, and nothing moves as more are.
+        self.slots = slots  # row i of the snapshot is slot slots[i] of the table
+        self.row_of_slot = np.full(limit, -1, dtype=np.int64)
+        self.row_of_slot[slots] = np.arange(len(slots), dtype=np.int64)
+        self.copied = np.zeros(len(slots), dtype=bool)
+        self.done = False  # every row copied
+        # In mappings of their own (_storage): resident as they are written, unmapped when
+        # the snapshot goes.
         self.saved = {name: _storage((len(slots), *t.shape[1:]), t.dtype, huge=False)
                       for name, t in like.items()}
-        self.used = 0
-        # Held while rows are saved or read: a row the reader finds live has not changed.
+        # Held while rows are copied or read: a row the reader finds not copied has not
+        # changed since the snapshot.
         self.lock = threading.Lock()
 
     def save(self, live: dict[str, torch.Tensor], slots: np.ndarray) -> None:
-        """Copies aside the rows at `slots` (of the table's `live` tensors) that are still
-        read live, before the caller changes them."""
+        """Copies the rows of the snapshot at `slots` (of the table's `live` tensors) not
+        copied yet, before the caller changes them."""
+        if self.done:
+            return
         with self.lock:
-            slots = slots[slots < len(self.saved_at)]
-            slots = np.unique(slots[self.saved_at[slots] == _LIVE])  # each row once
-            if not len(slots):
-                return
-            end = self.used + len(slots)
-            at = torch.from_numpy(slots)
-            for name, tensor in live.items():
-                torch.index_select(tensor, 0, at, out=self.saved[name][self.used:end])
-            self.saved_at[slots] = np.arange(self.used, end, dtype=np.int64)
-            self.used = end
+            slots = slots[slots < len(self.row_of_slot)]
+            rows = self.row_of_slot[slots]
+            todo = rows >= 0
+            todo[todo] = ~self.copied[rows[todo]]
+            if todo.any():
+                self._copy(live, slots[todo], rows[todo])
+
+    def copy_piece(self, live: dict[str, torch.Tensor], start: int) -> None:
+        """Copies the rows [start, start + _COPY_PIECE_ROWS) of the snapshot not copied yet;
+        past its last row, it counts as copied whole."""
+        with self.lock:
+            end = min(start + _COPY_PIECE_ROWS, len(self.slots))
+            todo = np.flatnonzero(~self.copied[start:end]) + start
+            if len(todo):
+                self._copy(live, self.slots[todo], todo)
+            if end == len(self.slots):
+                self.done = True
+
+    def _copy(self, live: dict[str, torch.Tensor], slots: np.ndarray, rows: np.ndarray) -> None:
+        """Caller holds self.lock."""
+        at, to = torch.from_numpy(slots), torch.from_numpy(rows)
+        for name, tensor in live.items():
+            self.saved[name].index_copy_(0, to, tensor.index_select(0, at))
+        self.copied[rows] = True
 
     def gather(self, live: torch.Tensor, name: str, rows: torch.Tensor) -> torch.Tensor:
         """Rows `rows` of the snapshot's tensor `name`, whose table tensor is `live`."""
         with self.lock:
-            slots = self.slots[rows.numpy()]
-            at = self.saved_at[slots]
-            changed = at >= 0
-            if not changed.any():
-                return live.index_select(0, torch.from_numpy(slots))
-            out = torch.empty((len(slots), *live.shape[1:]), dtype=live.dtype)
-            same = ~changed
-            out[torch.from_numpy(same)] = live.index_select(0, torch.from_numpy(slots[same]))
-            out[torch.from_numpy(changed)] = self.saved[name].index_select(
-                0, torch.from_numpy(at[changed]))
+            if self.done:
+                return self.saved[name].index_select(0, rows)
+            wanted = rows.numpy()
+            copied = self.copied[wanted]
+            out = torch.empty((len(wanted), *live.shape[1:]), dtype=live.dtype)
+            out[torch.from_numpy(copied)] = self.saved[name].index_select(
+                0, torch.from_numpy(wanted[copied]))
+            out[torch.from_numpy(~copied)] = live.index_select(
+                0, torch.from_numpy(self.slots[wanted[~copied]]))
             return out
 
 

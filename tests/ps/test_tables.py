@@ -1147,10 +1147,19 @@ def eager_rows(snap: dict[str, torch.Tensor]) -> dict[str, bytes]:
             if name in ("value", "step") or name.startswith("state.")}
 
 
-def test_a_copy_on_write_snapshot_reads_its_rows_as_they_were_and_copies_only_the_changed() -> None:
+def join_snapshot_copies() -> None:
+    for thread in threading.enumerate():
+        if thread.name.startswith("snapshot-copy-"):
+            thread.join(30)
+
+
+def test_a_copy_on_write_snapshot_reads_its_rows_as_they_were(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     table = warm_sparse()
     expected = table.snapshot()
-    small, later = table.snapshot_later()
+    copies: list[Any] = []
+    monkeypatch.setattr(SparseTable, "_copy_snapshot", lambda self, cow: copies.append(cow))
+    small, later = table.snapshot_later()  # its background copy held back
     assert set(later) == {"value", "state.exp_avg", "state.exp_avg_sq", "step"}
     assert torch.equal(small["keys"], expected["keys"]) and "value" not in small
     assert later["value"].shape == tuple(expected["value"].shape)
@@ -1159,8 +1168,14 @@ def test_a_copy_on_write_snapshot_reads_its_rows_as_they_were_and_copies_only_th
     table.apply(keys(-5), torch.full((1, 4), 9.0), assign=True)
     table.pull(keys(777, 778))  # new rows after the snapshot: not in it
     table.apply(changed, torch.ones(3, 4), assign=False)  # a second change copies nothing
+    (cow,) = copies
+    assert int(cow.copied.sum()) == 4 and not cow.done  # each changed row, once
     assert read_later(later, torch.randperm(len(expected["keys"]))) == eager_rows(expected)
-    assert later["value"]._cow.used == 4  # type: ignore[attr-defined]
+    monkeypatch.undo()
+    table._copy_snapshot(cow)  # the rest, as its thread copies it
+    assert cow.done and bool(cow.copied.all())
+    table.apply(keys(102), torch.ones(1, 4), assign=False)
+    assert read_later(later) == eager_rows(expected)
 
 
 def test_a_copy_on_write_snapshot_lasts_while_its_rows_live_and_one_at_a_time() -> None:
@@ -1170,13 +1185,21 @@ def test_a_copy_on_write_snapshot_lasts_while_its_rows_live_and_one_at_a_time() 
     assert second == {} and torch.equal(second_small["value"], first["value"].gather(
         torch.arange(first["value"].shape[0])))
     del first
+    join_snapshot_copies()
     table.apply(keys(3), torch.ones(1, 4), assign=False)
     assert table._cow is not None and table._cow() is None  # gone with its rows
     _, third = table.snapshot_later()
     assert set(third) == {"value", "state.exp_avg", "state.exp_avg_sq", "step"}
 
 
-def test_a_copy_on_write_snapshot_keeps_rows_whose_slots_eviction_gave_to_new_ids() -> None:
+def hold_back_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Snapshots taken from now on are copied only by the updates of their rows."""
+    monkeypatch.setattr(SparseTable, "_copy_snapshot", lambda self, cow: None)
+
+
+def test_a_copy_on_write_snapshot_keeps_rows_whose_slots_eviction_gave_to_new_ids(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    hold_back_copies(monkeypatch)
     now = FakeTime()
     table = SparseTable(sparse_spec(optimizer=ADAM, max_rows=3), 0, 1, clock=now)
     for key in (1, 2, 3):
@@ -1191,7 +1214,9 @@ def test_a_copy_on_write_snapshot_keeps_rows_whose_slots_eviction_gave_to_new_id
     assert read_later(later) == eager_rows(expected)
 
 
-def test_a_copy_on_write_snapshot_survives_growth_and_a_restore() -> None:
+def test_a_copy_on_write_snapshot_survives_growth_and_a_restore(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    hold_back_copies(monkeypatch)
     table = warm_sparse()
     expected = table.snapshot()
     _, later = table.snapshot_later()
@@ -1201,8 +1226,12 @@ def test_a_copy_on_write_snapshot_survives_growth_and_a_restore() -> None:
     assert read_later(later) == eager_rows(expected)
 
 
+@pytest.mark.parametrize("background", [False, True])
 @pytest.mark.parametrize("hogwild", [False, True])
-def test_a_copy_on_write_snapshot_read_beside_racing_updates_is_its_cut(hogwild: bool) -> None:
+def test_a_copy_on_write_snapshot_read_beside_racing_updates_is_its_cut(
+        hogwild: bool, background: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not background:
+        hold_back_copies(monkeypatch)
     table = SparseTable(sparse_spec(optimizer=ADAM), 0, 1, hogwild)
     held = np.arange(2000, dtype=np.int64)
     table.apply(held, torch.ones(len(held), 4), assign=False)

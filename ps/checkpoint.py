@@ -310,7 +310,7 @@ def materialized(state: ShardState) -> ShardState:
         return state
     tables = [
         dataclasses.replace(table, later={}, tensors={**table.tensors, **{
-            name: rows.gather(torch.arange(rows.shape[0] if rows.shape else 1))
+            name: rows.gather(torch.arange(rows.shape[0]))
             for name, rows in table.later.items()}})
         for table in state.tables
     ]

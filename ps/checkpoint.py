@@ -11,10 +11,9 @@ little-endian header length, a JSON header, then the raw bytes of every tensor. 
 pickled, so reading a checkpoint cannot run code. This module writes the format itself, so
 that tensor bytes go from tensor memory straight to the file (no serialised copy) and are
 hashed as they are written; `safetensors.torch.load_file` reads the result (the tests check).
-The rows of a table with keys (every tensor one row per key) are written ordered by the top
-16 bits of their keys' routing hash (`protos.partition.route_hash`), so the rows any shard of
-any shard count owns are one run of the file, give or take the bucket at each end of its
-range (see Integrity).
+The rows of a table with keys (every tensor one row per key) are written in the order of
+their keys' routing hash (`protos.partition.route_hash`), so the rows any shard of any
+shard count owns are one run of the file (see Integrity).
 Tensor keys are ``<table>/<tensor>`` with both names percent-encoded (`urllib.parse.quote`
 with no safe characters), so any string is a valid name and no key can contain a stray
 ``/``. Everything that is not a tensor (job, shard, checkpoint id, clock, `meta`, table specs
@@ -173,10 +172,6 @@ PACED_CHUNK_BYTES: Final = 256 * 1024
 # A shard file's tensors are hashed in blocks of about this size (whole rows of a table),
 # each block's sha256 in the header: a read checks the blocks it reads, several at once.
 BLOCK_BYTES: Final = 4 * 1024 * 1024
-# A keyed table's rows are written ordered by this many top bits of their routing hash: a
-# shard of any count shares at most the bucket at each end of its range (2**-16 of the rows
-# each) with a neighbour, far less than a block.
-ROUTE_BUCKET_BITS: Final = 16  # at most 16: buckets are uint16
 # Keys a write orders at a time (see `_route_order`): each piece is a short burst of CPU.
 ORDER_CHUNK_KEYS: Final = 64 * 1024
 # Blocks a writer may be ahead of its hashing thread (their memory is held until hashed).
@@ -1505,15 +1500,15 @@ def _is_row_tensor(name: str) -> bool:
 
 def _route_order(tensors: dict[str, torch.Tensor | LaterRows], pace: Pace
                  ) -> torch.Tensor | None:
-    """For a table with keys, an order of its rows by the top ROUTE_BUCKET_BITS bits of
-    `route_hash` (stable: rows of one bucket keep their order), so each shard of any count
-    finds its rows in one run, apart from the bucket at each end of its range that it shares
-    with a neighbour (see `read_shard`); None when they already are in that order, or the
-    table has no keys or a tensor not one row per key (written as it is).
+    """For a table with keys, the order that sorts its rows by `route_hash` (stable), so
+    each shard of any count finds its rows in one run (see `read_shard`); None when they
+    already are sorted, or the table has no keys or a tensor not one row per key (written
+    as it is).
 
-    A counting sort, ORDER_CHUNK_KEYS keys at a time: each piece charges `pace` for its
-    keys' bytes, so that ordering a large table beside training is paced like the write
-    that follows, not one burst of CPU before it."""
+    Sorted ORDER_CHUNK_KEYS keys at a time (a counting sort by the top 16 bits, then runs
+    of whole buckets by all 32): each piece charges `pace` for its keys' bytes, so that
+    ordering a large table beside training is paced like the write that follows, not one
+    burst of CPU before it."""
     keys = tensors.get("keys")
     if (not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or keys.dim() != 1
             or len(keys) < 2):
@@ -1522,25 +1517,34 @@ def _route_order(tensors: dict[str, torch.Tensor | LaterRows], pace: Pace
     if any(not t.shape or t.shape[0] != count for n, t in tensors.items() if _is_row_tensor(n)):
         return None
     flat = keys.numpy()
-    buckets = np.empty(count, dtype=np.uint16)
-    shift = np.uint64(32 - ROUTE_BUCKET_BITS)
+    hashes = np.empty(count, dtype=np.uint32)
     for at in range(0, count, ORDER_CHUNK_KEYS):
         piece = flat[at : at + ORDER_CHUNK_KEYS]
-        buckets[at : at + len(piece)] = route_hash(piece) >> shift
+        hashes[at : at + len(piece)] = route_hash(piece)
         pace.wrote(piece.nbytes)  # the keys' bytes, read
-    if bool(np.all(buckets[1:] >= buckets[:-1])):
+    if bool(np.all(hashes[1:] >= hashes[:-1])):
         return None
-    sizes = np.bincount(buckets, minlength=1 << ROUTE_BUCKET_BITS)
-    next_free = np.cumsum(sizes) - sizes  # where each bucket's next row goes
+    # A stable counting sort by the top 16 bits, a piece at a time...
+    sizes = np.bincount(hashes >> 16, minlength=1 << 16)
+    ends = np.cumsum(sizes)
+    next_free = ends - sizes  # where each bucket's next row goes
     order = np.empty(count, dtype=np.int64)
     for at in range(0, count, ORDER_CHUNK_KEYS):
-        piece = buckets[at : at + ORDER_CHUNK_KEYS]
+        piece = (hashes[at : at + ORDER_CHUNK_KEYS] >> 16).astype(np.uint16)
         local = np.argsort(piece, kind="stable")  # 16-bit keys: numpy sorts them by radix
         ranked = piece[local]
         run_starts = np.searchsorted(ranked, ranked, side="left")
         order[next_free[ranked] + np.arange(len(ranked)) - run_starts] = local + at
-        next_free += np.bincount(piece, minlength=1 << ROUTE_BUCKET_BITS)
+        next_free += np.bincount(piece, minlength=1 << 16)
         pace.wrote(len(piece) * flat.itemsize)  # the keys' bytes again, for the same CPU
+    # ...then each run of whole buckets of about a piece's size by all 32 bits.
+    start = 0
+    while start < count:
+        stop = int(ends[np.searchsorted(ends, min(start + ORDER_CHUNK_KEYS, count))])
+        run = order[start:stop]
+        order[start:stop] = run[np.argsort(hashes[run], kind="stable")]
+        pace.wrote((stop - start) * flat.itemsize)
+        start = stop
     return torch.from_numpy(order)
 
 

@@ -970,9 +970,9 @@ class Shard:
         """A consistent copy of the shard: tables, optimizer state, clocks, ledger; full, or
         a delta of the snapshot before (`self.snapshots` decides; whoever writes it reports
         how the write went there). Blocks pushes for as long as the copies take: a delta's
-        changed rows, a full one's keys and dense blocks; a sparse table's rows are read as
-        they are written, copied only before they change (`SparseTable.snapshot_later`;
-        `ps.checkpoint.materialized` copies them all)."""
+        changed rows, a full one's keys and dense blocks; a sparse table's rows are copied
+        beside the training, and an update copies a row not copied yet before it changes it
+        (`SparseTable.snapshot_later`; `ps.checkpoint.materialized` copies them out)."""
         with self._clocks:
             return self._snapshot(checkpoint_id)
 

@@ -1161,7 +1161,8 @@ class SparseTable(_Counted):
     def _snapshot(self, later: bool) -> tuple[dict[str, torch.Tensor], dict[str, LaterRows]]:
         with self._index_lock, self._storage.shared(), self._update_lock:
             self._forget_changes()
-            if self.index.row_limit == len(self.index):  # no holes: rows 0..n-1
+            whole = self.index.row_limit == len(self.index)  # no holes: rows 0..n-1
+            if whole:
                 keys = self.index.keys_by_row()
                 held = np.arange(len(keys), dtype=np.int64)
             else:
@@ -1177,7 +1178,7 @@ class SparseTable(_Counted):
                                  name=f"snapshot-copy-{self.spec.name}").start()
                 rows = {name: _SnapshotRows(self, cow, name, tensor)
                         for name, tensor in self._row_tensors().items()}
-            elif len(held) and held[-1] == len(held) - 1:  # rows 0..n-1
+            elif whole:
                 out.update({name: t[:len(held)].clone()
                             for name, t in self._row_tensors().items()})
             else:
@@ -1204,7 +1205,7 @@ class SparseTable(_Counted):
         still reads from the table. Caller holds the storage lock (shared)."""
         cow = self._cow() if self._cow is not None else None
         if cow is not None:
-            cow.save(self._row_tensors(), slots)
+            cow.save(self._row_tensors, slots)
 
     def _snapshot_rows(self, cow: _CopyOnWrite, name: str, rows: torch.Tensor) -> torch.Tensor:
         with self._storage.shared():
@@ -1438,7 +1439,7 @@ _COPY_PIECE_ROWS = 16384
 
 class _CopyOnWrite:
     """A snapshot of a SparseTable's rows taken without stopping it (`snapshot_later`): a
-    copy made on a thread of its own, a piece at a time (`copy_rest`), and of each row not
+    copy made on a thread of its own, a piece at a time (`copy_piece`), and of each row not
     copied yet, by the first update that changes it, just before."""
 
     def __init__(self, slots: np.ndarray, limit: int, like: dict[str, torch.Tensor]) -> None:
@@ -1455,9 +1456,9 @@ class _CopyOnWrite:
         # changed since the snapshot.
         self.lock = threading.Lock()
 
-    def save(self, live: dict[str, torch.Tensor], slots: np.ndarray) -> None:
-        """Copies the rows of the snapshot at `slots` (of the table's `live` tensors) not
-        copied yet, before the caller changes them."""
+    def save(self, live: Callable[[], dict[str, torch.Tensor]], slots: np.ndarray) -> None:
+        """Copies the rows of the snapshot at `slots` (of the table's tensors, `live()`) not
+        copied yet, before the caller changes them. Once all are, costs one test."""
         if self.done:
             return
         with self.lock:
@@ -1466,7 +1467,7 @@ class _CopyOnWrite:
             todo = rows >= 0
             todo[todo] = ~self.copied[rows[todo]]
             if todo.any():
-                self._copy(live, slots[todo], rows[todo])
+                self._copy(live(), slots[todo], rows[todo])
 
     def copy_piece(self, live: dict[str, torch.Tensor], start: int) -> None:
         """Copies the rows [start, start + _COPY_PIECE_ROWS) of the snapshot not copied yet;

@@ -23,5 +23,11 @@ def add(table: _Buffer, dim: int, rows: _Buffer, src: _Buffer, alpha: float, dou
         /) -> None:
     """``table[rows[i]] += alpha * src[i]`` over float32 rows (float64 if ``double``)."""
 
+def adagrad(param: _Buffer, state_sum: _Buffer, dim: int, rows: _Buffer, grad: _Buffer,
+            lr: float, eps: float, weight_decay: float, double: bool, /) -> None:
+    """Adagrad on distinct ``rows`` of float32 (float64 if ``double``) ``param`` and
+    ``state_sum``: ``g = grad + weight_decay * param; sum += g * g;
+    param += (g * -lr) / (sqrt(sum) + eps)``, the first two fused multiply-adds."""
+
 def first_nonfinite(buf: _Buffer, width: int, mask: int, /) -> int:
     """Index of the first ``width``-byte element with every bit of ``mask`` set, or -1."""

@@ -44,6 +44,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 
 from ps.errors import InvalidArgumentError
+from ps.rows import adagrad_ as rows_adagrad
 from ps.rows import add_ as rows_add
 from ps.rows import gather, scatter_
 
@@ -570,11 +571,6 @@ class Adagrad(Optimizer[AdagradConfig]):
     def _slot_initial_value(self, name: str) -> float:
         return self._config.initial_accumulator_value
 
-    @staticmethod
-    def _accumulate(acc: torch.Tensor, grad: torch.Tensor) -> None:
-        """Adds a gradient's contribution to its rows' accumulators, in place."""
-        acc.addcmul_(grad, grad, value=1)
-
     def _update_dense(
         self,
         param: torch.Tensor,
@@ -599,21 +595,9 @@ class Adagrad(Optimizer[AdagradConfig]):
         step: torch.Tensor | None,
     ) -> None:
         cfg = self._config
-        state_sum = state["sum"]
-        rows, order = _in_address_order(rows)
-        for block in _blocks(rows.shape[0], param.shape[1]):
-            block_rows = rows[block]
-            block_grad = grad.index_select(0, order[block])
-            if cfg.weight_decay != 0.0:
-                block_grad.add_(param.index_select(0, block_rows), alpha=cfg.weight_decay)
-            acc = gather(state_sum, block_rows)
-            self._accumulate(acc, block_grad)
-            scatter_(state_sum, block_rows, acc)
-            # The accumulator is saved, so its buffer can become the denominator.
-            std = acc.sqrt_().add_(cfg.eps)
-            # (-lr * grad) / std, added with alpha=1, is exactly what addcdiv_(grad, std,
-            # value=-lr) computes, so rows match torch.optim.Adagrad bit for bit.
-            rows_add(param, block_rows, block_grad.mul_(-cfg.lr).div_(std))
+        # One pass over each row, with torch.optim.Adagrad's ops and roundings (its square
+        # root correctly rounded, which torch's CPU kernel is not always).
+        rows_adagrad(param, state["sum"], rows, grad, cfg.lr, cfg.eps, cfg.weight_decay)
         _count_rows(step, rows)
 
 
@@ -720,7 +704,7 @@ class RowwiseAdagrad(Adagrad):
     ``sum[r] += mean(g[r]**2)``; ``param[r] -= lr * g[r] / (sqrt(sum[r]) + eps)``, with
     ``g = grad + weight_decay * param``. Slot ``"sum"`` is ``[rows, 1]``: a row's state costs
     one element instead of ``dim``. A dense block's rows are its first dimension (a scalar is
-    one row). Sparse rows take Adagrad's path with this accumulation. Immutable; the
+    one row). Sparse rows are updated a block of rows at a time with torch ops. Immutable; the
     ``apply_*`` calls do not block and take no locks.
     """
 
@@ -734,7 +718,32 @@ class RowwiseAdagrad(Adagrad):
 
     @staticmethod
     def _accumulate(acc: torch.Tensor, grad: torch.Tensor) -> None:
+        """Adds each row's mean squared gradient to its accumulator, in place."""
         acc.add_(grad.square().mean(dim=1, keepdim=True))
+
+    def _update_rows(
+        self,
+        param: torch.Tensor,
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        step: torch.Tensor | None,
+    ) -> None:
+        cfg = self._config
+        state_sum = state["sum"]
+        rows, order = _in_address_order(rows)
+        for block in _blocks(rows.shape[0], param.shape[1]):
+            block_rows = rows[block]
+            block_grad = grad.index_select(0, order[block])
+            if cfg.weight_decay != 0.0:
+                block_grad.add_(param.index_select(0, block_rows), alpha=cfg.weight_decay)
+            acc = gather(state_sum, block_rows)
+            self._accumulate(acc, block_grad)
+            scatter_(state_sum, block_rows, acc)
+            # The accumulator is saved, so its buffer can become the denominator.
+            std = acc.sqrt_().add_(cfg.eps)
+            rows_add(param, block_rows, block_grad.mul_(-cfg.lr).div_(std))
+        _count_rows(step, rows)
 
     def _update_dense(
         self,

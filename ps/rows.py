@@ -1,4 +1,5 @@
-"""Row gathers, scatters and adds over a sparse table's [capacity, dim] storage.
+"""Row gathers, scatters and adds over a sparse table's [capacity, dim] storage, and Adagrad's
+update of its rows (`adagrad_`, always the C loop).
 
 The same results as torch's ``index_select``, ``index_copy_`` and ``index_add_`` along dim 0,
 computed by ps._rows's loops where they pay (contiguous CPU tensors, enough rows; ``add_`` on
@@ -18,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ps._rows import adagrad as _adagrad
 from ps._rows import add as _add
 from ps._rows import first_nonfinite as _first_nonfinite
 from ps._rows import gather as _gather
@@ -80,6 +82,29 @@ def add_(table: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, alpha: floa
         return
     _add(table.numpy(), table.shape[1], rows.numpy(), src.numpy(), alpha,
          table.dtype == torch.float64)
+
+
+def adagrad_(param: torch.Tensor, state_sum: torch.Tensor, rows: torch.Tensor,
+             grad: torch.Tensor, lr: float, eps: float, weight_decay: float) -> None:
+    """Adagrad on the distinct `rows` of a [capacity, dim] float32 or float64 CPU `param` and
+    its accumulator `state_sum`, with their [len(rows), dim] `grad`, in one pass over each
+    row: the ops and roundings of torch.optim.Adagrad (lr_decay 0), without their ten
+    tensor ops and temporaries per push. `grad` is not modified."""
+    if (param.dtype not in _ADD_DTYPES or state_sum.dtype != param.dtype
+            or grad.dtype != param.dtype or param.dim() != 2
+            or state_sum.shape != param.shape or grad.shape != (rows.shape[0], param.shape[1])
+            or not _native(rows, param, state_sum)):
+        raise ValueError(
+            f"adagrad_ takes contiguous CPU float32 or float64 [capacity, dim] tables and a "
+            f"[rows, dim] gradient of their dtype; got param {param.dtype} "
+            f"{list(param.shape)} on {param.device}, state {state_sum.dtype} "
+            f"{list(state_sum.shape)}, grad {grad.dtype} {list(grad.shape)}"
+        )
+    if not rows.shape[0] or not param.shape[1]:
+        return
+    _adagrad(param.numpy(), state_sum.numpy(), param.shape[1], rows.numpy(),
+             grad.detach().cpu().contiguous().numpy(), lr, eps, weight_decay,
+             param.dtype == torch.float64)
 
 
 # Width in bytes and exponent mask of each IEEE-754 format: all exponent bits set is NaN or Inf.

@@ -1,13 +1,14 @@
-"""ps.rows agrees with torch's index_select / index_copy_ / index_add_, bit for bit, and its
-NaN/Inf scan with torch.isfinite."""
+"""ps.rows agrees with torch's index_select / index_copy_ / index_add_ and Adagrad with the
+ops of torch.optim.Adagrad, bit for bit, and its NaN/Inf scan with torch.isfinite."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from ps import rows
-from ps._rows import add, first_nonfinite, gather, scatter
+from ps._rows import adagrad, add, first_nonfinite, gather, scatter
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 
@@ -95,6 +96,8 @@ def test_an_outside_row_is_refused_before_anything_is_written(bad: int) -> None:
     src = torch.ones(4, 4)
     for call in (lambda: scatter(table.numpy(), 16, ids.numpy(), src.numpy()),
                  lambda: add(table.numpy(), 4, ids.numpy(), src.numpy(), 1.0, False),
+                 lambda: adagrad(table.numpy(), torch.ones(100, 4).numpy(), 4, ids.numpy(),
+                                 src.numpy(), 0.1, 1e-10, 0.0, False),
                  lambda: gather(table.numpy(), 16, ids.numpy(), src.numpy())):
         with pytest.raises(ValueError, match=f"row {bad} at position 2 is outside the table's "
                                              "100 rows"):
@@ -121,7 +124,57 @@ def test_no_rows_is_a_no_op() -> None:
     assert rows.gather(table, none).shape == (0, 4)
     rows.scatter_(table, none, torch.empty(0, 4))
     rows.add_(table, none, torch.empty(0, 4), 2.0)
+    rows.adagrad_(table, torch.zeros(10, 4), none, torch.empty(0, 4), 0.1, 1e-10, 0.0)
     assert torch.equal(table, before)
+
+
+def _adagrad_rows(param: torch.Tensor, state_sum: torch.Tensor, ids: torch.Tensor,
+                  grad: torch.Tensor, lr: float, eps: float, weight_decay: float) -> None:
+    """torch.optim.Adagrad's single-tensor step (lr_decay 0) on rows `ids`, op for op: the
+    fused multiply-adds by torch (add with alpha, addcmul_), the rest in numpy, whose
+    square root is correctly rounded (torch's CPU sqrt is not: about one element in five
+    is one unit in the last place off on this machine's AVX-512 kernels)."""
+    g = grad.add(param.index_select(0, ids), alpha=weight_decay) if weight_decay else grad
+    acc = state_sum.index_select(0, ids).addcmul_(g, g, value=1)
+    state_sum.index_copy_(0, ids, acc)
+    a, gn = acc.numpy(), g.numpy()
+    dtype = a.dtype.type
+    update = (gn * dtype(-lr)) / (np.sqrt(a) + dtype(eps))
+    param.index_copy_(0, ids, torch.from_numpy(param.index_select(0, ids).numpy() + update))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
+@pytest.mark.parametrize("dim", [64, 3])
+def test_adagrad_matches_its_ops_rounded_one_at_a_time(dtype: torch.dtype, weight_decay: float,
+                                                     dim: int) -> None:
+    param = _table(dtype, (3000, dim))
+    state_sum = _table(dtype, (3000, dim), seed=4).abs()
+    ours_p, ours_s, theirs_p, theirs_s = param.clone(), state_sum.clone(), param, state_sum
+    for step in range(3):
+        ids = _ids(3000, 1000, seed=10 + step)
+        grad = _table(dtype, (1000, dim), seed=20 + step)
+        before = grad.clone()
+        rows.adagrad_(ours_p, ours_s, ids, grad, 0.05, 1e-10, weight_decay)
+        _adagrad_rows(theirs_p, theirs_s, ids, grad, 0.05, 1e-10, weight_decay)
+        assert torch.equal(grad, before)
+    assert torch.equal(ours_s, theirs_s)
+    assert torch.equal(ours_p, theirs_p)
+
+
+def test_adagrad_refuses_what_its_loop_cannot_take() -> None:
+    param, state_sum, ids = torch.zeros(10, 4), torch.zeros(10, 4), torch.tensor([1, 2])
+    for bad in ({"param": param.half(), "state_sum": state_sum.half()},
+                {"state_sum": torch.zeros(10, 3)},
+                {"grad": torch.zeros(3, 4)},
+                {"param": torch.zeros(4, 10).t(), "state_sum": torch.zeros(4, 10).t()}):
+        args = {"param": param, "state_sum": state_sum, "grad": torch.ones(2, 4), **bad}
+        with pytest.raises(ValueError, match="adagrad_ takes contiguous CPU float32"):
+            rows.adagrad_(args["param"], args["state_sum"], ids, args["grad"], 0.1, 1e-10, 0.0)
+    with pytest.raises(ValueError, match="state_sum is 128 bytes, the table 160"):
+        adagrad(param.numpy(), torch.zeros(8, 4).numpy(), 4, ids.numpy(),
+                torch.ones(2, 4).numpy(), 0.1, 1e-10, 0.0, False)
+    assert torch.equal(param, torch.zeros(10, 4))
 
 
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]

@@ -1,6 +1,6 @@
 /*
  * ps._rows -- row gathers, scatters and adds over a sparse table's [capacity, dim] storage,
- * Adagrad's row update, and the NaN/Inf scan of pushed gradients.
+ * Adagrad's row update and Adam's dense one, and the NaN/Inf scan of pushed gradients.
  *
  * A push or pull touches tens of thousands of rows scattered over a table far larger than the
  * CPU caches, so every row is a cache miss. torch's CPU index_select / index_copy_ /
@@ -291,6 +291,78 @@ static PyObject *adagrad(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Adam on a dense block, element by element in torch.optim.Adam's (single-tensor) order of ops,
+ * with the bias corrections worked out by the caller as torch does (in double):
+ * g = grad + weight_decay * param; m = lerp(m, g, 1 - beta1); v = v * beta2 + (1 - beta2) * g * g;
+ * param += (-step_size * m) / (sqrt(v) / bias_correction2_sqrt + eps). The fused multiply-adds
+ * are where torch's CPU kernels fuse (add with alpha, lerp, addcmul_); lerp takes torch's two
+ * forms, by whether its weight is under one half. */
+#define DEFINE_ADAM(name, T, FMA, SQRT)                                                       \
+    FMA_CLONES static void name(T *p, T *m, T *v, const T *grad, Py_ssize_t n, double beta1,   \
+                                double beta2, double step_size, double bc2_sqrt, double eps,   \
+                                double weight_decay) {                                         \
+        const T w = (T)(1.0 - beta1), w1 = w - (T)1, b2 = (T)beta2, c2 = (T)(1.0 - beta2);     \
+        const T neg_step = (T)(-step_size), root = (T)bc2_sqrt, e = (T)eps;                    \
+        const T wd = (T)weight_decay;                                                          \
+        const int decay = weight_decay != 0.0, small = w < (T)0.5 && w > (T)-0.5;              \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                   \
+            const T g = decay ? FMA(wd, p[i], grad[i]) : grad[i];                              \
+            const T d = g - m[i];                                                              \
+            const T mi = small ? FMA(w, d, m[i]) : FMA(w1, d, g);                              \
+            m[i] = mi;                                                                         \
+            const T vi = FMA(c2 * g, g, v[i] * b2);                                            \
+            v[i] = vi;                                                                         \
+            p[i] = p[i] + (neg_step * mi) / (SQRT(vi) / root + e);                             \
+        }                                                                                      \
+    }
+
+DEFINE_ADAM(adam_f32, float, fmaf, sqrtf)
+DEFINE_ADAM(adam_f64, double, fma, sqrt)
+
+PyDoc_STRVAR(adam_doc,
+"adam(param, exp_avg, exp_avg_sq, grad, beta1, beta2, step_size, bias_correction2_sqrt, eps,\n"
+"     weight_decay, double)\n\n"
+"Adam on equally long float32 buffers (float64 when `double` is true), element by element, as\n"
+"torch.optim.Adam's single-tensor step with the given bias-corrected scalars. Releases the GIL.");
+
+static PyObject *adam(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *objs[4];
+    double beta1, beta2, step_size, bc2_sqrt, eps, weight_decay;
+    int is_double;
+    if (!PyArg_ParseTuple(args, "OOOOddddddp:adam", &objs[0], &objs[1], &objs[2], &objs[3],
+                          &beta1, &beta2, &step_size, &bc2_sqrt, &eps, &weight_decay,
+                          &is_double))
+        return NULL;
+    static const char *names[4] = {"param", "exp_avg", "exp_avg_sq", "grad"};
+    const Py_ssize_t itemsize = is_double ? (Py_ssize_t)sizeof(double) : (Py_ssize_t)sizeof(float);
+    Py_buffer bufs[4];
+    int held = 0;
+    for (; held < 4; held++) {
+        const int flags = PyBUF_C_CONTIGUOUS | (held < 3 ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(objs[held], &bufs[held], flags) < 0) goto fail;
+        if (bufs[held].len != bufs[0].len || bufs[held].len % itemsize) {
+            PyErr_Format(PyExc_ValueError, "%s is %zd bytes; param is %zd, in %zd-byte elements",
+                         names[held], bufs[held].len, bufs[0].len, itemsize);
+            held++;
+            goto fail;
+        }
+    }
+    const Py_ssize_t n = bufs[0].len / itemsize;
+    Py_BEGIN_ALLOW_THREADS
+    if (is_double)
+        adam_f64(bufs[0].buf, bufs[1].buf, bufs[2].buf, bufs[3].buf, n, beta1, beta2, step_size,
+                 bc2_sqrt, eps, weight_decay);
+    else
+        adam_f32(bufs[0].buf, bufs[1].buf, bufs[2].buf, bufs[3].buf, n, beta1, beta2, step_size,
+                 bc2_sqrt, eps, weight_decay);
+    Py_END_ALLOW_THREADS
+    for (int i = 0; i < 4; i++) PyBuffer_Release(&bufs[i]);
+    Py_RETURN_NONE;
+fail:
+    for (int i = 0; i < held; i++) PyBuffer_Release(&bufs[i]);
+    return NULL;
+}
+
 #define FINITE_BLOCK 4096
 /* Scans of this many bytes or more release the GIL; shorter ones (a streamed chunk takes tens
  * of microseconds) keep it, which costs other threads less than handing it over twice. */
@@ -387,6 +459,7 @@ static PyMethodDef module_methods[] = {
     {"scatter", (PyCFunction)scatter, METH_VARARGS, scatter_doc},
     {"add", (PyCFunction)add, METH_VARARGS, add_doc},
     {"adagrad", (PyCFunction)adagrad, METH_VARARGS, adagrad_doc},
+    {"adam", (PyCFunction)adam, METH_VARARGS, adam_doc},
     {"first_nonfinite", (PyCFunction)first_nonfinite, METH_VARARGS, first_nonfinite_doc},
     {NULL, NULL, 0, NULL},
 };

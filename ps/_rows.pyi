@@ -29,5 +29,11 @@ def adagrad(param: _Buffer, state_sum: _Buffer, dim: int, rows: _Buffer, grad: _
     ``state_sum``: ``g = grad + weight_decay * param; sum += g * g;
     param += (g * -lr) / (sqrt(sum) + eps)``, the first two fused multiply-adds."""
 
+def adam(param: _Buffer, exp_avg: _Buffer, exp_avg_sq: _Buffer, grad: _Buffer, beta1: float,
+         beta2: float, step_size: float, bias_correction2_sqrt: float, eps: float,
+         weight_decay: float, double: bool, /) -> None:
+    """Adam, element by element, on equally long float32 (float64 if ``double``) buffers, as
+    torch.optim.Adam's single-tensor step with the given bias-corrected scalars."""
+
 def first_nonfinite(buf: _Buffer, width: int, mask: int, /) -> int:
     """Index of the first ``width``-byte element with every bit of ``mask`` set, or -1."""

@@ -45,6 +45,7 @@ import torch
 
 from ps.errors import InvalidArgumentError
 from ps.rows import adagrad_ as rows_adagrad
+from ps.rows import adam_ as rows_adam
 from ps.rows import add_ as rows_add
 from ps.rows import gather, scatter_
 
@@ -628,17 +629,13 @@ class Adam(Optimizer[AdamConfig]):
         step: int,
     ) -> None:
         cfg = self._config
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        if cfg.weight_decay != 0.0:
-            grad = grad.add(param, alpha=cfg.weight_decay)
-        exp_avg.lerp_(grad, 1 - cfg.beta1)
-        exp_avg_sq.mul_(cfg.beta2).addcmul_(grad, grad, value=1 - cfg.beta2)
-        # Python floats, in the same order as torch.optim.Adam, so results match bit for bit.
+        # Python floats, in the same order as torch.optim.Adam, so the scalars match bit for
+        # bit; the elementwise ops are torch's, in one pass (ps.rows.adam_).
         bias_correction1 = 1 - cfg.beta1**step
         bias_correction2 = 1 - cfg.beta2**step
         step_size = cfg.lr / bias_correction1
-        denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(cfg.eps)
-        param.addcdiv_(exp_avg, denom, value=-step_size)
+        rows_adam(param, state["exp_avg"], state["exp_avg_sq"], grad, cfg.beta1, cfg.beta2,
+                  step_size, bias_correction2**0.5, cfg.eps, cfg.weight_decay)
 
     def _update_rows(
         self,

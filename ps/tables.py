@@ -845,20 +845,16 @@ class SparseTable(_Counted):
         if self._evict.active:
             with self._index_lock:
                 rows = self._rows_locked(keys, unique=True)
-                self._update(rows, values, assign)
+                self._update(*_held(rows, values), assign)
                 self._evict_step()
+        elif known is not None and known.min(initial=0) >= 0:
+            self._update(torch.from_numpy(known), values, assign)
         else:
-            if known is not None and bool((known >= 0).all()):
-                rows = torch.from_numpy(known)
-            else:
-                rows = self._rows(keys, unique=True)
-            self._update(rows, values, assign)
+            self._update(*_held(self._rows(keys, unique=True), values), assign)
         self.count(pushes_applied=1, rows_pushed=len(keys))
 
     def _update(self, rows: torch.Tensor, values: torch.Tensor, assign: bool) -> None:
-        held = rows >= 0
-        if not bool(held.all()):
-            rows, values = rows[held], values[held]
+        """Updates `rows` (all held) with `values`."""
         with self._storage.shared(), self._update_lock:
             self._save_for_snapshot(rows.numpy())
             if assign:
@@ -1356,6 +1352,14 @@ class SparseTable(_Counted):
             state_bytes, self.index.nbytes, self.counters(), memory_bytes=self.memory_bytes(),
             metadata_bytes=metadata,
         )
+
+
+def _held(rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows that have a row id (not -1: refused by admission), and their values."""
+    held = rows >= 0
+    if bool(held.all()):
+        return rows, values
+    return rows[held], values[held]
 
 
 def _stamp_pair(clock: int, seconds: float | np.floating[Any]) -> int:

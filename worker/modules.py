@@ -427,6 +427,7 @@ class PSDense(PSModule):
         self._params = params
         self.numel = sum(p.numel() for p in params)
         self._loaded_clock: int | None = None
+        self._flat: torch.Tensor | None = None  # see _flat_storage
         dtype = params[0].dtype
         client.declare_dense(name, (self.numel,), dtype=dtype, optimizer=optimizer,
                              mode=self.consistency, lr=lr, **_kwargs(hyper))
@@ -459,15 +460,24 @@ class PSDense(PSModule):
                 Ticket(self.table, clock, self.device)
             )
             flat = pipeline.wait(ticket)
-        values = to_device(flat, self.device)
-        # The parameters become views of the pulled tensor, which is this step's alone:
-        # no copy, and nothing else writes to it.
-        offset = 0
-        for p in self._params:
-            n = p.numel()
-            p.data = values[offset : offset + n].view_as(p)
-            offset += n
+        with torch.no_grad():
+            self._flat_storage().copy_(flat, non_blocking=True)
         self._loaded_clock = clock
+
+    def _flat_storage(self) -> torch.Tensor:
+        """One flat tensor whose slices are the parameters' data, made on first use and
+        again after the parameters moved (model.to(), say). A step's values are copied into
+        it: one copy, where pointing each parameter at a slice of the pulled tensor costs
+        more per parameter in autograd's bookkeeping than the whole copy."""
+        first = self._params[0]
+        if self._flat is None or first.data_ptr() != self._flat.data_ptr():
+            self._flat = torch.empty(self.numel, dtype=first.dtype, device=first.device)
+            offset = 0
+            for p in self._params:
+                n = p.numel()
+                p.data = self._flat[offset : offset + n].view_as(p)
+                offset += n
+        return self._flat
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.load()

@@ -113,11 +113,11 @@ class ExchangePlan:
             dtype = wire_dtype(push.grad.dtype)
             for r, shape, block in dense_blocks(table, push.grad):
                 msg, payload = self._request(r.shard)
-                msg.pushes.append(pb.ExchangePush(
+                msg.pushes.add(
                     table=push.table, seq=next(self._seq), dtype=dtype, dense=True,
                     shape=shape, values=payload.add(codec.tensor_bytes(block)),
                     assign=push.assign, if_absent=push.if_absent,
-                ))
+                )
             return
         table = self._tables(push.table, "sparse")
         unique, grads = coalesce(table, push.keys, push.grad, push.assume_unique or push.assign)
@@ -126,12 +126,12 @@ class ExchangePlan:
             keys = unique if positions is None else unique[positions]
             rows = grads if positions is None else grads[torch.from_numpy(positions)]
             msg, payload = self._request(shard)
-            msg.pushes.append(pb.ExchangePush(
+            msg.pushes.add(
                 table=push.table, seq=next(self._seq), dtype=dtype, dim=table.dim,
                 keys=payload.add(codec.keys_bytes(keys)),
                 values=payload.add(codec.tensor_bytes(rows)), assign=push.assign,
                 if_absent=push.if_absent,
-            ))
+            )
 
     def pull(self, pull: Pull) -> None:
         index = len(self._outputs)
@@ -143,7 +143,7 @@ class ExchangePlan:
             row_bytes = out.dense_width * table.dtype.itemsize
             for r in blocks:
                 msg, _ = self._request(r.shard)
-                msg.pulls.append(pb.ExchangePull(table=pull.table, dense=True))
+                msg.pulls.add(table=pull.table, dense=True)
                 self._routes[r.shard].append((index, r))
                 self._expect(r.shard, r.rows * row_bytes)
         else:
@@ -155,9 +155,7 @@ class ExchangePlan:
             for shard, positions in routes:
                 keys = unique if positions is None else unique[positions]
                 msg, payload = self._request(shard)
-                msg.pulls.append(pb.ExchangePull(
-                    table=pull.table, keys=payload.add(codec.keys_bytes(keys))
-                ))
+                msg.pulls.add(table=pull.table, keys=payload.add(codec.keys_bytes(keys)))
                 self._routes[shard].append((index, positions))
                 self._expect(shard, len(keys) * row_bytes)
         self._outputs.append(out)

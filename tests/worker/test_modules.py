@@ -178,6 +178,22 @@ def flat_params(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
+def test_dense_values_reach_parameters_whose_data_was_replaced(client: PSClient) -> None:
+    """A load copies the servers' values into one flat tensor the parameters view; data
+    replaced since (as model.to() does) is viewed again, not left behind."""
+    name = fresh("moved")
+    module = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    dense = PSDense(client, module, name, optimizer="sgd", lr=1.0)
+    dense.load()
+    served = client.pull_dense(name)
+    torch.testing.assert_close(flat_params(module), served)
+    for p in module.parameters():
+        p.data = torch.zeros_like(p.data)  # elsewhere now: no longer views of the flat tensor
+    client.push_dense(name, torch.ones(dense.numel))
+    dense.load()
+    torch.testing.assert_close(flat_params(module), served - 1.0)
+
+
 def test_workers_building_one_psdense_at_once_train_from_the_same_values(servers: str) -> None:
     """Two workers with different initial values build one PSDense at the same moment, on a
     table split over both shards: each shard takes exactly one worker's rows (unmixed),

@@ -249,7 +249,8 @@ PyDoc_STRVAR(adagrad_doc,
 "Adagrad on the distinct int64 `rows` of float32 [capacity, dim] `param` and its `state_sum`\n"
 "(float64 when `double` is true), with the [len(rows), dim] `grad`:\n"
 "g = grad + weight_decay * param; sum += g * g; param += (g * -lr) / (sqrt(sum) + eps),\n"
-"rounded as torch's CPU kernels round them (the first two fused). Checks every row first. Releases the GIL.");
+"rounded as torch's CPU kernels round them (the first two fused). Checks every row first.\n"
+"Releases the GIL.");
 
 static PyObject *adagrad(PyObject *Py_UNUSED(module), PyObject *args) {
     PyObject *table, *state_obj, *rows, *grad;

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 
 class RWLock:
     """Shared/exclusive lock that prefers writers, so growth is not starved by a stream of reads.
 
-    Not reentrant. Thread-safe.
+    `with lock.shared():` and `with lock.exclusive():` hold it. Not reentrant. Thread-safe.
     """
 
     def __init__(self) -> None:
@@ -19,34 +17,59 @@ class RWLock:
         self._readers = 0
         self._writer = False
         self._writers_waiting = 0
+        # Every push and pull takes the shared mode several times: plain objects with
+        # __enter__ and __exit__ cost a third of what a generator context manager does.
+        self._shared = _Shared(self)
+        self._exclusive = _Exclusive(self)
 
-    @contextmanager
-    def shared(self) -> Iterator[None]:
+    def shared(self) -> _Shared:
         """Hold the lock in shared mode; blocks while a writer holds or waits for it."""
-        with self._cond:
-            while self._writer or self._writers_waiting:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                if not self._readers:
-                    self._cond.notify_all()
+        return self._shared
 
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
+    def exclusive(self) -> _Exclusive:
         """Hold the lock alone; blocks until every shared holder has left."""
-        with self._cond:
-            self._writers_waiting += 1
-            while self._writer or self._readers:
-                self._cond.wait()
-            self._writers_waiting -= 1
-            self._writer = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
+        return self._exclusive
+
+
+class _Shared:
+    __slots__ = ("_lock",)
+
+    def __init__(self, lock: RWLock) -> None:
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        lock = self._lock
+        with lock._cond:
+            while lock._writer or lock._writers_waiting:
+                lock._cond.wait()
+            lock._readers += 1
+
+    def __exit__(self, *exc: object) -> None:
+        lock = self._lock
+        with lock._cond:
+            lock._readers -= 1
+            # Only a writer waits for readers to leave.
+            if not lock._readers and lock._writers_waiting:
+                lock._cond.notify_all()
+
+
+class _Exclusive:
+    __slots__ = ("_lock",)
+
+    def __init__(self, lock: RWLock) -> None:
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        lock = self._lock
+        with lock._cond:
+            lock._writers_waiting += 1
+            while lock._writer or lock._readers:
+                lock._cond.wait()
+            lock._writers_waiting -= 1
+            lock._writer = True
+
+    def __exit__(self, *exc: object) -> None:
+        lock = self._lock
+        with lock._cond:
+            lock._writer = False
+            lock._cond.notify_all()

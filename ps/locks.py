@@ -31,11 +31,17 @@ class RWLock:
         return self._exclusive
 
 
-class _Shared:
+class _Mode:
+    """One mode of an RWLock, as a context manager."""
+
     __slots__ = ("_lock",)
 
     def __init__(self, lock: RWLock) -> None:
         self._lock = lock
+
+
+class _Shared(_Mode):
+    __slots__ = ()
 
     def __enter__(self) -> None:
         lock = self._lock
@@ -53,11 +59,8 @@ class _Shared:
                 lock._cond.notify_all()
 
 
-class _Exclusive:
-    __slots__ = ("_lock",)
-
-    def __init__(self, lock: RWLock) -> None:
-        self._lock = lock
+class _Exclusive(_Mode):
+    __slots__ = ()
 
     def __enter__(self) -> None:
         lock = self._lock

@@ -37,6 +37,16 @@
 #endif
 #define CACHE_LINE 64
 
+/* The loops below that stream through memory (the optimizer updates, the NaN scans) run about
+ * twice as fast with AVX2 as with the SSE2 that x86-64 builds assume, and the optimizer
+ * updates need FMA instructions to round as torch does at that speed; where the toolchain
+ * can, each is built for x86-64-v3 (AVX2, FMA) and for the baseline, and the loader picks. */
+#if defined(__x86_64__) && defined(__GLIBC__) && (defined(__GNUC__) || defined(__clang__))
+#define SIMD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define SIMD_CLONES
+#endif
+
 /* Every cache line of one row: a prefetch fetches one line, and rows are often 4 or more. */
 static inline void prefetch_row(const char *row, Py_ssize_t row_bytes, int rw) {
     for (Py_ssize_t b = 0; b < row_bytes; b += CACHE_LINE) {
@@ -210,16 +220,11 @@ static PyObject *add(PyObject *Py_UNUSED(module), PyObject *args) {
  * torch's CPU kernels compute the first two as fused multiply-adds (add with alpha and addcmul_
  * are vec::fmadd) and the rest one rounding per op, so this does too: fma() where torch fuses,
  * nothing contracted elsewhere (see the build). The square root is correctly rounded, which
- * torch's is not always (one unit in the last place). Built for x86-64-v3 (AVX2 with FMA)
- * beside the baseline, whose fma() is libm's. */
-#if defined(__x86_64__) && defined(__GLIBC__) && (defined(__GNUC__) || defined(__clang__))
-#define FMA_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define FMA_CLONES
-#endif
+ * torch's is not always (one unit in the last place). Built as SIMD_CLONES: the baseline's
+ * fma() is libm's. */
 
 #define DEFINE_ADAGRAD(name, T, FMA, SQRT)                                                   \
-    FMA_CLONES static void name(T *p, T *acc, const T *g_all, const int64_t *r, Py_ssize_t n, \
+    SIMD_CLONES static void name(T *p, T *acc, const T *g_all, const int64_t *r, Py_ssize_t n, \
                                 Py_ssize_t dim, double lr, double eps, double weight_decay) { \
         const T neg_lr = (T)(-lr), e = (T)eps, wd = (T)weight_decay;                          \
         const Py_ssize_t row_bytes = dim * (Py_ssize_t)sizeof(T);                             \
@@ -299,7 +304,7 @@ static PyObject *adagrad(PyObject *Py_UNUSED(module), PyObject *args) {
  * are where torch's CPU kernels fuse (add with alpha, lerp, addcmul_); lerp takes torch's two
  * forms, by whether its weight is under one half. */
 #define DEFINE_ADAM(name, T, FMA, SQRT)                                                       \
-    FMA_CLONES static void name(T *p, T *m, T *v, const T *grad, Py_ssize_t n, double beta1,   \
+    SIMD_CLONES static void name(T *p, T *m, T *v, const T *grad, Py_ssize_t n, double beta1,   \
                                 double beta2, double step_size, double bc2_sqrt, double eps,   \
                                 double weight_decay) {                                         \
         const T w = (T)(1.0 - beta1), w1 = w - (T)1, b2 = (T)beta2, c2 = (T)(1.0 - beta2);     \
@@ -368,14 +373,6 @@ fail:
 /* Scans of this many bytes or more release the GIL; shorter ones (a streamed chunk takes tens
  * of microseconds) keep it, which costs other threads less than handing it over twice. */
 #define FINITE_GIL_BYTES (4 << 20)
-
-/* The scans are memory-bound with AVX2 and about half as fast with the SSE2 that x86-64
- * builds assume; where the toolchain can, each is built both ways and the loader picks. */
-#if defined(__x86_64__) && defined(__GLIBC__) && (defined(__GNUC__) || defined(__clang__))
-#define SIMD_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define SIMD_CLONES
-#endif
 
 /* First of `n` elements whose exponent bits (`m`) are all set, i.e. a NaN or an infinity in
  * IEEE-754 layouts (float16, bfloat16, float32, float64); -1 when there is none. Elements may

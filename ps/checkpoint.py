@@ -1525,12 +1525,13 @@ def _route_order(tensors: dict[str, torch.Tensor | LaterRows], pace: Pace
     if bool(np.all(hashes[1:] >= hashes[:-1])):
         return None
     # A stable counting sort by the top 16 bits, a piece at a time...
-    sizes = np.bincount(hashes >> 16, minlength=1 << 16)
+    buckets = (hashes >> 16).astype(np.uint16)
+    sizes = np.bincount(buckets, minlength=1 << 16)
     ends = np.cumsum(sizes)
     next_free = ends - sizes  # where each bucket's next row goes
     order = np.empty(count, dtype=np.int64)
     for at in range(0, count, ORDER_CHUNK_KEYS):
-        piece = (hashes[at : at + ORDER_CHUNK_KEYS] >> 16).astype(np.uint16)
+        piece = buckets[at : at + ORDER_CHUNK_KEYS]
         local = np.argsort(piece, kind="stable")  # 16-bit keys: numpy sorts them by radix
         ranked = piece[local]
         run_starts = np.searchsorted(ranked, ranked, side="left")

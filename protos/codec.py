@@ -4,6 +4,11 @@ to and from raw bytes.
 This is the one place that knows how arrays are laid out on the wire. Both ends use it.
 Arrays are raw little-endian, row-major bytes; `tensor_from_bytes` views them without copying.
 Views over received buffers are read-only: nothing in pstrain writes through them.
+
+Tensors become bytes and back through numpy views, not torch ops: a torch op lets go of the
+GIL, and on a worker's exchange thread every such hand-over makes it and the training thread
+wait for each other. Only bfloat16, which numpy lacks, takes one op (it travels as its int16
+bits).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from protos.frames import (
 
 # torch warns on every view of an immutable buffer; the views made here are only read.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable",
+                        category=UserWarning)
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -53,6 +60,14 @@ _TO_TORCH: dict[int, torch.dtype] = {
     pb.INT64: torch.int64,
 }
 _TO_WIRE: dict[torch.dtype, int] = {v: k for k, v in _TO_TORCH.items()}
+# What numpy holds each wire dtype as; bfloat16 as its bits.
+_NUMPY: dict[torch.dtype, np.dtype] = {
+    torch.float32: np.dtype("<f4"),
+    torch.float64: np.dtype("<f8"),
+    torch.float16: np.dtype("<f2"),
+    torch.bfloat16: np.dtype("<i2"),
+    torch.int64: np.dtype("<i8"),
+}
 
 FLOAT_DTYPES: frozenset[torch.dtype] = frozenset(
     {torch.float32, torch.float64, torch.float16, torch.bfloat16}
@@ -86,15 +101,21 @@ def dtype_name(code: int) -> str:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw bytes of a CPU tensor, without copying when it is already contiguous."""
+    """The raw bytes of a CPU tensor of a wire dtype, without copying when it is already
+    contiguous. Makes no torch op but for bfloat16 (see the module's docstring)."""
     if tensor.device.type != "cpu":
         raise WireError(f"tensor is on {tensor.device}; copy it to host memory first")
-    flat = tensor.detach().contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().data
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.detach().view(torch.int16)
+    elif tensor.dtype not in _NUMPY:
+        dtype_to_wire(tensor.dtype)  # raises, naming the dtypes that travel
+    array = np.ascontiguousarray(tensor.numpy(force=True))
+    return array.reshape(-1).view(np.uint8).data
 
 
 def tensor_from_bytes(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A read-only tensor viewing `buf`; WireError if the byte count does not fit the shape."""
+    """A read-only tensor of a wire dtype viewing `buf`; WireError if the byte count does not
+    fit the shape. Makes no torch op but for bfloat16."""
     numel = 1
     for dim in shape:
         if dim < 0:
@@ -108,7 +129,12 @@ def tensor_from_bytes(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...
         )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(buf, dtype=dtype).view(shape)
+    held = _NUMPY.get(dtype)
+    if held is None:
+        dtype_to_wire(dtype)  # raises, naming the dtypes that travel
+        raise AssertionError("unreachable")  # pragma: no cover
+    tensor = torch.from_numpy(np.frombuffer(buf, dtype=held).reshape(shape))
+    return tensor.view(dtype) if dtype == torch.bfloat16 else tensor
 
 
 def keys_from_bytes(buf: memoryview) -> np.ndarray:

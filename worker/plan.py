@@ -183,9 +183,10 @@ class ExchangePlan:
         for (pull, where), part in zip(routes, msg.pulled, strict=True):
             out = self._outputs[pull]
             data = payload.span(part.values, f"shard {index}'s answer")
-            values = codec.tensor_from_bytes(data, out.dtype, tuple(part.shape))
+            shape = tuple(part.shape)
+            values = codec.tensor_from_bytes(data, out.dtype, shape)
             if out.parts == 1 and not data.readonly and values.numel():
-                out.values = values.view(out.shape)
+                out.values = values if shape == out.shape else values.view(out.shape)
             elif isinstance(where, RowRange):
                 flat = out.target().view(-1)
                 start = where.start * out.dense_width

@@ -1,5 +1,8 @@
 """Where a worker's data goes: keys made unique and routed to their shards, dense tensors cut
-into the shards' row blocks. Pure functions of their arguments; no I/O."""
+into the shards' row blocks. Pure functions of their arguments; no I/O.
+
+They run on the exchange thread, so they avoid torch ops where numpy or a check of the
+tensor's attributes does (see `protos.codec`): each op lets go of the GIL."""
 
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ def as_keys(keys: KeysLike) -> np.ndarray:
     if isinstance(keys, torch.Tensor):
         if keys.dtype != torch.int64:
             raise PSClientError(f"keys must be int64, got a tensor of {keys.dtype}")
-        return keys.detach().cpu().contiguous().numpy().reshape(-1)
+        return np.ascontiguousarray(keys.numpy(force=True)).reshape(-1)
     array = np.asarray(keys)
     if array.size and array.dtype != np.int64:
         if not np.issubdtype(array.dtype, np.integer):
@@ -82,7 +85,7 @@ def coalesce(table: TableInfo, keys: KeysLike, grads: torch.Tensor,
     """(unique keys, their gradient rows), gradients of repeated keys summed;
     PSClientError when the gradient's shape does not fit the keys and the table."""
     all_keys = as_keys(keys)
-    grads = grads.detach().to("cpu")
+    grads = on_host(grads)
     if grads.dim() != 2 or grads.shape[0] != len(all_keys) or grads.shape[1] != table.dim:
         raise PSClientError(
             f"push to {table.name!r} needs a [{len(all_keys)}, {table.dim}] gradient, got "
@@ -97,17 +100,21 @@ def coalesce(table: TableInfo, keys: KeysLike, grads: torch.Tensor,
 
 def dense_blocks(table: TableInfo,
                  values: torch.Tensor) -> list[tuple[RowRange, list[int], torch.Tensor]]:
-    """(placement, block shape, flat block) of each shard's rows of dense `values`;
-    PSClientError when the shape is not the table's."""
+    """(placement, block shape, block) of each shard's rows of dense `values`, each block a
+    view of its rows of dim 0; PSClientError when the shape is not the table's."""
     if tuple(values.shape) != table.shape:
         raise PSClientError(
             f"table {table.name!r} has shape {list(table.shape)}; got {list(values.shape)}"
         )
-    values = values.detach().to("cpu").contiguous()
-    flat = values.view(-1) if values.dim() else values.view(1)
-    width = table.dense_width
-    return [
-        (r, [r.rows, *table.shape[1:]] if table.shape else [],
-         flat[r.start * width : r.end * width])
-        for r in table.used_blocks()
-    ]
+    values = on_host(values)
+    if not values.dim():
+        return [(r, [], values) for r in table.used_blocks()]  # a scalar: one block
+    return [(r, [r.rows, *table.shape[1:]], values[r.start : r.end])
+            for r in table.used_blocks()]
+
+
+def on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` detached and in host memory, with no torch op when it is already both."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    return tensor if tensor.device.type == "cpu" else tensor.to("cpu")

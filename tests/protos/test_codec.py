@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch_calls import Calls
 
 from protos import codec
 from protos import pstrain_pb2 as pb
@@ -116,3 +117,19 @@ def test_spans_past_the_end_or_of_part_elements_are_wire_errors() -> None:
         payload.span(pb.Span(offset=36, length=8), "keys")
     with pytest.raises(codec.WireError, match=r"carries 6 bytes, not a whole number of 4-byte"):
         payload.elements(pb.Span(offset=0, length=6), 4, "push")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.int64])
+def test_tensors_become_bytes_and_back_holding_the_gil(dtype: torch.dtype) -> None:
+    """No torch op (each lets go of the GIL) for the dtypes numpy holds, contiguous or not;
+    bfloat16 takes a view as its int16 bits each way."""
+    for t in (torch.arange(24).reshape(4, 6).to(dtype),
+              torch.arange(48).reshape(4, 12).to(dtype)[:, ::2]):
+        with Calls() as calls:
+            back = codec.tensor_from_bytes(codec.tensor_bytes(t), dtype, (4, 6))
+        assert calls.releasing() == [] and torch.equal(back, t)
+    t = torch.randn(4, 6).to(torch.bfloat16)
+    with Calls() as calls:
+        back = codec.tensor_from_bytes(codec.tensor_bytes(t), torch.bfloat16, (4, 6))
+    assert calls.releasing() == ["TensorBase.detach", "TensorBase.view", "TensorBase.view"]
+    assert torch.equal(back, t)

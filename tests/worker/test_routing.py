@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch_calls import Calls
 
 from protos.partition import dense_placement, shard_of_keys
 from worker.errors import PSClientError
@@ -96,12 +97,12 @@ def test_dense_blocks_cover_the_tensor_once_in_placement_order(
     blocks = dense_blocks(table, values)
     assert [r for r, _, _ in blocks] == [r for r in table.placement if r.rows]
     if not shape:  # a scalar goes to one shard only, as a 0-d block
-        assert [(b, f.tolist()) for _, b, f in blocks] == [([], [0.0])]
+        assert [(b, f.tolist()) for _, b, f in blocks] == [([], 0.0)]
         return
-    for r, block_shape, flat in blocks:
-        assert block_shape == [r.rows, *shape[1:]]
-        assert torch.equal(flat.reshape(block_shape), values[r.start : r.end])
-    assert torch.equal(torch.cat([flat for _, _, flat in blocks]), values.reshape(-1))
+    for r, block_shape, block in blocks:
+        assert block_shape == [r.rows, *shape[1:]] == list(block.shape)
+        assert torch.equal(block, values[r.start : r.end])
+    assert torch.equal(torch.cat([block for _, _, block in blocks]), values)
 
 
 @pytest.mark.parametrize("shape", [(8, 4), (3, 3), (24,), ()])
@@ -143,3 +144,18 @@ def test_a_sparse_gradient_of_another_shape_is_refused(shape: tuple[int, ...]) -
     table = TableInfo("e", "sparse", torch.float32, (), 2, ())
     with pytest.raises(PSClientError, match=re.escape("push to 'e' needs a [3, 2] gradient")):
         coalesce(table, [1, 2, 3], torch.zeros(shape), False)
+
+
+def test_a_steps_keys_and_gradients_are_routed_holding_the_gil() -> None:
+    """The exchange thread routes a training step's keys and gradients with no torch op:
+    each would let go of the GIL and wait for the training thread to give it back."""
+    table = TableInfo("e", "sparse", torch.float32, (), 4, ())
+    keys, grads = torch.tensor([7, 3, 11]), torch.randn(3, 4)
+    values = torch.randn(40, 3)
+    with Calls() as calls:
+        assert as_keys(keys).tolist() == [7, 3, 11]
+        unique, rows = coalesce(table, keys, grads, assume_unique=True)
+        blocks = dense_blocks(dense((40, 3), 3), values)
+    assert calls.releasing() == []
+    assert unique.tolist() == [7, 3, 11] and torch.equal(rows, grads)
+    assert torch.equal(torch.cat([block for _, _, block in blocks]), values)

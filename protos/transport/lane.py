@@ -56,6 +56,7 @@ _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 # How long one frame's bytes may take to arrive or leave (a hello, a request, an answer).
 IO_TIMEOUT_S = 5.0
 MAX_ANSWER_BYTES = 256 * 1024 * 1024  # answers carry headers only; their rows are in shm
+_READ_AHEAD = 64 * 1024  # a frame's first receive; requests and answers fit
 # How long a task that answered a call keeps reading its connection for the next one before
 # handing it back to the watcher. A training loop sends its next request within a step, and
 # serving it on the same thread saves the hand-offs through the watcher and the executor's
@@ -69,37 +70,46 @@ class LaneProtocolError(Exception):
     """A frame broke the lane's framing; the connection is closed."""
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    """Exactly `n` bytes, or None when the peer closed the connection before the first."""
-    if not n:
-        return b""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
+def _fill(sock: socket.socket, view: memoryview, got: int, total: int) -> None:
+    """Receives into all of `view`: the last bytes of a `total`-byte frame, `got` in."""
+    pos = 0
+    while pos < view.nbytes:
+        k = sock.recv_into(view[pos:])
         if not k:
-            if got:
-                raise LaneProtocolError(f"the connection closed inside a frame ({got} of {n})")
-            return None
-        got += k
-    return bytes(buf)
+            raise LaneProtocolError(
+                f"the connection closed inside a frame ({got + pos} of {total})")
+        pos += k
 
 
 def read_frame(sock: socket.socket, max_bytes: int) -> tuple[int, bytes] | None:
-    """(kind, body) of the next frame; None when the peer closed the connection."""
-    head = _recv_exact(sock, _HEAD.size)
-    if head is None:
+    """(kind, body) of the next frame; None when the peer closed the connection.
+
+    A peer sends nothing past a frame until it is answered, so the first receive may take
+    the whole of it: a frame of up to _READ_AHEAD bytes costs one call, and bytes past its
+    end are a protocol error.
+    """
+    data = sock.recv(_READ_AHEAD)
+    if not data:
         return None
-    length, kind = _HEAD.unpack(head)
+    if len(data) < _HEAD.size:
+        head = bytearray(_HEAD.size)
+        head[: len(data)] = data
+        _fill(sock, memoryview(head)[len(data) :], len(data), _HEAD.size)
+        data = bytes(head)
+    length, kind = _HEAD.unpack_from(data)
     if kind not in (HELLO, REQUEST, ANSWER, REFUSAL):
         raise LaneProtocolError(f"unknown frame kind {kind}")
     if length > max_bytes:
         raise LaneProtocolError(f"a frame of {length} bytes is over the limit of {max_bytes}")
-    body = _recv_exact(sock, length)
-    if body is None:
-        raise LaneProtocolError("the connection closed after a frame header")
-    return kind, body
+    have = len(data) - _HEAD.size
+    if have > length:
+        raise LaneProtocolError(f"{have - length} bytes arrived past the end of a frame")
+    if have == length:
+        return kind, data[_HEAD.size :]
+    body = bytearray(length)
+    body[:have] = memoryview(data)[_HEAD.size :]
+    _fill(sock, memoryview(body)[have:], _HEAD.size + have, _HEAD.size + length)
+    return kind, bytes(body)
 
 
 def write_frame(sock: socket.socket, kind: int, body: bytes) -> None:

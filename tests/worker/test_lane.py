@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import struct
 import sys
 import textwrap
 import threading
@@ -24,7 +26,7 @@ from procs import Procs
 
 from protos import marks
 from protos import pstrain_pb2 as pb
-from protos.transport import ChannelBrokenError, available
+from protos.transport import ChannelBrokenError, available, lane
 from protos.transport.lane import LINGER_S, LaneClient, LaneContext, LaneError, LaneServer
 from scheduler.admin import ServerAdmin
 from worker.bulk import ENV_LANES, TransportChoiceError, TransportSettings
@@ -379,3 +381,50 @@ def test_closing_without_grace_ends_a_call_in_progress(
     server.close()
     thread.join(timeout=10)
     assert len(errors) == 1 and isinstance(errors[0], ChannelBrokenError)
+
+
+# ---- the framing, over a socket pair ------------------------------------------------------
+
+
+def test_a_frame_arriving_in_pieces_is_read_whole() -> None:
+    """The first receive may hold a header's first bytes only, or a body's first part (a
+    frame past the read-ahead): the rest is read until the frame is complete."""
+    big = bytes(range(256)) * 1024  # 256 KiB: past one receive's read-ahead
+    a, b = socket.socketpair()
+    with a, b:
+        for body in (b"", b"abc", big):
+            data = struct.pack("<IB", len(body), lane.ANSWER) + body
+
+            def send(data: bytes = data) -> None:
+                for cut in (2, 7, 70_000):
+                    a.sendall(data[:cut])
+                    data = data[cut:]
+                    time.sleep(0.01)
+                a.sendall(data)
+
+            sender = threading.Thread(target=send)
+            sender.start()
+            assert lane.read_frame(b, 1 << 20) == (lane.ANSWER, body)
+            sender.join(timeout=5)
+
+
+def test_bytes_past_a_frame_and_a_frame_cut_short_break_the_framing() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(struct.pack("<IB", 3, lane.REQUEST) + b"abcd")
+        with pytest.raises(lane.LaneProtocolError, match="1 bytes arrived past the end"):
+            lane.read_frame(b, 1 << 20)
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(struct.pack("<IB", 10, lane.REQUEST) + b"abc")
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(lane.LaneProtocolError, match=r"inside a frame \(8 of 15\)"):
+            lane.read_frame(b, 1 << 20)
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(struct.pack("<IB", 10, lane.REQUEST))
+        with pytest.raises(lane.LaneProtocolError, match="over the limit of 9"):
+            lane.read_frame(b, 9)
+        a.shutdown(socket.SHUT_WR)
+        b.recv(100)
+        assert lane.read_frame(b, 9) is None  # closed between frames: no error

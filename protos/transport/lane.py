@@ -479,7 +479,8 @@ class LaneClient:
         """
         sock = self._take(timeout_s)
         try:
-            sock.settimeout(timeout_s)
+            if sock.gettimeout() != timeout_s:  # setting it is a system call
+                sock.settimeout(timeout_s)
             kind, body = _round_trip(sock, REQUEST, request)
         except BaseException as exc:
             sock.close()  # a late answer must not reach the next call

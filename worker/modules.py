@@ -97,12 +97,15 @@ def _kwargs(hyper: dict[str, float]) -> dict[str, Any]:
 
 
 def _as_ids(ids: torch.Tensor, what: str) -> torch.Tensor:
-    """`ids` as a flat int64 CPU tensor (a copy when it lives on a GPU)."""
+    """`ids` as an int64 CPU tensor of their shape: themselves, or a copy when they live on a
+    GPU or hold int32. (Integer tensors carry no gradient: nothing to detach.)"""
     if not isinstance(ids, torch.Tensor):
         raise PSModuleError(f"{what} must be a torch.Tensor of int64 ids, got {type(ids).__name__}")
     if ids.dtype not in (torch.int64, torch.int32):
         raise PSModuleError(f"{what} must hold int64 (or int32) ids, got {ids.dtype}")
-    return ids.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
+    if ids.dtype != torch.int64 or ids.device.type != "cpu":
+        ids = ids.to(device="cpu", dtype=torch.int64)
+    return ids
 
 
 @dataclass
@@ -213,45 +216,46 @@ class _SparseLookup(PSModule):
         self.ask_ahead(_as_ids(ids, "ids").clone())
 
     def ask_ahead(self, keys: torch.Tensor) -> None:
-        """As prefetch, for flat int64 CPU `keys` that nobody changes afterwards (they are
-        kept, not copied)."""
+        """As prefetch, for int64 CPU `keys` (of any shape) that nobody changes afterwards
+        (they are kept, not copied)."""
         pipeline = self._pipeline
         if pipeline is None:
             return
         ahead = pipeline.depth if pipeline.overlap else 1
         pipeline.ask_ahead(self, Ticket(self.table, pipeline.clock + ahead, self.device, keys))
 
-    def _pull(self, flat: torch.Tensor, clock: int | None) -> Pulled:
+    def _pull(self, ids: torch.Tensor, clock: int | None) -> Pulled:
         pipeline = self._pipeline
         if pipeline is None or clock is None:
-            keys, inverse = torch.unique(flat, return_inverse=True)
+            keys, inverse = torch.unique(ids, return_inverse=True)
             rows = self.client.pull_sparse(self.table, keys, clock=clock, assume_unique=True)
             return Pulled(keys, inverse, rows)
-        ticket = pipeline.ask(Ticket(self.table, clock, self.device, flat))
+        ticket = pipeline.ask(Ticket(self.table, clock, self.device, ids))
         rows = pipeline.wait(ticket)
         return ticket.pulled(rows)
 
     def _lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(index of each id into the unique rows, on the output device; those rows)."""
-        flat = _as_ids(ids, "ids")
+        """(index of each id into the unique rows, shaped as `ids`, on the output device;
+        those rows)."""
+        host_ids = _as_ids(ids, "ids")
         clock = self._clock()
         pipeline = self._pipeline
-        if flat.numel() == 0:
+        if host_ids.numel() == 0:
             empty = torch.empty((0, self.embedding_dim), dtype=self.dtype)
-            pulled = Pulled(flat, flat, empty)
+            pulled = Pulled(host_ids.reshape(-1), host_ids, empty)
         else:
             if pipeline is not None:
                 pipeline.forward_started()
-            ticket = (pipeline.ticket_for(self, clock, flat)
+            ticket = (pipeline.ticket_for(self, clock, host_ids)
                       if clock is not None and pipeline is not None else None)
             if ticket is not None and pipeline is not None:
                 rows = pipeline.wait(ticket)
                 pulled = ticket.pulled(rows)
             else:
-                pulled = self._pull(flat, clock)
+                pulled = self._pull(host_ids, clock)
         device = self.device
         rows = to_device(pulled.rows, device)
-        inverse = to_device(pulled.inverse, device).view(ids.shape)
+        inverse = to_device(pulled.inverse, device)  # unique's inverse has the ids' shape
         # Only a module with a PSOptimizer records gradients: nothing else would push them.
         if pipeline is not None and torch.is_grad_enabled() and pulled.keys.numel():
             rows.requires_grad_(True)
@@ -261,7 +265,9 @@ class _SparseLookup(PSModule):
         return inverse, rows.float() if rows.dtype in _COMPACT else rows
 
     def ps_gradients(self) -> list[Gradient]:
-        pending, self._pending = self._pending, []
+        # Emptied in place: setting a module's attribute costs more than this whole list.
+        pending = list(self._pending)
+        self._pending.clear()
         return [
             Gradient(self.table, "sparse", to_host(p.rows.grad), p.keys)
             for p in pending
@@ -487,8 +493,9 @@ class PSDense(PSModule):
         grads = [p.grad for p in self._params]
         if all(g is None for g in grads):
             return []
+        # to_host detaches the result when the gradients carry a graph (create_graph=True).
         flat = torch.cat([
-            (torch.zeros_like(p) if g is None else g).detach().reshape(-1)
+            (torch.zeros_like(p) if g is None else g).reshape(-1)
             for p, g in zip(self._params, grads, strict=True)
         ])
         # Sent means consumed: the next step starts from no gradient, as after zero_grad().

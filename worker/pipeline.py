@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 def same_ids(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two flat int64 CPU id tensors are equal.
+    """Whether two int64 CPU id tensors are equal, shape and values.
 
     Compared as bytes, not with torch.equal: a torch op lets go of the GIL, and the
     exchange thread that takes it over keeps the training thread waiting.
@@ -53,8 +53,10 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A host copy of `tensor`; from a GPU it is pinned and asynchronous (see Gradient)."""
-    tensor = tensor.detach()
+    """A host copy of `tensor`, detached; from a GPU it is pinned and asynchronous (see
+    Gradient)."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
     if tensor.device.type == "cpu":
         return tensor
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)

@@ -109,7 +109,9 @@ def dense_blocks(table: TableInfo,
     values = on_host(values)
     if not values.dim():
         return [(r, [], values) for r in table.used_blocks()]  # a scalar: one block
-    return [(r, [r.rows, *table.shape[1:]], values[r.start : r.end])
+    rows = values.shape[0]
+    return [(r, [r.rows, *table.shape[1:]],
+             values if r.start == 0 and r.end == rows else values[r.start : r.end])
             for r in table.used_blocks()]
 
 

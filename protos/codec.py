@@ -85,14 +85,24 @@ def dtype_from_wire(code: int) -> torch.dtype:
         ) from None
 
 
+def _cannot_travel(dtype: torch.dtype) -> WireError:
+    return WireError(f"dtype {dtype} cannot travel; use one of {sorted(str(d) for d in _TO_WIRE)}")
+
+
 def dtype_to_wire(dtype: torch.dtype) -> pb.DType:
     """The wire DType of a torch dtype; WireError for dtypes the wire does not carry."""
     try:
         return cast(pb.DType, _TO_WIRE[dtype])
     except KeyError:
-        raise WireError(
-            f"dtype {dtype} cannot travel; use one of {sorted(str(d) for d in _TO_WIRE)}"
-        ) from None
+        raise _cannot_travel(dtype) from None
+
+
+def _held(dtype: torch.dtype) -> np.dtype:
+    """How numpy holds a wire dtype's elements; WireError for dtypes the wire does not carry."""
+    try:
+        return _NUMPY[dtype]
+    except KeyError:
+        raise _cannot_travel(dtype) from None
 
 
 def dtype_name(code: int) -> str:
@@ -105,10 +115,9 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     contiguous. Makes no torch op but for bfloat16 (see the module's docstring)."""
     if tensor.device.type != "cpu":
         raise WireError(f"tensor is on {tensor.device}; copy it to host memory first")
+    _held(tensor.dtype)  # refuses dtypes that do not travel
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.detach().view(torch.int16)
-    elif tensor.dtype not in _NUMPY:
-        dtype_to_wire(tensor.dtype)  # raises, naming the dtypes that travel
     array = np.ascontiguousarray(tensor.numpy(force=True))
     return array.reshape(-1).view(np.uint8).data
 
@@ -129,11 +138,7 @@ def tensor_from_bytes(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...
         )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    held = _NUMPY.get(dtype)
-    if held is None:
-        dtype_to_wire(dtype)  # raises, naming the dtypes that travel
-        raise AssertionError("unreachable")  # pragma: no cover
-    tensor = torch.from_numpy(np.frombuffer(buf, dtype=held).reshape(shape))
+    tensor = torch.from_numpy(np.frombuffer(buf, dtype=_held(dtype)).reshape(shape))
     return tensor.view(dtype) if dtype == torch.bfloat16 else tensor
 
 

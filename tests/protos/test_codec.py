@@ -133,3 +133,10 @@ def test_tensors_become_bytes_and_back_holding_the_gil(dtype: torch.dtype) -> No
         back = codec.tensor_from_bytes(codec.tensor_bytes(t), torch.bfloat16, (4, 6))
     assert calls.releasing() == ["TensorBase.detach", "TensorBase.view", "TensorBase.view"]
     assert torch.equal(back, t)
+
+
+def test_a_dtype_the_wire_does_not_carry_is_refused_both_ways() -> None:
+    with pytest.raises(codec.WireError, match=r"dtype torch\.int32 cannot travel"):
+        codec.tensor_bytes(torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(codec.WireError, match=r"dtype torch\.int32 cannot travel"):
+        codec.tensor_from_bytes(memoryview(bytes(12)), torch.int32, (3,))

@@ -213,7 +213,10 @@ class _SparseLookup(PSModule):
         otherwise. Does nothing unless a PSOptimizer owns this module. Call it from the
         training thread.
         """
-        self.ask_ahead(_as_ids(ids, "ids").clone())
+        keys = _as_ids(ids, "ids")
+        # The ticket keeps its own copy (the caller may reuse `ids`): one copy, which
+        # _as_ids has made already for ids on a GPU or of int32.
+        self.ask_ahead(keys.clone() if keys is ids else keys)
 
     def ask_ahead(self, keys: torch.Tensor) -> None:
         """As prefetch, for int64 CPU `keys` (of any shape) that nobody changes afterwards

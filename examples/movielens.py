@@ -333,7 +333,7 @@ class CollectionFeatures(nn.Module):
         self.collection = collection
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        return torch.cat(list(self.collection(batch.keyed).values()), dim=1)
+        return self.collection(batch.keyed).cat()
 
     def prefetch(self, batch: Batch) -> None:
         self.collection.prefetch(batch.keyed)

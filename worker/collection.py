@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,7 +31,7 @@ from worker.client import PSClient
 from worker.errors import PSModuleError
 from worker.modules import Init, _SparseLookup
 
-__all__ = ["FeatureConfig", "KeyedJagged", "PSEmbeddingCollection"]
+__all__ = ["FeatureConfig", "KeyedJagged", "PSEmbeddingCollection", "Pooled"]
 
 ID_BITS = 56
 MAX_ID = (1 << ID_BITS) - 1
@@ -99,7 +100,8 @@ class _Member:
 @dataclass(frozen=True)
 class _Split:
     """A batch as the collection reads it: every id in one flat int64 CPU tensor, each
-    feature's span in it, and its ids per sample (None: exactly one each)."""
+    feature's span in it, and its ids per sample (None: exactly one each, also when a
+    KeyedJagged says so with lengths of 1)."""
 
     values: torch.Tensor
     spans: dict[str, tuple[int, int]]
@@ -143,21 +145,68 @@ class _Group(_SparseLookup):
         totals = torch.tensor([b - a for a, b in spans], dtype=torch.int64)
         return ids | torch.repeat_interleave(self._slots, totals)
 
-    def pool(self, split: _Split, keys: torch.Tensor) -> list[torch.Tensor]:
-        """Each member's pooled rows, [batch, dim], in member order; `keys` as keys() made
-        them of `split`."""
+    def pool(self, split: _Split, keys: torch.Tensor) -> torch.Tensor:
+        """The members' pooled rows, [batch, members, dim] (member i's: `[:, i]`); `keys`
+        as keys() made them of `split`."""
         inverse, rows = self._lookup(keys)
         batch, count = split.batch, len(self.members)
         if self._singles(split):
-            # One id per sample: pooling is the row itself.
-            return list(F.embedding(inverse.view(count, batch), rows).unbind(0))
+            # One id per sample: pooling is the row itself, looked up sample by sample so
+            # a sample's rows lie side by side (as a fused table's [batch, features] would).
+            return F.embedding(inverse.view(count, batch).t(), rows)
         ones = torch.ones(batch, dtype=torch.int64)
         counts = torch.cat([ones if (n := split.lengths[m.name]) is None else n
                             for m in self.members])
         offsets = torch.zeros_like(counts)
         torch.cumsum(counts[:-1], 0, out=offsets[1:])
         pooled = F.embedding_bag(inverse, rows, offsets.to(inverse.device), mode=self.pooling)
-        return list(pooled.view(count, batch, -1).unbind(0))
+        return pooled.view(count, batch, -1).transpose(0, 1)
+
+
+class Pooled(Mapping[str, torch.Tensor]):
+    """What a collection's forward returns: each feature's pooled rows, [B, embedding_dim],
+    by name, in the collection's feature order (a read-only mapping). `cat()` gives them
+    side by side, as `torch.cat(list(pooled.values()), dim=1)` would, from the groups'
+    blocks: one copy of the rows, or none for a single group's features of one id each."""
+
+    def __init__(self, order: Sequence[str], blocks: Sequence[tuple[Sequence[str], torch.Tensor]]
+                 ) -> None:
+        self._order = tuple(order)
+        # Each group's members and their rows, [batch, members, dim].
+        self._blocks = [(tuple(names), block) for names, block in blocks]
+        self._features: dict[str, torch.Tensor] | None = None
+
+    def _by_name(self) -> dict[str, torch.Tensor]:
+        if self._features is None:  # made on first use: cat() needs none of them
+            features: dict[str, torch.Tensor] = {}
+            for names, block in self._blocks:
+                features.update(zip(names, block.unbind(1), strict=True))
+            self._features = {name: features[name] for name in self._order}
+        return self._features
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._by_name()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def cat(self) -> torch.Tensor:
+        """Every feature's rows side by side, [B, sum of embedding_dim], in feature order."""
+        pieces: list[torch.Tensor] = []
+        at = 0
+        whole = {names[0]: (names, block) for names, block in self._blocks}
+        while at < len(self._order):
+            names, block = whole.get(self._order[at], ((), None))
+            if block is not None and self._order[at : at + len(names)] == names:
+                pieces.append(block.flatten(1))  # a view when its members lie side by side
+                at += len(names)
+            else:
+                pieces.append(self[self._order[at]])
+                at += 1
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
 
 class PSEmbeddingCollection(nn.Module):
@@ -166,7 +215,8 @@ class PSEmbeddingCollection(nn.Module):
 
     `forward(batch)` takes a `KeyedJagged` or a mapping of feature name to ids ([B] or
     [B, L]; extra names are ignored, missing ones raise PSModuleError) and returns each
-    feature's pooled rows, [B, embedding_dim], by name, in the collection's feature order.
+    feature's pooled rows, [B, embedding_dim], by name, in the collection's feature order
+    (a `Pooled`; its `cat()` puts them side by side with the fewest copies).
     `prefetch(batch)` asks for the rows a later forward on the same batch will need, as
     PSEmbedding.prefetch does. Construction declares one table per group, named
     `{name}.{i}` in order of first appearance (blocks on every shard); adding, removing or
@@ -212,8 +262,13 @@ class PSEmbeddingCollection(nn.Module):
             names, values = batch.keys, batch.values.reshape(-1)
             size = batch.batch_size
             counts = batch.lengths.to("cpu", torch.int64).view(len(names), size)
-            per_sample: list[torch.Tensor | None] = list(counts.unbind(0))
-            totals = counts.sum(1).tolist()
+            host = counts.numpy()
+            totals = host.sum(1).tolist()
+            # A feature with one id per sample is looked up, not pooled (see _Group.pool).
+            per_sample: list[torch.Tensor | None] = [
+                None if single else counts[i]
+                for i, single in enumerate((host == 1).all(1).tolist())
+            ]
         else:
             names = tuple(batch)
             sizes = {t.shape[0] for t in batch.values() if t.dim() > 0}
@@ -241,14 +296,13 @@ class PSEmbeddingCollection(nn.Module):
         for name, total, n in zip(names, totals, per_sample, strict=True):
             spans[name], lengths[name] = (start, start + total), n
             start += total
-        if values.numel():
-            lo, hi = torch.aminmax(values)
-            if int(lo) < 0 or int(hi) > MAX_ID:
-                where = int(((values < 0) | (values > MAX_ID)).nonzero()[0])
-                bad = int(values[where])
-                feature = next(n for n, (a, b) in spans.items() if a <= where < b)
-                raise PSModuleError(f"feature {feature!r}: id {bad} is outside "
-                                    f"[0, 2**{ID_BITS}); hash larger ids into that range")
+        # As unsigned, a negative id is above MAX_ID too: one pass finds both.
+        if values.numel() and int(values.numpy().view(np.uint64).max()) > MAX_ID:
+            where = int(((values < 0) | (values > MAX_ID)).nonzero()[0])
+            bad = int(values[where])
+            feature = next(n for n, (a, b) in spans.items() if a <= where < b)
+            raise PSModuleError(f"feature {feature!r}: id {bad} is outside "
+                                f"[0, 2**{ID_BITS}); hash larger ids into that range")
         return _Split(values, spans, lengths, size)
 
     def _read(self, batch: KeyedJagged | Mapping[str, torch.Tensor]) -> tuple[
@@ -275,13 +329,12 @@ class PSEmbeddingCollection(nn.Module):
         for group, group_keys in zip(self._groups, keys, strict=True):
             group.ask_ahead(group_keys)
 
-    def forward(self, batch: KeyedJagged | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def forward(self, batch: KeyedJagged | Mapping[str, torch.Tensor]) -> Pooled:
         split, keys = self._read(batch)
-        pooled: dict[str, torch.Tensor] = {}
-        for group, group_keys in zip(self._groups, keys, strict=True):
-            for member, rows in zip(group.members, group.pool(split, group_keys), strict=True):
-                pooled[member.name] = rows
-        return {f.name: pooled[f.name] for f in self.features}
+        return Pooled([f.name for f in self.features], [
+            ([m.name for m in group.members], group.pool(split, group_keys))
+            for group, group_keys in zip(self._groups, keys, strict=True)
+        ])
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, features={len(self.features)}, tables={len(self.groups)}"

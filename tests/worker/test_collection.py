@@ -17,6 +17,7 @@ from worker.collection import (
     MAX_FEATURES_PER_GROUP,
     FeatureConfig,
     KeyedJagged,
+    Pooled,
     PSEmbeddingCollection,
 )
 from worker.errors import PSModuleError
@@ -208,3 +209,50 @@ def test_bad_declarations_are_refused(client: PSClient) -> None:
     # Another seed starts a second group, so 129 features fit.
     many[-1] = feature("f128", seed=1)
     assert len(PSEmbeddingCollection(client, fresh("two"), many).groups) == 2
+
+
+# ---- Pooled: the forward's result, without servers -------------------------------------------
+
+
+def _blocks() -> tuple[torch.Tensor, torch.Tensor]:
+    """A group of three one-id features (x, y, z) and one of a single bag feature (w), laid
+    out as the groups pool them: [batch, members, dim]."""
+    singles = torch.arange(2 * 3 * DIM, dtype=torch.float32).view(2, 3, DIM)
+    bags = -torch.arange(2 * DIM, dtype=torch.float32).view(1, 2, DIM).transpose(0, 1)
+    return singles, bags
+
+
+@pytest.mark.parametrize("order", [("x", "y", "z", "w"), ("w", "x", "y", "z"),
+                                   ("x", "w", "z", "y"), ("z", "y", "x", "w")])
+def test_pooled_features_are_read_by_name_and_cat_in_feature_order(
+    order: tuple[str, ...],
+) -> None:
+    singles, bags = _blocks()
+    pooled = Pooled(order, [(("x", "y", "z"), singles), (("w",), bags)])
+    rows = {"x": singles[:, 0], "y": singles[:, 1], "z": singles[:, 2], "w": bags[:, 0]}
+    assert list(pooled) == list(order) and len(pooled) == 4
+    for name in order:
+        assert torch.equal(pooled[name], rows[name])
+    expected = torch.cat([rows[name] for name in order], dim=1)
+    assert torch.equal(pooled.cat(), expected)
+
+
+def test_one_group_of_one_id_features_cats_without_a_copy() -> None:
+    singles, _ = _blocks()
+    together = Pooled(("x", "y", "z"), [(("x", "y", "z"), singles)]).cat()
+    assert together.data_ptr() == singles.data_ptr()
+    assert torch.equal(together, singles.reshape(2, 3 * DIM))
+
+
+def test_a_keyed_batch_with_one_id_per_sample_reads_as_plain_ids(client: PSClient) -> None:
+    """Lengths of 1 in a KeyedJagged mean what a [B] tensor means: the feature is looked up
+    row by row, and the group lays its rows out sample by sample."""
+    collection = PSEmbeddingCollection(client, fresh("ones"), [feature("a"), feature("b")])
+    kjt = KeyedJagged(("a", "b"), torch.tensor([1, 2, 3, 4, 5, 6]),
+                      torch.ones(6, dtype=torch.int64))
+    split = collection._split(kjt)
+    assert split.lengths == {"a": None, "b": None}
+    out = collection(kjt)
+    plain = collection({"a": torch.tensor([1, 2, 3]), "b": torch.tensor([4, 5, 6])})
+    torch.testing.assert_close(out.cat(), plain.cat(), atol=0, rtol=0)
+    assert out.cat()._base is not None  # a view of the group's [batch, features, dim] block

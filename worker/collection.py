@@ -169,11 +169,11 @@ class Pooled(Mapping[str, torch.Tensor]):
     side by side, as `torch.cat(list(pooled.values()), dim=1)` would, from the groups'
     blocks: one copy of the rows, or none for a single group's features of one id each."""
 
-    def __init__(self, order: Sequence[str], blocks: Sequence[tuple[Sequence[str], torch.Tensor]]
-                 ) -> None:
-        self._order = tuple(order)
+    def __init__(self, order: tuple[str, ...],
+                 blocks: Sequence[tuple[tuple[str, ...], torch.Tensor]]) -> None:
+        self._order = order
         # Each group's members and their rows, [batch, members, dim].
-        self._blocks = [(tuple(names), block) for names, block in blocks]
+        self._blocks = blocks
         self._features: dict[str, torch.Tensor] | None = None
 
     def _by_name(self) -> dict[str, torch.Tensor]:
@@ -197,12 +197,12 @@ class Pooled(Mapping[str, torch.Tensor]):
         """Every feature's rows side by side, [B, sum of embedding_dim], in feature order."""
         pieces: list[torch.Tensor] = []
         at = 0
-        whole = {names[0]: (names, block) for names, block in self._blocks}
+        starting = {names[0]: (names, block) for names, block in self._blocks}
         while at < len(self._order):
-            names, block = whole.get(self._order[at], ((), None))
-            if block is not None and self._order[at : at + len(names)] == names:
-                pieces.append(block.flatten(1))  # a view when its members lie side by side
-                at += len(names)
+            group = starting.get(self._order[at])
+            if group is not None and self._order[at : at + len(group[0])] == group[0]:
+                pieces.append(group[1].flatten(1))  # a view when its members lie side by side
+                at += len(group[0])
             else:
                 pieces.append(self[self._order[at]])
                 at += 1
@@ -251,6 +251,8 @@ class PSEmbeddingCollection(nn.Module):
                 )
             group.add(config.name)
         self._groups = list(groups.values())
+        self._names = tuple(f.name for f in self.features)
+        self._member_names = [tuple(m.name for m in g.members) for g in self._groups]
         # The last batches read, by identity: a prefetched batch is read once.
         self._recent: OrderedDict[int, tuple[KeyedJagged, _Split, list[torch.Tensor]]] = (
             OrderedDict())
@@ -331,9 +333,10 @@ class PSEmbeddingCollection(nn.Module):
 
     def forward(self, batch: KeyedJagged | Mapping[str, torch.Tensor]) -> Pooled:
         split, keys = self._read(batch)
-        return Pooled([f.name for f in self.features], [
-            ([m.name for m in group.members], group.pool(split, group_keys))
-            for group, group_keys in zip(self._groups, keys, strict=True)
+        return Pooled(self._names, [
+            (names, group.pool(split, group_keys))
+            for group, names, group_keys in zip(self._groups, self._member_names, keys,
+                                                strict=True)
         ])
 
     def extra_repr(self) -> str:

@@ -56,7 +56,8 @@ def as_keys(keys: KeysLike) -> np.ndarray:
 
 def unique_keys(keys: np.ndarray, assume_unique: bool) -> tuple[np.ndarray, np.ndarray | None]:
     """(unique keys, each given key's position in them); None when `keys` are unique already,
-    in which case their order is kept."""
+    in which case their order is kept. Unique keys come sorted: the servers' index and row
+    loops run faster over keys in order than over a hash's first-seen order."""
     if assume_unique or len(keys) < 2:
         return keys, None
     unique, inverse = torch.unique(torch.from_numpy(keys), return_inverse=True)

@@ -100,8 +100,8 @@ class _Member:
 @dataclass(frozen=True)
 class _Split:
     """A batch as the collection reads it: every id in one flat int64 CPU tensor, each
-    feature's span in it, and its ids per sample (None: exactly one each, also when a
-    KeyedJagged says so with lengths of 1)."""
+    feature's span in it, and its ids per sample (None: exactly one each, whether given as
+    [B], [B, 1] or a KeyedJagged's lengths of 1)."""
 
     values: torch.Tensor
     spans: dict[str, tuple[int, int]]
@@ -280,7 +280,8 @@ class PSEmbeddingCollection(nn.Module):
             (size,) = sizes
             per_sample, totals = [], []
             for t in batch.values():
-                per_sample.append(None if t.dim() == 1
+                # [B] and [B, 1] alike: one id per sample, looked up, not pooled.
+                per_sample.append(None if t.dim() == 1 or t.shape[1] == 1
                                   else torch.full((size,), t.shape[1], dtype=torch.int64))
                 totals.append(t.numel())
             values = torch.cat([t.reshape(-1) for t in batch.values()])

@@ -434,6 +434,14 @@ def stalled_after_two_checkpoints(procs: Procs, job: str) -> Stalled:
                90, "two checkpoints")
     victim = live_server_pid(store, 0)
     os.kill(victim, signal.SIGSTOP)
+
+    # A checkpoint server 0 listed before it stopped may still be on its way from server 1:
+    # once it lands it is the newest, so the newest is read after that.
+    def settled() -> bool:
+        return all(1 in entries for entries in
+                   (store.checkpoint(c) for c in store.checkpoint_ids()) if 0 in entries)
+
+    wait_until(settled, 60, "server 1's part of the checkpoints server 0 wrote")
     (newest, _), (older, _) = sorted(store.complete_checkpoints(2), key=lambda c: -c[1])[:2]
     return Stalled(redis, store, up, victim, newest, older)
 

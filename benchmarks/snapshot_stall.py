@@ -2,10 +2,12 @@
 `--only stall` section; runnable alone).
 
     python benchmarks/snapshot_stall.py [--mb 1024] [--batch 1024] [--checkpoints 4]
-        [--every-s 4] [--json PATH] [-- extra `pstrain up` flags]
+        [--every-s 4] [--servers 2] [--workers 2] [--json PATH] [-- extra `pstrain up` flags]
 
 A real job on this machine: a private redis-server and `pstrain up --mode async` with two
-servers and two workers (benchmarks/stall_worker.py). Worker 0 fills a sparse float32 table
+servers and two workers (benchmarks/stall_worker.py; `--servers` and `--workers` change
+how many: fewer processes than cores leave the checkpoint's write a core of its own, which
+four busy processes on a 2-core machine do not). Worker 0 fills a sparse float32 table
 of dim 64 with Adagrad state to about --mb MB in all (values and state, both servers
 together); then both workers step as a training loop does, each step one exchange per
 server (the gradients of --batch random ids, the end of the iteration, the next step's
@@ -50,7 +52,8 @@ ROW_BYTES = 2 * 64 * 4 + 8  # value and Adagrad sum (float32 x 64) and the key
 
 
 def measure(mb: float = 1024.0, batch: int = 1024, checkpoints: int = 4, every_s: float = 4.0,
-            up_flags: list[str] | None = None, directory: str = "/tmp") -> dict[str, Any]:
+            up_flags: list[str] | None = None, directory: str = "/tmp", servers: int = 2,
+            workers: int = 2) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="pstrain-stall-", dir=directory))
     rows = int(mb * 1e6 / ROW_BYTES)
     port = free_port()
@@ -61,7 +64,8 @@ def measure(mb: float = 1024.0, batch: int = 1024, checkpoints: int = 4, every_s
     log = (work / "up.log").open("w")
     up = subprocess.Popen(
         [sys.executable, "-m", "scheduler.cli", "up", "--redis", url, "--job", JOB,
-         "--servers", "2", "--workers", "2", "--mode", "async", "--log-dir", str(work / "logs"),
+         "--servers", str(servers), "--workers", str(workers),
+         "--mode", "async", "--log-dir", str(work / "logs"),
          "--checkpoint-dir",
          str(work / "ckpt"), "--no-view", *(up_flags or []),
          str(REPO / "benchmarks" / "stall_worker.py"), "--", "--rows", str(rows),
@@ -71,8 +75,8 @@ def measure(mb: float = 1024.0, batch: int = 1024, checkpoints: int = 4, every_s
     try:
         wait_until(lambda: redis.poll() is None and _store(url) is not None, 30, "redis")
         store = JobStore.connect(url, JOB)
-        wait_until(lambda: all((out / f"ready-{r}").exists() for r in range(2)) or up.poll(), 900,
-              "the table to fill")
+        wait_until(lambda: all((out / f"ready-{r}").exists() for r in range(workers))
+                   or up.poll(), 900, "the table to fill")
         if up.poll() is not None:
             raise RuntimeError(f"pstrain up ended early; see {work / 'up.log'}")
         time.sleep(every_s)
@@ -80,13 +84,13 @@ def measure(mb: float = 1024.0, batch: int = 1024, checkpoints: int = 4, every_s
             checkpoint_id = f"stall-{n}"
             start = time.time()
             store.request_checkpoint(checkpoint_id, -1)
-            wait_until(lambda: len(store.checkpoint(checkpoint_id)) == 2,  # noqa: B023
+            wait_until(lambda: len(store.checkpoint(checkpoint_id)) == servers,  # noqa: B023
                   300, f"checkpoint {checkpoint_id}")
             windows.append((start, time.time()))
             time.sleep(every_s)
         stop.touch()
         up.wait(120)
-        steps = [tuple(s) for r in range(2)
+        steps = [tuple(s) for r in range(workers)
                  for s in json.loads((out / f"steps-{r}.json").read_text())]
     finally:
         if up.poll() is None:
@@ -112,7 +116,8 @@ def measure(mb: float = 1024.0, batch: int = 1024, checkpoints: int = 4, every_s
                      if a <= s <= b and e - s > 5 * median)
     p99 = float(np.percentile(inside, 99))
     return {
-        "model_mb": round(rows * ROW_BYTES / 1e6), "batch": batch, "servers": 2, "workers": 2,
+        "model_mb": round(rows * ROW_BYTES / 1e6), "batch": batch, "servers": servers,
+        "workers": workers,
         "checkpoints": checkpoints, "up_flags": up_flags or [],
         "steps_outside": len(outside), "steps_during": len(inside),
         "median_step_ms": round(median * 1e3, 2),
@@ -141,12 +146,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--checkpoints", type=int, default=4)
     parser.add_argument("--every-s", type=float, default=4.0)
+    parser.add_argument("--servers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--dir", default="/tmp")
     parser.add_argument("--json", help="also write the figures to this path")
     parser.add_argument("up_flags", nargs="*", help="after --: flags for pstrain up")
     args = parser.parse_args()
     figures = measure(args.mb, args.batch, args.checkpoints, args.every_s, args.up_flags,
-                      args.dir)
+                      args.dir, args.servers, args.workers)
     print(json.dumps(figures, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")

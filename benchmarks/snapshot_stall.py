@@ -2,7 +2,8 @@
 `--only stall` section; runnable alone).
 
     python benchmarks/snapshot_stall.py [--mb 1024] [--batch 1024] [--checkpoints 4]
-        [--every-s 4] [--servers 2] [--workers 2] [--json PATH] [-- extra `pstrain up` flags]
+        [--every-s 4] [--servers 2] [--workers 2] [--zipf S] [--json PATH]
+        [-- extra `pstrain up` flags]
 
 A real job on this machine: a private redis-server and `pstrain up --mode async` with two
 servers and two workers (benchmarks/stall_worker.py; `--servers` and `--workers` change
@@ -53,7 +54,7 @@ ROW_BYTES = 2 * 64 * 4 + 8  # value and Adagrad sum (float32 x 64) and the key
 
 def measure(mb: float = 1024.0, batch: int = 1024, checkpoints: int = 4, every_s: float = 4.0,
             up_flags: list[str] | None = None, directory: str = "/tmp", servers: int = 2,
-            workers: int = 2) -> dict[str, Any]:
+            workers: int = 2, zipf: float = 0.0) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="pstrain-stall-", dir=directory))
     rows = int(mb * 1e6 / ROW_BYTES)
     port = free_port()
@@ -69,7 +70,7 @@ def measure(mb: float = 1024.0, batch: int = 1024, checkpoints: int = 4, every_s
          "--checkpoint-dir",
          str(work / "ckpt"), "--no-view", *(up_flags or []),
          str(REPO / "benchmarks" / "stall_worker.py"), "--", "--rows", str(rows),
-         "--batch", str(batch), "--out", str(out), "--stop", str(stop)],
+         "--batch", str(batch), "--out", str(out), "--stop", str(stop), "--zipf", str(zipf)],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     windows: list[tuple[float, float]] = []
     try:
@@ -117,7 +118,7 @@ def measure(mb: float = 1024.0, batch: int = 1024, checkpoints: int = 4, every_s
     p99 = float(np.percentile(inside, 99))
     return {
         "model_mb": round(rows * ROW_BYTES / 1e6), "batch": batch, "servers": servers,
-        "workers": workers,
+        "workers": workers, "zipf": zipf,
         "checkpoints": checkpoints, "up_flags": up_flags or [],
         "steps_outside": len(outside), "steps_during": len(inside),
         "median_step_ms": round(median * 1e3, 2),
@@ -148,12 +149,14 @@ def main() -> None:
     parser.add_argument("--every-s", type=float, default=4.0)
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--zipf", type=float, default=0.0,
+                        help="ids Zipf-ranked with this exponent (0: uniform)")
     parser.add_argument("--dir", default="/tmp")
     parser.add_argument("--json", help="also write the figures to this path")
     parser.add_argument("up_flags", nargs="*", help="after --: flags for pstrain up")
     args = parser.parse_args()
     figures = measure(args.mb, args.batch, args.checkpoints, args.every_s, args.up_flags,
-                      args.dir, args.servers, args.workers)
+                      args.dir, args.servers, args.workers, args.zipf)
     print(json.dumps(figures, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")

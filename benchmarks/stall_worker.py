@@ -1,11 +1,13 @@
 """The training script of benchmarks/snapshot_stall.py, run by `pstrain up`.
 
-    python benchmarks/stall_worker.py --rows N --batch B --out DIR --stop FILE
+    python benchmarks/stall_worker.py --rows N --batch B --out DIR --stop FILE [--zipf S]
 
 Rank 0 fills sparse table "stall.emb" (dim 64, Adagrad) with rows 0..N-1; both ranks then
 write DIR/ready-<rank> and step until FILE exists: each step one exchange per server with
 the gradients of B random ids, the end of the iteration and the next step's rows. At the
-end each writes DIR/steps-<rank>.json: every step's wall-clock (start, end).
+end each writes DIR/steps-<rank>.json: every step's wall-clock (start, end). Ids are drawn
+uniformly, or with `--zipf S` (> 0) the id of rank k (a fixed permutation of the rows) with
+probability proportional to 1 / (k + 1)^S, as a click model's ids are.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -27,12 +30,25 @@ from worker.plan import Pull, Push
 FILL = 1 << 17  # rows per filling request: 32 MiB of float32 x 64
 
 
+def ids(rows: int, batch: int, zipf: float,
+        rng: np.random.Generator) -> Callable[[], np.ndarray]:
+    """A step's unique ids: uniform over the rows, or Zipf-ranked (`zipf` > 0)."""
+    if zipf <= 0:
+        return lambda: np.unique(rng.integers(0, rows, batch))
+    cdf = np.cumsum(1.0 / np.arange(1, rows + 1, dtype=np.float64) ** zipf)
+    cdf /= cdf[-1]
+    ranked = np.random.default_rng(12345).permutation(rows)  # the same on every rank
+    return lambda: np.unique(ranked[np.minimum(np.searchsorted(cdf, rng.random(batch)),
+                                               rows - 1)])
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, required=True)
     p.add_argument("--batch", type=int, required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--stop", required=True)
+    p.add_argument("--zipf", type=float, default=0.0)
     a = p.parse_args()
     ctx = worker.init()
     client = ctx.client
@@ -46,11 +62,12 @@ def main() -> None:
             client.assign_sparse("stall.emb", keys, torch.zeros(len(keys), 64))
     (out / f"ready-{ctx.rank}").touch()
     rng = np.random.default_rng(ctx.rank)
+    draw = ids(a.rows, a.batch, a.zipf, rng)
     steps: list[tuple[float, float]] = []
-    keys = np.unique(rng.integers(0, a.rows, a.batch))
+    keys = draw()
     stop = Path(a.stop)
     while not stop.exists():
-        nxt = np.unique(rng.integers(0, a.rows, a.batch))
+        nxt = draw()
         start = time.time()
         client.exchange([Push("stall.emb", torch.full((len(keys), 64), 1e-3), keys, True)],
                         end_iteration=True, pulls=[Pull("stall.emb", nxt)])

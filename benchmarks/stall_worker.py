@@ -38,8 +38,8 @@ def ids(rows: int, batch: int, zipf: float,
     cdf = np.cumsum(1.0 / np.arange(1, rows + 1, dtype=np.float64) ** zipf)
     cdf /= cdf[-1]
     ranked = np.random.default_rng(12345).permutation(rows)  # the same on every rank
-    return lambda: np.unique(ranked[np.minimum(np.searchsorted(cdf, rng.random(batch)),
-                                               rows - 1)])
+    # cdf[-1] is 1.0 and draws are below it: every search lands on a row.
+    return lambda: np.unique(ranked[np.searchsorted(cdf, rng.random(batch))])
 
 
 def main() -> None:

@@ -79,6 +79,9 @@ class Scheduler:
         # The incarnation each shard last served under, as this scheduler saw it (kept across
         # outages and lease changes): another one later is a restarted server.
         self._incarnations: dict[int, int] = {}
+        # Those the job has accounted for (a sync job: rolled back for), also in Redis for a
+        # leader that takes over: a server restarted while none led is still recognised.
+        self._served: dict[int, int] = {}
         # A sync rollback not yet carried out everywhere.
         self._rollback: _Rollback | None = None
         # The newest generation this scheduler published.
@@ -160,6 +163,10 @@ class Scheduler:
                 self._gone.add(int(change["worker"]))
             else:
                 self._gone.discard(int(change["worker"]))
+        # An earlier leader's record is newer than this scheduler's memory, if it led before.
+        served = self.store.served_incarnations()
+        self._incarnations.update(served)
+        self._served.update(served)
         self._fences_loaded = True
 
     def _find_dead_at_takeover(self) -> None:
@@ -191,6 +198,7 @@ class Scheduler:
             self.store.event("rebuilt", "scheduler", self.ident)
             for rank, incarnation in self.workers.fenced.items():
                 self.store.fence_worker(rank, incarnation)
+            self.store.record_served(self._served)
             log.warning("scheduler: job %r was missing from Redis; rebuilt it", self.spec.job)
         worker_ids = sorted(set(range(self.spec.workers)) | set(self.store.members("worker")))
         server_ids = list(range(self.spec.servers))
@@ -237,6 +245,10 @@ class Scheduler:
             self._incarnations[t.member] = t.incarnation
             if restarted(last_seen, t.incarnation) and self.spec.mode == "sync":
                 self._start_rollback(t.member, server_beats)
+        if self._rollback is None:
+            # Not while a rollback is due: a leader that takes over before it is done
+            # rolls back again.
+            self._account()
         self._publish_live()
         if self._rollback is not None:
             self._roll_back(server_beats)
@@ -488,6 +500,14 @@ class Scheduler:
                     self.spec.job, checkpoint_id, clock)
         self._rollback = None
         self._pushed.clear()
+
+    def _account(self) -> None:
+        """The job has accounted for the servers' incarnations seen: recorded in Redis (a
+        call that fails is made again at the next poll)."""
+        changed = {k: v for k, v in self._incarnations.items() if self._served.get(k) != v}
+        if changed:
+            self.store.record_served(changed)
+            self._served.update(changed)
 
     def _signed_checkpoints(self, skip: set[str]) -> tuple[
             dict[str, dict[int, dict[str, Any]]], list[tuple[str, int]]]:

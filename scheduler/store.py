@@ -263,6 +263,9 @@ class Keys:
     def stopped(self) -> str:
         return self.prefix + "stopped"
 
+    def served(self) -> str:
+        return self.prefix + "served"
+
 
 @dataclass(frozen=True)
 class Event:
@@ -387,7 +390,8 @@ class JobStore:
                     self.keys.members("server"), self.keys.checkpoint_request(),
                     self.keys.left(), self.keys.live())
         pipe.delete(self.keys.fenced(), self.keys.suspects(), self.keys.suspicions(),
-                    self.keys.membership(), self.keys.bad(), self.keys.stopped())
+                    self.keys.membership(), self.keys.bad(), self.keys.stopped(),
+                    self.keys.served())
         pipe.set(self.keys.run(), json.dumps({
             "id": spec.run_id, "started": spec.created_s,
             "previous": "" if previous is None else previous.get("id", ""),
@@ -412,7 +416,7 @@ class JobStore:
         for checkpoint_id in self.checkpoint_ids():
             pipe.delete(self.keys.checkpoint(checkpoint_id))
         pipe.delete(self.keys.checkpoints(), self.keys.members("server"),
-                    self.keys.checkpoint_request())
+                    self.keys.checkpoint_request(), self.keys.served())
         pipe.set(self.keys.spec(), spec.to_json())
         pipe.execute()
         log.warning("job %r: %d servers now, not %d; each restores its share of the newest "
@@ -546,6 +550,18 @@ class JobStore:
         """The newest incarnation of `rank` declared dead; -1 when none was."""
         raw = self.redis.hget(self.keys.fenced(), str(rank))
         return -1 if raw is None else int(raw)
+
+    def record_served(self, incarnations: Mapping[int, int]) -> None:
+        """Records, for each shard in `incarnations`, the incarnation whose start the job
+        has accounted for (a sync job: rolled back for); a leader that takes over compares
+        the servers it finds with these."""
+        if incarnations:
+            self.redis.hset(self.keys.served(),
+                            mapping={str(k): v for k, v in incarnations.items()})
+
+    def served_incarnations(self) -> dict[int, int]:
+        """Shard -> the incarnation recorded by `record_served`."""
+        return {int(k): int(v) for k, v in self.redis.hgetall(self.keys.served()).items()}
 
     def record_membership(self, entry: Mapping[str, Any]) -> None:
         """Appends one change of the workers (the newest MEMBERSHIP_KEPT are kept)."""

@@ -513,6 +513,30 @@ def test_a_rollback_skips_checkpoint_entries_not_signed_with_the_job_secret(
     assert len(warned) == 1, scheduler_log[-5000:]
 
 
+@pytest.mark.timeout(240)
+def test_a_server_restarted_while_no_scheduler_leads_is_rolled_back_for(procs: Procs) -> None:
+    # The scheduler and sync server 0 die together; `pstrain up --restart` starts both again,
+    # and the new scheduler, which never saw server 0's first incarnation, leads by the time
+    # the new server beats. The incarnations a leader saw are in Redis for the next one.
+    steps = STALLED_STEPS
+    redis = procs.redis().address
+    store = JobStore.connect(redis, "gap")
+    up = up_sync_job(procs, redis, "gap", steps=steps, restart=True)
+    wait_until(lambda: worker_clock(store, 0) >= 45 and store.latest_checkpoint(2), 90,
+               "training to pass a checkpoint")
+    leader = store.leader()
+    assert leader is not None
+    victim = live_server_pid(store, 0)
+    os.kill(int(leader.split(":")[1]), signal.SIGKILL)  # the lease holds host:pid:start
+    os.kill(victim, signal.SIGKILL)
+    rollback = wait_until(
+        lambda: next((e for e in store.events() if e.type == "rollback"), None), 90,
+        "the rollback")
+    assert int(rollback.detail["clock"]) >= 20, rollback  # type: ignore[attr-defined]
+    assert worker_clock(store, 0) < steps, "the job ended too soon: raise steps"
+    assert_uninterrupted_result(procs, up, steps)
+
+
 def up_run(procs: Procs, redis: str, name: str, steps: int, *flags: str) -> Proc:
     """`pstrain up` of job "reused" in one checkpoint directory, its results in out-NAME."""
     return procs.pstrain([

@@ -203,6 +203,7 @@ def test_a_stopped_job_adopted_with_another_server_count_takes_it(procs: Procs) 
     store.record_checkpoint("c1", 0, {"sha256": "0" * 64, "clock": 5})
     store.record_checkpoint("c1", 1, {"sha256": "1" * 64, "clock": 5})
     store.register("server", 1, {"address": "127.0.0.1:1", "restored": "c1"})
+    store.record_served({0: 5, 1: 6})
     # A live job keeps its count: a process of it still heartbeats, or a scheduler leads.
     assert store.acquire_lease("scheduler-a", 30)
     with pytest.raises(SpecMismatchError, match="servers: the job has 2, this process was "
@@ -218,9 +219,26 @@ def test_a_stopped_job_adopted_with_another_server_count_takes_it(procs: Procs) 
                                given={"servers": 3, "workers": 3})
     assert adopted == store.spec() == dataclasses.replace(held, servers=3)
     assert store.checkpoint_ids() == [] and store.checkpoint("c1") == {}
-    assert store.members("server") == {}
+    assert store.members("server") == {} and store.served_incarnations() == {}
     # Without a count, adopting keeps the job's.
     assert store.create_job(JobSpec("rescaled", servers=1), adopt=True) == adopted
+
+
+def test_the_servers_incarnations_accounted_for_are_kept_until_a_new_run(
+        procs: Procs) -> None:
+    # What a leader records for the next one: each shard's newest record stands, the other
+    # shards' stay; a new run under the name starts with none.
+    store = JobStore.connect(procs.redis().address, "served", timeout_s=5)
+    store.create_job(JobSpec("served", servers=2), adopt=False)
+    assert store.served_incarnations() == {}
+    store.record_served({0: 11, 1: 12})
+    store.record_served({0: 13})
+    store.record_served({})
+    assert store.served_incarnations() == {0: 13, 1: 12}
+    assert store.create_job(JobSpec("served"), adopt=True).servers == 2
+    assert store.served_incarnations() == {0: 13, 1: 12}
+    store.create_job(JobSpec("served", servers=2), adopt=False)
+    assert store.served_incarnations() == {}
 
 
 def test_departures_read_a_finish_and_an_exit_together(procs: Procs) -> None:

@@ -42,6 +42,10 @@ T = TypeVar("T")
 MiB = 1024 * 1024
 # Status codes after which a call is tried again: the request may not have been applied.
 _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# After its bulk transport failed, a link asks its server whether it is a new process this
+# long after the failure, then twice as long after each answer that it is not, up to the
+# last figure: a server restarted at the same address gets a new session.
+RECHECK_S = (1.0, 60.0)
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,11 @@ class Link:
         self.chunk_bytes = 2 * MiB
         self.incarnation = 0
         self.peer = Peer()  # the transport agreed with this server
-        # Guards swapping the connection (follow).
+        # When to ask whether the server restarted (0: the transport has not failed), and
+        # the wait after that.
+        self._recheck_at = 0.0
+        self._recheck_s = RECHECK_S[0]
+        # Guards swapping the connection (follow, a new session).
         self._lock = threading.Lock()
 
     @classmethod
@@ -156,6 +164,7 @@ class Link:
         self.address, self.channel, self.stubs, self.peer = address, channel, stubs, peer
         self.chunk_bytes = int(info.chunk_bytes) or 2 * MiB
         self.incarnation = int(info.incarnation)
+        self._recheck_at, self._recheck_s = 0.0, RECHECK_S[0]
 
     def _server_info(self, stubs: Stubs, address: str, deadline: float) -> pb.ServerInfo | None:
         """The server's info; None after a short failed try (the caller may re-resolve);
@@ -291,12 +300,16 @@ class Link:
         so nothing applies twice) goes over gRPC, as do all later ones.
         """
         peer = self.peer
+        if self._recheck_at and time.monotonic() >= self._recheck_at:
+            peer = self._meet_restarted()
         if peer.channel is not None:
             try:
                 sent = bulk_io.exchange(peer, self._stubs(), msg, payload, answer_bytes,
                                         self.reach.timeout_s)
             except ChannelBrokenError as exc:
                 self.reach.bulk.broken(peer, self.index, str(exc))
+                with self._lock:
+                    self._recheck_at = time.monotonic() + self._recheck_s
             else:
                 if sent is not None:
                     frame, region = sent
@@ -312,6 +325,39 @@ class Link:
             frame = self.unary(rpc.EXCHANGE, data)
             return frame.msg, codec.Received([frame.payload("payload")])
         return self._stream(msg, payload, answer_bytes)
+
+    def _meet_restarted(self) -> Peer:
+        """The peer to use after the bulk transport failed: a new session if the server is
+        a new process since (restarted at the same address), else the failed one (gRPC)
+        and a later check."""
+        with self._lock:
+            now = time.monotonic()
+            if not self._recheck_at or now < self._recheck_at:
+                return self.peer
+            stubs = self._stubs()
+            old = self.peer
+            try:
+                info = stubs.unary(rpc.GET_SERVER_INFO,
+                                   pb.ServerInfoRequest().SerializeToString(),
+                                   min(2.0, self.reach.timeout_s)).msg
+                incarnation = int(info.incarnation)
+                peer = (self.reach.bulk.meet(self.index, self.address, stubs,
+                                             min(5.0, self.reach.connect_timeout_s))
+                        if incarnation != self.incarnation else old)
+            except (grpc.RpcError, PSClientError) as exc:
+                log.debug("worker %d: asking shard %d whether it restarted failed: %s",
+                          self.reach.worker, self.index, exc)
+                peer = old
+            if peer is old:
+                self._recheck_at = now + self._recheck_s
+                self._recheck_s = min(2 * self._recheck_s, RECHECK_S[1])
+                return old
+            self.reach.bulk.end(old, stubs)
+            self.peer, self.incarnation = peer, incarnation
+            self._recheck_at, self._recheck_s = 0.0, RECHECK_S[0]
+        log.warning("worker %d: shard %d restarted at %s (incarnation %d); exchanging over %s",
+                    self.reach.worker, self.index, self.address, incarnation, peer.transport)
+        return peer
 
     def _stream(self, msg: pb.ExchangeRequest, payload: codec.Payload,
                 answer_bytes: int) -> tuple[pb.ExchangeResponse, codec.Received]:

@@ -32,6 +32,7 @@ from scheduler.admin import ServerAdmin
 from worker.bulk import ENV_LANES, TransportChoiceError, TransportSettings
 from worker.client import PSClient, Pull, Push
 from worker.errors import RemoteError, RolledBackError
+from worker.link import RECHECK_S
 
 SHM_OK, SHM_WHY = available("shm")
 pytestmark = pytest.mark.skipif(not SHM_OK, reason=f"shm is not available here: {SHM_WHY}")
@@ -135,6 +136,39 @@ def test_a_lost_session_falls_back_to_grpc_without_repeating_a_push(
         torch.testing.assert_close(rows, -3 * g, atol=0, rtol=0)
         (table,) = client.stats()[0].tables
         assert table.pushes_applied == 3 and table.pushes_duplicate == 0
+        # The same server process: the link asks after a while, and stays on gRPC.
+        time.sleep(RECHECK_S[0] + 0.1)
+        client.exchange([Push("e", g, keys)])
+        assert client.transports() == ["grpc"] and client.links[0].peer is peer
+
+
+def test_a_server_restarted_at_the_same_address_gets_a_new_session(
+    procs: Procs, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = procs.server()
+    with PSClient([server.address], worker=0) as client:
+        client.declare_sparse("e", 8, optimizer="sgd", lr=1.0, init=("zeros", 0, 0))
+        keys = np.arange(100, dtype=np.int64)
+        g = torch.ones(100, 8)
+        client.exchange([Push("e", g, keys)])
+        assert client.transports() == ["shm"]
+        procs.kill(server)
+        again = procs.server(extra=["--bind", server.address])
+        assert again.address == server.address
+        with caplog.at_level(logging.WARNING):
+            # The lane's connection died with the process: this one goes over gRPC (and
+            # declares the table again on the new process)...
+            client.exchange([Push("e", g, keys)])
+            assert client.transports() == ["grpc"]
+            time.sleep(RECHECK_S[0] + 0.1)
+            # ...and once the link has asked, the new process gets a session of its own.
+            (rows,) = client.exchange([Push("e", g, keys)], pulls=[Pull("e", keys)])
+        assert any("shard 0 restarted at" in r.getMessage() for r in caplog.records)
+        lane = client.links[0].peer.lane
+        assert client.transports() == ["shm"] and lane is not None and lane.calls == 1
+        torch.testing.assert_close(rows, -2 * g, atol=0, rtol=0)
+        (table,) = client.stats()[0].tables
+        assert table.pushes_applied == 2 and table.pushes_duplicate == 0
 
 
 def test_the_lane_refuses_strangers(procs: Procs) -> None:

@@ -908,11 +908,7 @@ class SparseTable(_Counted):
                 if self._evict.max_rows:
                     self._make_room(len(fresh_admitted), now_s)
                 slots = self._take_slots(len(fresh_admitted))
-                before = self.index.capacity
-                self.index.insert_rows(fresh_admitted, slots)
-                if self.index.capacity != before:
-                    trim_heap()
-                self._init_rows(fresh_admitted, slots)
+                self._create_rows(fresh_admitted, slots)
                 if self._evict.active:
                     self._stamp(slots, now_s)
                 if admitted is None:
@@ -971,12 +967,50 @@ class SparseTable(_Counted):
         self._free_len = start
         return np.concatenate([slots, np.arange(top, top + n - reused, dtype=np.int64)])
 
+    def _create_rows(self, keys: np.ndarray, slots: np.ndarray) -> None:
+        """Gives the absent, distinct `keys` the row slots `slots` (from _take_slots) and
+        initialises them. All or nothing: when memory for them cannot be had (the storage,
+        the index or the initial rows), the keys stay absent, the slots free, and
+        ResourceExhaustedError says so. Caller holds the index lock."""
+        needed = int(slots.max()) + 1 if len(slots) else 0
+        inserted = False
+        try:
+            if needed > self._capacity:
+                self._grow(grown_capacity(needed, self._capacity,
+                                          max_rows=self._evict.max_rows))
+            before = self.index.capacity
+            self.index.insert_rows(keys, slots)
+            inserted = True
+            if self.index.capacity != before:
+                trim_heap()
+            self._init_rows(keys, slots)
+        except (MemoryError, OSError, RuntimeError) as exc:
+            if inserted:
+                self.index.delete(keys)
+            self._free_slots(slots)
+            raise ResourceExhaustedError(
+                f"table {self.spec.name!r}: this server could not allocate memory for "
+                f"{len(keys)} new rows ({exc}); none of them was created. Give the server a "
+                "--memory-budget (requests over it are then refused before anything is "
+                "allocated), add servers, or declare the table with max_rows or a TTL"
+            ) from exc
+
+    def _free_slots(self, slots: np.ndarray) -> None:
+        """Pushes `slots`, which no key holds, onto the free stack. Caller holds the index
+        lock."""
+        if self._evict.active:
+            self._stamps[slots] = _FREE_STAMPS
+        need = self._free_len + len(slots)
+        if need > len(self._free):
+            free = np.empty(max(need, 2 * len(self._free)), dtype=np.int64)
+            free[:self._free_len] = self._free[:self._free_len]
+            self._free = free
+        self._free[self._free_len:need] = slots
+        self._free_len = need
+
     def _init_rows(self, keys: np.ndarray, rows: np.ndarray) -> None:
         """Initialises the new rows `rows` of `keys` (values from the key, fresh optimizer
-        state). Caller holds the index lock."""
-        needed = self.index.row_limit
-        if needed > self._capacity:
-            self._grow(grown_capacity(needed, self._capacity, max_rows=self._evict.max_rows))
+        state), within the storage's capacity. Caller holds the index lock."""
         with self._storage.shared():
             # New rows are invisible to other requests until the index lock is released,
             # so writing them needs no update lock; a slot freed by eviction may still hold
@@ -1067,14 +1101,7 @@ class SparseTable(_Counted):
         rows = self.index.delete(keys)
         held = rows >= 0
         slots, keys = rows[held], keys[held]
-        self._stamps[slots] = _FREE_STAMPS
-        need = self._free_len + len(slots)
-        if need > len(self._free):
-            free = np.empty(max(need, 2 * len(self._free)), dtype=np.int64)
-            free[:self._free_len] = self._free[:self._free_len]
-            self._free = free
-        self._free[self._free_len:need] = slots
-        self._free_len = need
+        self._free_slots(slots)
         self._record_evicted(keys)
         return len(slots)
 
@@ -1108,7 +1135,11 @@ class SparseTable(_Counted):
             return before - len(self.index)
 
     def _grow(self, capacity: int) -> None:
-        """Reallocates storage for `capacity` rows. Caller holds the index lock (or __init__)."""
+        """Reallocates storage for `capacity` rows. Caller holds the index lock (or __init__).
+
+        Block by block, each old one freed as its copy replaces it, so that growing takes
+        the memory of one block more than the table. A failed allocation leaves the table
+        as it was: its capacity changes last, and blocks already larger are harmless."""
         dim, dtype = self.spec.dim, self.spec.dtype
         # Rows past the old capacity are being created by the caller; only older ones move.
         used = min(self.index.row_limit, self._capacity)

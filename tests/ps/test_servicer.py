@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -712,6 +713,61 @@ def test_a_server_at_its_memory_budget_refuses_new_rows_and_stays_within_it(
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
     assert _rss(server.pid) - baseline < 64 * MiB + REQUEST_SLACK
     channel.close()
+    client.close()
+
+
+def test_a_server_that_cannot_allocate_new_rows_refuses_them_whole_and_goes_on(
+    procs: Procs,
+) -> None:
+    """Without a memory budget, the OS is what says no: the server's address space is
+    limited (prlimit) until growing a table fails. That exchange is refused naming the table,
+    no key of it gets a row, the rows held are served as before, and once memory can be had
+    again the same keys are created as if never refused."""
+    server = procs.server()
+    client = PSClient([server.address], transport="grpc")
+    client.declare_sparse("emb", DIM, optimizer="adagrad", lr=0.1)
+    client.pull_sparse("emb", np.arange(BATCH), clock=0)
+    pages = int(Path(f"/proc/{server.pid}/statm").read_text().split()[0])
+    limit = pages * 4096 + 256 * MiB
+    subprocess.run(["prlimit", "--pid", str(server.pid), f"--as={limit}:unlimited"],
+                   check=True, timeout=30)
+    refused: RemoteError | None = None
+    start = BATCH
+    try:
+        while start < 400 * BATCH:  # rows of about 1.6 GiB: past the limit
+            try:
+                client.pull_sparse("emb", np.arange(start, start + BATCH), clock=0)
+            except RemoteError as exc:
+                refused = exc
+                break
+            start += BATCH
+        assert refused is not None, f"{start} rows created, none refused"
+        assert refused.code is grpc.StatusCode.RESOURCE_EXHAUSTED, refused
+        assert refused.details.startswith(f"table 'emb': this server could not allocate "
+                                          f"memory for {BATCH} new rows ("), refused.details
+        assert "none of them was created" in refused.details
+        (table,) = client.stats()[0].tables
+        assert table.rows == start
+        held = np.arange(0, start, 997)
+        first = client.pull_sparse("emb", held, clock=0)
+        # The refused keys have no rows: asked again they are refused again, the same way.
+        with pytest.raises(RemoteError, match="could not allocate memory") as again:
+            client.pull_sparse("emb", np.arange(start, start + BATCH), clock=0)
+        assert again.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        subprocess.run(["prlimit", "--pid", str(server.pid), "--as=unlimited:unlimited"],
+                       check=True, timeout=30)
+    fresh = np.arange(start, start + BATCH)
+    created = client.pull_sparse("emb", fresh, clock=0)
+    # The same rows as another server creates for those keys (initialised from the key).
+    other = PSClient([procs.server().address], transport="grpc")
+    other.declare_sparse("emb", DIM, optimizer="adagrad", lr=0.1)
+    torch.testing.assert_close(created, other.pull_sparse("emb", fresh, clock=0), atol=0,
+                               rtol=0)
+    torch.testing.assert_close(client.pull_sparse("emb", held, clock=0), first, atol=0, rtol=0)
+    client.push_sparse("emb", fresh, torch.ones(BATCH, DIM), assume_unique=True)
+    assert client.stats()[0].tables[0].rows == start + BATCH
+    other.close()
     client.close()
 
 

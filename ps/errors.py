@@ -6,6 +6,8 @@ code; nothing below the servicer knows about gRPC.
 
 from __future__ import annotations
 
+import errno
+
 
 class PSError(Exception):
     """Base of every error the parameter server reports to a client."""
@@ -63,3 +65,13 @@ class StreamEndedError(PSError):
 class CallEndedError(PSError):
     """The caller ended its call (cancelled, past its deadline, gone) while the server waited
     for the clocks on its behalf; nothing of the wait's request was applied after that."""
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is the OS refusing memory: MemoryError, an OSError with ENOMEM (a
+    mapping), or torch's CPU allocator failing (a RuntimeError that says so). Pure."""
+    if isinstance(exc, MemoryError):
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno == errno.ENOMEM
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)

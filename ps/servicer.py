@@ -43,6 +43,7 @@ from ps.errors import (
     RolledBackError,
     ServerBusyError,
     StreamEndedError,
+    out_of_memory,
 )
 from ps.shard import Shard
 
@@ -147,6 +148,13 @@ def _guard(call: Callable[[], R], context: grpc.ServicerContext) -> R:
         return call()
     except (PSError, WireError, TransportError) as exc:
         _abort(context, exc)
+    except (MemoryError, OSError, RuntimeError) as exc:
+        if not out_of_memory(exc):
+            raise
+        _abort(context, ResourceExhaustedError(
+            f"this server could not allocate memory for the request ({exc}); give it a "
+            "--memory-budget (requests over it are then refused before anything is "
+            "allocated), free memory on its host, or add servers"))
 
 
 class _ByteCounter:

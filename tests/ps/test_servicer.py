@@ -754,6 +754,12 @@ def test_a_server_that_cannot_allocate_new_rows_refuses_them_whole_and_goes_on(
         with pytest.raises(RemoteError, match="could not allocate memory") as again:
             client.pull_sparse("emb", np.arange(start, start + BATCH), clock=0)
         assert again.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Any other request the OS refuses memory for says the same, and leaves nothing.
+        with pytest.raises(RemoteError, match="could not allocate memory for the request"
+                           ) as dense:
+            client.declare_dense("big", (8192, 8192), optimizer="adam", lr=0.1)
+        assert dense.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert [t.name for t in client.stats()[0].tables] == ["emb"]
     finally:
         subprocess.run(["prlimit", "--pid", str(server.pid), "--as=unlimited:unlimited"],
                        check=True, timeout=30)
@@ -767,6 +773,8 @@ def test_a_server_that_cannot_allocate_new_rows_refuses_them_whole_and_goes_on(
     torch.testing.assert_close(client.pull_sparse("emb", held, clock=0), first, atol=0, rtol=0)
     client.push_sparse("emb", fresh, torch.ones(BATCH, DIM), assume_unique=True)
     assert client.stats()[0].tables[0].rows == start + BATCH
+    client.declare_dense("big", (8192, 8192), optimizer="adam", lr=0.1)
+    assert client.pull_dense("big").shape == (8192, 8192)
     other.close()
     client.close()
 

@@ -35,7 +35,7 @@ from protos.security import Security
 from scheduler.errors import ConfigError, CoordinationError
 from scheduler.recovery import built_on_bad, chain_of
 from scheduler.spec import RESTART_EXIT_CODE, STOPPED_EXIT_CODE, JobSpec
-from scheduler.store import JobStore, ride_out
+from scheduler.store import Event, JobStore, ride_out
 
 log = logging.getLogger(__name__)
 
@@ -504,6 +504,9 @@ def up(config: UpConfig) -> int:
         store = cluster.store
         if store is not None:
             report = ride_out("report", lambda: membership_report(store, cluster.spec), {})
+            none: dict[str, Any] = {}
+            report.update(ride_out("report", lambda: checkpoint_report(store, cluster.spec),
+                                   none))
         changes = report.get("membership_changes")
         if changes and cluster.spec.mode == "sync":
             print("pstrain up: the workers of this sync job changed ("
@@ -512,6 +515,12 @@ def up(config: UpConfig) -> int:
                               f"{c['clock']}" for c in changes)
                   + f"; {report.get('pushes_dropped', 0)} gradients dropped): its result is "
                   "not the single-process one", file=sys.stderr, flush=True)
+        failure = report.get("last_checkpoint_error")
+        if failure:
+            print(f"pstrain up: {report['checkpoints_failed']} checkpoint write(s) failed; the "
+                  f"last, {failure['checkpoint']} on server {failure['shard']}: "
+                  f"{failure['error']} (the newest complete checkpoint: "
+                  f"{report.get('latest_checkpoint') or 'none'})", file=sys.stderr, flush=True)
         summary = {"job": config.spec.job, "exit_status": code,
                    "restarts": {c.name: c.restarts for c in cluster.children if c.restarts},
                    **report}
@@ -556,6 +565,31 @@ def membership_report(store: JobStore, spec: JobSpec) -> dict[str, Any]:
         "pushes_dropped": sum(int(b.get("dropped", 0)) for b in servers.values() if b),
         "suspicions": store.suspicion_counts(),
     }
+
+
+def checkpoint_report(store: JobStore, spec: JobSpec) -> dict[str, Any]:
+    """How a job's checkpoints went in this run: the newest complete one, and the writes that
+    failed ({checkpoint, shard, error} of the newest), from the job's events since the run
+    started. Empty for a job without a checkpoint directory."""
+    if not spec.checkpoint_dir:
+        return {}
+    run = store.run() or {}
+    since = float(run.get("started") or 0.0)
+    failed: list[Event] = []
+    after = "-"
+    while True:
+        page = store.events(after)
+        failed += [e for e in page if e.type == "checkpoint_failed" and e.time_s >= since]
+        if len(page) < 1000:
+            break
+        after = page[-1].id
+    latest = store.latest_checkpoint(spec.servers)
+    last = failed[-1] if failed else None
+    return {"latest_checkpoint": None if latest is None else latest[0],
+            "checkpoints_failed": len(failed),
+            "last_checkpoint_error": None if last is None else {
+                "checkpoint": last.detail.get("checkpoint"), "shard": last.member,
+                "error": last.detail.get("error")}}
 
 
 def status_of(store: JobStore, events: int = 20) -> dict[str, Any]:

@@ -213,6 +213,35 @@ def test_killed_server_restarts_restores_and_the_job_finishes(procs: Procs) -> N
         assert json.loads((out / f"worker{r}.json").read_text())["clock"] == 400
 
 
+def test_checkpoints_that_fail_to_write_are_reported_when_the_job_ends(procs: Procs) -> None:
+    # The job's checkpoint directory becomes a file mid-run: every later write fails, the
+    # job trains on, and `up` says so at the end (stderr, and its last JSON line).
+    redis = procs.redis().address
+    out = procs.workdir / "out"
+    checkpoints = procs.workdir / "ckpt"
+    up = procs.pstrain(["up", "--redis", redis, "--job", "full", "--servers", "1", "--workers",
+                        "1", "--mode", "async", "--checkpoint-dir", str(checkpoints),
+                        "--checkpoint-every-s", "1", "--no-view", JOB_WORKER, "--", "--steps",
+                        "400", "--sleep-ms", "10", "--out", str(out)], "up")
+    store = JobStore.connect(redis, "full")
+    written = wait_until(lambda: store.latest_checkpoint(1), 90, "a checkpoint")
+    shutil.move(checkpoints / "full", procs.workdir / "moved")
+    (checkpoints / "full").write_text("not a directory")
+    failed = wait_until(lambda: next((e for e in store.events()
+                                      if e.type == "checkpoint_failed"), None), 60,
+                        "a checkpoint that fails")
+    assert up.popen.wait(timeout=180) == 0, up.log()
+    assert json.loads((out / "worker0.json").read_text())["clock"] == 400
+    summary = json.loads(up.log().strip().splitlines()[-1])
+    assert summary["checkpoints_failed"] >= 1, summary
+    assert summary["latest_checkpoint"] is not None, summary
+    last = summary["last_checkpoint_error"]
+    assert last["shard"] == "0" and "Not a directory" in last["error"], last
+    assert failed.detail["checkpoint"] != written[0]  # type: ignore[attr-defined]
+    assert (f"pstrain up: {summary['checkpoints_failed']} checkpoint write(s) failed; the "
+            f"last, {last['checkpoint']} on server 0: ") in up.log()
+
+
 def test_sync_server_kill_rolls_back_and_matches_an_uninterrupted_run(procs: Procs) -> None:
     redis = procs.redis().address
     out = procs.workdir / "out"

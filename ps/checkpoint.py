@@ -606,8 +606,36 @@ def write_shard(directory: StrPath, state: ShardState, base: ShardFile | None = 
     placeholder = _encode_header(header, items, None, state.shard)
     _ensure_dir(ckpt_dir)
     _remove_stale_temps(ckpt_dir)
-    linked = _link_chain(ckpt_dir, state, chain)
     final = ckpt_dir / shard_file_name(state.shard, state.num_shards)
+    try:
+        linked = _link_chain(ckpt_dir, state, chain)
+        written = _write_file(final, state, header, items, placeholder, pace)
+    except BaseException:
+        if not final.exists():
+            # Links of a shard file never written would keep its chain's files on disk
+            # after retention removes them (nothing reads a directory without a manifest).
+            for link in chain:
+                with contextlib.suppress(OSError):
+                    os.unlink(ckpt_dir / link_file_name(state.shard, state.num_shards,
+                                                        link.checkpoint_id))
+        raise
+    prefix, offset = written
+    digest = hashlib.sha256(prefix).hexdigest()
+    elapsed = time.perf_counter() - start
+    log.info(
+        "job %s shard %d/%d checkpoint %s clock %d: wrote %s (%d bytes, %.0f MB/s)",
+        state.job, state.shard, state.num_shards, state.checkpoint_id, state.clock, final,
+        offset, offset / 1e6 / max(elapsed, 1e-9),
+    )
+    return ShardFile(path=str(final), sha256=digest, nbytes=offset, kind=state.kind,
+                     base=state.base, chain=linked)
+
+
+def _write_file(final: Path, state: ShardState, header: dict[str, object],
+                items: list[_Item], placeholder: bytes, pace: Pace) -> tuple[bytes, int]:
+    """Writes the shard file `final` atomically: the header (`placeholder` until the blocks'
+    digests are known), then every item's blocks, paced. Returns the final header and the
+    file's size."""
     step = PACED_CHUNK_BYTES if pace.bytes_per_s > 0 else CHUNK_BYTES
     # One helper thread hashes the chunks, in order, while this one writes them; a chunk's
     # memory (a view of the tensor, or rows gathered into their order) lives until hashed.
@@ -637,15 +665,7 @@ def write_shard(directory: StrPath, state: ShardState, base: ShardFile | None = 
             _pwrite_all(fd, prefix, 0)
     finally:
         hashing.shutdown(wait=True, cancel_futures=True)
-    digest = hashlib.sha256(prefix).hexdigest()
-    elapsed = time.perf_counter() - start
-    log.info(
-        "job %s shard %d/%d checkpoint %s clock %d: wrote %s (%d bytes, %.0f MB/s)",
-        state.job, state.shard, state.num_shards, state.checkpoint_id, state.clock, final,
-        offset, offset / 1e6 / max(elapsed, 1e-9),
-    )
-    return ShardFile(path=str(final), sha256=digest, nbytes=offset, kind=state.kind,
-                     base=state.base, chain=linked)
+    return prefix, offset
 
 
 def _check_kind(state: ShardState, base: ShardFile | None) -> tuple[ChainFile, ...]:

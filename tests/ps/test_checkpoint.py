@@ -1277,3 +1277,39 @@ def test_a_read_in_place_fills_the_tensors_given_for_a_full_file_only(tmp_path: 
     assert ckpt.kept_rows(delta.path, _even) is None
     assert ckpt.kept_rows(full.path, _even) == {
         t.name: len(t.tensors["keys"]) for t in sparse}
+
+
+_FILE_TOO_BIG = """
+import resource, signal, sys, torch
+from ps.checkpoint import CheckpointError, ShardState, TableState, write_shard
+root = sys.argv[1]
+rows = {"keys": torch.arange(4), "value": torch.ones(4, 2)}
+full = write_shard(root, ShardState("job-1", 0, 1, "c1", 1, {}, [
+    TableState("emb", {"kind": "sparse", "dim": 2}, rows)]))
+# The OS refuses the delta's bytes past 64 KiB (EFBIG, as a full disk refuses them).
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+big = {"keys": torch.arange(1 << 16), "value": torch.ones(1 << 16, 2)}
+try:
+    write_shard(root, ShardState("job-1", 0, 1, "c2", 2, {}, [
+        TableState("emb", {"kind": "sparse", "dim": 2}, big, kind="rows")],
+        kind="delta", base="c1"), base=full)
+except CheckpointError as exc:
+    print(exc)
+    sys.exit(0)
+sys.exit("the write did not fail")
+"""
+
+
+def test_a_delta_that_fails_to_write_leaves_no_link_to_its_chain(tmp_path: Path) -> None:
+    # Nothing reads a checkpoint directory without a manifest, and retention does not remove
+    # one: links to the chain left there would keep the chain's files on disk for good.
+    proc = subprocess.run(
+        [sys.executable, "-c", _FILE_TOO_BIG, str(tmp_path)], cwd=REPO, capture_output=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60, check=False, text=True,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "File too large" in proc.stdout and "check free space" in proc.stdout, proc.stdout
+    assert list((tmp_path / JOB / "c2").iterdir()) == []
+    base = tmp_path / JOB / "c1" / "shard-0-of-1.safetensors"
+    assert base.stat().st_nlink == 1

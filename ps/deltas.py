@@ -17,6 +17,7 @@ writer calls `wait_turn` and then `written`. Thread-safe.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -66,16 +67,30 @@ class _Taken:
     forgotten: bool = False  # taken before a restore
 
 
+@dataclass(frozen=True)
+class WriteCounts:
+    """How a shard's checkpoint writes went since it started (its metrics)."""
+
+    full: int = 0  # written
+    delta: int = 0
+    failed: int = 0  # failed, or taken and never written
+    nbytes: int = 0  # of the files written
+    last_written_s: float = 0.0  # wall clock (Unix seconds) of the newest written; 0: none
+
+
 class SnapshotLog:
     """A shard's snapshots: what the next one builds on, and how their writes went.
     Thread-safe; blocking only in `wait_turn`. Every snapshot a caller writes must be
     reported to `written`, whatever happened."""
 
-    def __init__(self, full_every: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, full_every: int = 1, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         snapshot_kind(deltas_since_full=0, full_every=full_every, has_base=False,
                       last_failed=False, full_asked=False)  # checks full_every
         self.full_every = full_every
         self._now = clock
+        self._wall = wall_clock
+        self._counts = WriteCounts()
         # Guards every field below; writers wait on it for the writes before theirs.
         self._cond = threading.Condition(threading.Lock())
         self._seq = 0
@@ -194,6 +209,17 @@ class SnapshotLog:
         if file is None and entry.seq >= self._chain_start:
             self._failed = True
         self._pending.remove(entry)
+        c = self._counts
+        self._counts = (dataclasses.replace(c, failed=c.failed + 1) if file is None else
+                        dataclasses.replace(c, full=c.full + (file.kind != DELTA),
+                                            delta=c.delta + (file.kind == DELTA),
+                                            nbytes=c.nbytes + file.nbytes,
+                                            last_written_s=self._wall()))
+
+    def counts(self) -> WriteCounts:
+        """How the writes reported so far went."""
+        with self._cond:
+            return self._counts
 
     def _sweep(self) -> None:
         """Ends, as failed, the pending snapshots no one holds any more. Caller holds the

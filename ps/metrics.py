@@ -80,6 +80,29 @@ class _ShardCollector(Collector):
                                      labels=labels)
         closed.add_metric([shard_label], state.clocks_closed)
         yield closed
+        writes = self.shard.snapshots.counts()
+        written = CounterMetricFamily(
+            "pstrain_checkpoints_written", "Checkpoint shard files this server wrote, by kind.",
+            labels=[*labels, "kind"])
+        written.add_metric([shard_label, "full"], writes.full)
+        written.add_metric([shard_label, "delta"], writes.delta)
+        yield written
+        failed = CounterMetricFamily(
+            "pstrain_checkpoints_failed",
+            "Checkpoint writes of this server that failed (training went on).", labels=labels)
+        failed.add_metric([shard_label], writes.failed)
+        yield failed
+        files = CounterMetricFamily("pstrain_checkpoint_bytes",
+                                    "Bytes of the checkpoint files this server wrote.",
+                                    labels=labels)
+        files.add_metric([shard_label], writes.nbytes)
+        yield files
+        last = GaugeMetricFamily(
+            "pstrain_checkpoint_last_written_timestamp_seconds",
+            "When this server last wrote a checkpoint file (Unix time; 0: never).",
+            labels=labels)
+        last.add_metric([shard_label], writes.last_written_s)
+        yield last
         received, sent = self.traffic()
         traffic = CounterMetricFamily("pstrain_server_bytes", "Payload bytes by direction.",
                                       labels=[*labels, "direction"])

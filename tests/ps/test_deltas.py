@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
 
 from ps.checkpoint import DELTA, FULL, CheckpointError, ShardFile, ShardState
-from ps.deltas import SnapshotLog, snapshot_kind
+from ps.deltas import SnapshotLog, WriteCounts, snapshot_kind
 from ps.errors import InvalidArgumentError
 
 
@@ -157,3 +158,19 @@ def test_writing_holds_from_taken_until_written_or_dropped() -> None:
     assert not log.writing()
     take(log, "c1")  # dropped at once: no writer will report it
     assert not log.writing()
+
+
+def test_the_writes_are_counted_by_kind_with_their_bytes_and_the_time_of_the_last() -> None:
+    now = [1000.0]
+    log = SnapshotLog(2, wall_clock=lambda: now[0])
+    assert log.counts() == WriteCounts()
+    full = take(log, "c0")
+    log.written(full, dataclasses.replace(file_of(full), nbytes=100))
+    now[0] = 2000.0
+    delta = take(log, "c1")
+    log.written(delta, dataclasses.replace(file_of(delta), nbytes=7))
+    now[0] = 3000.0
+    failing = take(log, "c2")
+    log.written(failing, None)
+    assert log.counts() == WriteCounts(full=1, delta=1, failed=1, nbytes=107,
+                                       last_written_s=2000.0)

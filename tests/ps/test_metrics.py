@@ -3,27 +3,13 @@
 from __future__ import annotations
 
 import re
-import urllib.request
 
 import numpy as np
 import torch
 from procs import Procs, free_port
+from scrape import scrape, value
 
 import worker
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        return str(reply.read().decode())
-
-
-def value(text: str, metric: str, **labels: str) -> float:
-    for line in text.splitlines():
-        if not line.startswith(metric + "{") and not line.startswith(metric + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no {metric} {labels} in:\n{text}")
 
 
 def test_server_and_worker_metrics(procs: Procs) -> None:

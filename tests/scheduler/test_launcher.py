@@ -17,7 +17,8 @@ import grpc
 import pytest
 import torch
 from beats import live_server_pid, server_pid, worker_clock
-from procs import REPO, Proc, Procs, wait_until
+from procs import REPO, Proc, Procs, free_port, wait_until
+from scrape import scrape, value
 
 from protos import rpc
 from protos.partition import shard_of_keys
@@ -219,19 +220,28 @@ def test_checkpoints_that_fail_to_write_are_reported_when_the_job_ends(procs: Pr
     redis = procs.redis().address
     out = procs.workdir / "out"
     checkpoints = procs.workdir / "ckpt"
+    port = free_port()
     up = procs.pstrain(["up", "--redis", redis, "--job", "full", "--servers", "1", "--workers",
                         "1", "--mode", "async", "--checkpoint-dir", str(checkpoints),
-                        "--checkpoint-every-s", "1", "--no-view", JOB_WORKER, "--", "--steps",
-                        "400", "--sleep-ms", "10", "--out", str(out)], "up")
+                        "--checkpoint-every-s", "1", "--metrics-base-port", str(port),
+                        "--no-view", JOB_WORKER, "--", "--steps", "800", "--sleep-ms", "10",
+                        "--out", str(out)], "up")
     store = JobStore.connect(redis, "full")
+    started = time.time()
     written = wait_until(lambda: store.latest_checkpoint(1), 90, "a checkpoint")
     shutil.move(checkpoints / "full", procs.workdir / "moved")
     (checkpoints / "full").write_text("not a directory")
     failed = wait_until(lambda: next((e for e in store.events()
                                       if e.type == "checkpoint_failed"), None), 60,
                         "a checkpoint that fails")
+    # Monitoring sees it too: the server's metrics count both.
+    text = scrape(port)
+    assert value(text, "pstrain_checkpoints_written_total", kind="full") >= 1
+    assert value(text, "pstrain_checkpoints_failed_total") >= 1
+    assert value(text, "pstrain_checkpoint_bytes_total") > 0
+    assert value(text, "pstrain_checkpoint_last_written_timestamp_seconds") >= started - 1
     assert up.popen.wait(timeout=180) == 0, up.log()
-    assert json.loads((out / "worker0.json").read_text())["clock"] == 400
+    assert json.loads((out / "worker0.json").read_text())["clock"] == 800
     summary = json.loads(up.log().strip().splitlines()[-1])
     assert summary["checkpoints_failed"] >= 1, summary
     assert summary["latest_checkpoint"] is not None, summary

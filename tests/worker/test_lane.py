@@ -110,14 +110,18 @@ def test_a_worker_from_before_a_rollback_is_told_on_the_lane(procs: Procs) -> No
         assert lane is not None and lane.calls == 2  # refused on the lane, not retried
 
 
+def zero_rows(client: PSClient) -> tuple[np.ndarray, torch.Tensor]:
+    """Declares sparse table "e" (SGD at lr 1, rows from zeros); 100 keys, a gradient of 1s."""
+    client.declare_sparse("e", 8, optimizer="sgd", lr=1.0, init=("zeros", 0, 0))
+    return np.arange(100, dtype=np.int64), torch.ones(100, 8)
+
+
 def test_a_lost_session_falls_back_to_grpc_without_repeating_a_push(
     procs: Procs, caplog: pytest.LogCaptureFixture
 ) -> None:
     server = procs.server()
     with PSClient([server.address], worker=0) as client:
-        client.declare_sparse("e", 8, optimizer="sgd", lr=1.0, init=("zeros", 0, 0))
-        keys = np.arange(100, dtype=np.int64)
-        g = torch.ones(100, 8)
+        keys, g = zero_rows(client)
         for _ in range(2):
             client.exchange([Push("e", g, keys)])
         # The server forgets the session (as after losing its state): the next exchange
@@ -147,9 +151,7 @@ def test_a_server_restarted_at_the_same_address_gets_a_new_session(
 ) -> None:
     server = procs.server()
     with PSClient([server.address], worker=0) as client:
-        client.declare_sparse("e", 8, optimizer="sgd", lr=1.0, init=("zeros", 0, 0))
-        keys = np.arange(100, dtype=np.int64)
-        g = torch.ones(100, 8)
+        keys, g = zero_rows(client)
         client.exchange([Push("e", g, keys)])
         assert client.transports() == ["shm"]
         procs.kill(server)

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ps.errors import InvalidArgumentError
 from ps.shard import Shard
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
@@ -128,5 +129,11 @@ class ServerMetrics:
         self.registry.register(_ShardCollector(shard, traffic))
 
     def serve(self, port: int, host: str) -> None:
-        """Serves /metrics on `host`:`port` from a daemon thread; returns at once."""
-        start_http_server(port, addr=host, registry=self.registry)
+        """Serves /metrics on `host`:`port` from a daemon thread; returns at once.
+        InvalidArgumentError when the port cannot be had."""
+        try:
+            start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise InvalidArgumentError(
+                f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}; choose another "
+                "--metrics-port") from exc

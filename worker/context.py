@@ -306,7 +306,11 @@ def _serve_metrics(ctx: WorkerContext, env: Mapping[str, str]) -> None:
     if port:
         metrics = WorkerMetrics(ctx.rank, ctx._metric_values)
         ctx.client.observe = metrics.observe
-        metrics.serve(port)
+        try:
+            metrics.serve(port)
+        except PSClientError:
+            ctx.close(finish=False)  # this process cannot run as asked: it leaves the job
+            raise
         ctx.exporter = metrics
         log.info("worker %d: metrics on :%d/metrics", ctx.rank, port)
 

@@ -9,6 +9,8 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from worker.errors import PSClientError
+
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 
 
@@ -57,8 +59,14 @@ class WorkerMetrics:
         self.latency.labels(what.split(" ", 1)[0]).observe(seconds)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        """Serves /metrics on `port` from a daemon thread; returns at once."""
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        """Serves /metrics on `port` from a daemon thread; returns at once. PSClientError
+        when the port cannot be had."""
+        try:
+            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise PSClientError(
+                f"cannot serve this worker's metrics on {host}:{port}: {exc.strerror or exc}; "
+                "choose another --metrics-port (PSTRAIN_METRICS_PORT)") from exc
 
     def close(self) -> None:
         if self._server is not None:

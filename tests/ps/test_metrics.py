@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import re
+import socket
 
 import numpy as np
+import pytest
 import torch
 from procs import Procs, free_port
 from scrape import scrape, value
 
 import worker
+from worker.errors import PSClientError
 
 
 def test_server_and_worker_metrics(procs: Procs) -> None:
@@ -66,3 +69,15 @@ def test_metrics_listen_where_the_server_binds(procs: Procs) -> None:
     procs.server(extra=["--metrics-port", str(port)])  # bound to 127.0.0.1
     assert listening_hosts(port) == {"127.0.0.1"}
     assert "pstrain_open_clock" in scrape(port)
+
+
+def test_a_worker_metrics_port_in_use_is_named(procs: Procs) -> None:
+    server = procs.server()
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(PSClientError, match=f"cannot serve this worker's metrics on "
+                                                f"0.0.0.0:{port}: Address already in use"):
+            worker.init(env={"PSTRAIN_SERVERS": server.address,
+                             "PSTRAIN_METRICS_PORT": str(port)})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -52,6 +53,28 @@ def test_bad_server_flags_name_the_value() -> None:
     assert out.returncode == 2 and "got 'localhost'" in out.stderr
     out = _pstrain("server", "--bind", "127.0.0.1:0", "--shard", "3", "--num-shards", "2")
     assert out.returncode == 2 and "shard must be in [0, 2), got 3" in out.stderr
+
+
+@pytest.mark.parametrize("command", [
+    ["up", "--no-view"], ["worker", "--redis", "redis://127.0.0.1:1/0", "--job", "j"]])
+def test_a_missing_script_is_named_before_anything_starts(command: list[str]) -> None:
+    # No Redis answers at that address, and `up` would start one: the refusal comes first.
+    out = _pstrain(*command, "examples/no-such-script.py", "--", "--epochs", "1")
+    assert out.returncode == 2, out.stderr
+    assert (f"pstrain {command[0]}: no training script at 'examples/no-such-script.py' (from "
+            f"{REPO})") in out.stderr
+    assert "pstrain up: job" not in out.stdout
+
+
+def test_a_metrics_port_in_use_is_named(procs: Procs) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = _pstrain("server", "--bind", "127.0.0.1:0", "--metrics-port", str(port))
+    assert out.returncode == 2, out.stderr
+    assert (f"pstrain server: cannot serve metrics on 127.0.0.1:{port}: Address already in "
+            "use; choose another --metrics-port") in out.stderr
 
 
 def test_server_runs_and_stops_on_sigterm(procs: Procs) -> None:

@@ -44,7 +44,9 @@ def as_keys(keys: KeysLike) -> np.ndarray:
     """Keys as one contiguous int64 array; PSClientError for keys that are not integers."""
     if isinstance(keys, torch.Tensor):
         if keys.dtype != torch.int64:
-            raise PSClientError(f"keys must be int64, got a tensor of {keys.dtype}")
+            if keys.dtype.is_floating_point or keys.dtype.is_complex or keys.dtype == torch.bool:
+                raise PSClientError(f"keys must be integers, got a tensor of {keys.dtype}")
+            keys = keys.to(torch.int64)  # int32 and narrower ids widen as they are
         return np.ascontiguousarray(keys.numpy(force=True)).reshape(-1)
     array = np.asarray(keys)
     if array.size and array.dtype != np.int64:

@@ -28,8 +28,10 @@ from worker.routing import TableInfo, as_keys, coalesce, dense_blocks, route_key
         (np.arange(10, dtype=np.int64)[::3], [0, 3, 6, 9]),  # a strided view
         (torch.tensor([[5], [-6]]), [5, -6]),
         (torch.tensor([], dtype=torch.int64), []),
+        (torch.tensor([7, -2**31], dtype=torch.int32), [7, -2**31]),  # as numpy's int32
     ],
-    ids=["empty", "list", "extremes", "int32", "2-d", "strided", "tensor", "empty-tensor"],
+    ids=["empty", "list", "extremes", "int32", "2-d", "strided", "tensor", "empty-tensor",
+         "int32-tensor"],
 )
 def test_keys_become_one_contiguous_int64_array(given: Any, expected: list[int]) -> None:
     keys = as_keys(given)
@@ -40,9 +42,8 @@ def test_keys_become_one_contiguous_int64_array(given: Any, expected: list[int])
 @pytest.mark.parametrize(
     ("given", "message"),
     [
-        (torch.tensor([1, 2], dtype=torch.int32),
-         "keys must be int64, got a tensor of torch.int32"),
-        (torch.tensor([1.0]), "got a tensor of torch.float32"),
+        (torch.tensor([1.0]), "keys must be integers, got a tensor of torch.float32"),
+        (torch.tensor([True]), "got a tensor of torch.bool"),
         (np.array([1.5, 2.0]), "keys must be integers, got an array of float64"),
         ([1, 2.5], "got an array of float64"),
         (np.array([True, False]), "got an array of bool"),

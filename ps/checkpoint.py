@@ -1358,6 +1358,13 @@ def prune(directory: StrPath, job: str, keep: int, run: str = "",
             log.debug("job %s: not pruning checkpoint %s: %s", job, checkpoint_id, exc)
             continue
         removed.append(checkpoint_id)
+    if keep > 0:
+        for name in _abandoned(job_dir, now_ns()):
+            hidden = job_dir / f".{name}.pruned-{os.getpid()}-{secrets.token_hex(4)}"
+            with contextlib.suppress(OSError):
+                os.rename(job_dir / name, hidden)
+                log.info("job %s: removing %s, a checkpoint no shard finished writing",
+                         job, job_dir / name)
     with contextlib.suppress(OSError):
         for name in os.listdir(job_dir):
             if _PRUNED_RE.fullmatch(name):
@@ -1368,6 +1375,32 @@ def prune(directory: StrPath, job: str, keep: int, run: str = "",
         log.info("job %s: pruned %d checkpoint(s) older than the %d newest full ones: %s",
                  job, len(removed), keep, ", ".join(removed))
     return removed
+
+
+def _abandoned(job_dir: Path, now_ns: int) -> list[str]:
+    """Checkpoint directories in `job_dir` that no shard finished writing (no manifest
+    entry) and where nothing was written for STALE_TMP_AGE_S: a killed writer's links and
+    temporary file, which would hold the files of a delta's chain on disk for good."""
+    found = []
+    cutoff_s = now_ns / 1e9 - STALE_TMP_AGE_S
+    with contextlib.suppress(OSError):
+        for name in os.listdir(job_dir):
+            path = job_dir / name
+            if name.startswith(".") or not path.is_dir():
+                continue
+            with contextlib.suppress(OSError):
+                inside = os.listdir(path)
+                if any(_ENTRY_RE.fullmatch(f) or f == MANIFEST_NAME for f in inside):
+                    continue
+                # A writer's activity: the directory's entries (links, the temporary file
+                # made or renamed) and the temporary file's bytes; a link's own time is
+                # its base's.
+                newest = max([path.lstat().st_mtime,
+                              *((path / f).lstat().st_mtime for f in inside
+                                if _TMP_RE.fullmatch(f))])
+                if newest < cutoff_s:
+                    found.append(name)
+    return found
 
 
 # ---- the safetensors header -----------------------------------------------------------------

@@ -1313,3 +1313,29 @@ def test_a_delta_that_fails_to_write_leaves_no_link_to_its_chain(tmp_path: Path)
     assert list((tmp_path / JOB / "c2").iterdir()) == []
     base = tmp_path / JOB / "c1" / "shard-0-of-1.safetensors"
     assert base.stat().st_nlink == 1
+
+
+def test_retention_removes_what_a_killed_writer_left_once_it_is_stale(tmp_path: Path) -> None:
+    clock = _Clock()
+    _checkpoint(tmp_path, "c1", [0], 1, clock)
+    job_dir = tmp_path / JOB
+    # A writer killed in a delta: its link to the base and its temporary file, no entry;
+    # and one still writing a full one (its temporary file written a minute ago).
+    for name, age_s in (("c2", ckpt.STALE_TMP_AGE_S + 60), ("c3", 60)):
+        (job_dir / name).mkdir()
+        if name == "c2":
+            os.link(job_dir / "c1" / "shard-0-of-1.safetensors",
+                    job_dir / name / "shard-0-of-1.base-c1.safetensors")
+        temp = job_dir / name / ".shard-0-of-1.safetensors.tmp-1-0a0b0c0d"
+        temp.write_bytes(b"x" * 10)
+        old = time.time() - age_s
+        for path in (temp, job_dir / name):
+            os.utime(path, (old, old))
+    # Partial, but with an entry: a checkpoint, which retention's own rules keep or remove.
+    _checkpoint(tmp_path, "c4", [0], 2, clock)
+    os.utime(job_dir / "c4", (time.time() - 2 * ckpt.STALE_TMP_AGE_S,) * 2)
+    assert ckpt.prune(tmp_path, JOB, keep=0) == []
+    assert (job_dir / "c2").exists()  # keep 0 keeps everything
+    ckpt.prune(tmp_path, JOB, keep=1)
+    assert sorted(p.name for p in job_dir.iterdir()) == ["c1", "c3", "c4"]
+    assert (job_dir / "c1" / "shard-0-of-1.safetensors").stat().st_nlink == 1

@@ -429,6 +429,10 @@ class _Failed(Exception):
         self.child = child
 
 
+# How many of the newest events the live view reads for checkpoint failures.
+VIEW_EVENTS = 200
+
+
 def render_view(store: JobStore, spec: JobSpec, children: list[Child]) -> list[str]:
     """The live view: one line per worker and per server."""
     pids = {(c.role, c.ident): c for c in children}
@@ -456,7 +460,24 @@ def render_view(store: JobStore, spec: JobSpec, children: list[Child]) -> list[s
         lines.append(f"{k:<8}{beat.get('rows', 0):>12}{beat.get('bytes', 0) / 2**20:>9.1f}"
                      f"{beat.get('pushes', 0):>10}{beat.get('dropped', 0):>9}  "
                      f"{beat.get('address', 'no heartbeat')}")
+    recent: list[Event] = ride_out("view", lambda: store.recent_events(VIEW_EVENTS), [])
+    lines += [f"checkpoint {e.detail.get('checkpoint')} failed on server {e.member}: "
+              f"{e.detail.get('error')}" for e in failing_checkpoints(recent)]
     return lines
+
+
+def failing_checkpoints(events: list[Event]) -> list[Event]:
+    """Per server, its newest checkpoint_failed event not followed by a checkpoint it wrote
+    (`events` oldest first). Pure."""
+    newest: dict[str, Event] = {}
+    for e in events:
+        if e.role != "server":
+            continue
+        if e.type == "checkpoint_failed":
+            newest[e.member] = e
+        elif e.type == "checkpoint":
+            newest.pop(e.member, None)
+    return [newest[m] for m in sorted(newest)]
 
 
 def _last_json(path: Path) -> str | None:

@@ -26,8 +26,9 @@ from protos.rpc import Stubs
 from ps.checkpoint import ShardState, latest_complete, read_manifest, read_resolved
 from ps.coordination import find_checkpoint
 from scheduler.errors import CoordinationError
+from scheduler.launcher import failing_checkpoints, render_view
 from scheduler.spec import JobSpec
-from scheduler.store import JobStore
+from scheduler.store import Event, JobStore
 
 JOB_WORKER = str(REPO / "tests" / "job_worker.py")
 sys.path.insert(0, str(REPO / "tests"))
@@ -457,3 +458,30 @@ def test_a_job_resumed_on_three_servers_restores_every_row_and_trains_on(procs: 
     assert all(f is not None and f.resharded_from == 3 for f in found)
     assert_same_rows(_shards(ckpt, "rescaled", three.checkpoint_id),
                      [f.state for f in found if f is not None])
+
+
+def _event(kind: str, member: str, checkpoint: str, role: str = "server") -> Event:
+    return Event("0-1", 0.0, kind, role, member, {"checkpoint": checkpoint, "error": "disk full"})
+
+
+def test_the_view_shows_each_server_s_checkpoint_failure_until_it_writes_one_again() -> None:
+    events = [
+        _event("checkpoint_failed", "1", "c1"), _event("checkpoint", "1", "c2"),  # recovered
+        _event("checkpoint_failed", "0", "c2"), _event("checkpoint_failed", "0", "c3"),
+        _event("checkpoint", "0", "c3", role="worker"),  # not a server's write
+    ]
+    assert [(e.member, e.detail["checkpoint"]) for e in failing_checkpoints(events)] == [
+        ("0", "c3")]
+    assert failing_checkpoints(events[:2]) == []
+
+
+def test_the_live_view_names_a_failing_checkpoint(procs: Procs) -> None:
+    store = JobStore.connect(procs.redis().address, "viewed")
+    spec = store.create_job(JobSpec("viewed", servers=2, workers=1), adopt=False)
+    store.event("checkpoint_failed", "server", 1, checkpoint="time-7", clock=3,
+                error="writing /ckpt/x failed: [Errno 28] No space left on device")
+    lines = render_view(store, spec, [])
+    assert lines[-1] == ("checkpoint time-7 failed on server 1: writing /ckpt/x failed: "
+                         "[Errno 28] No space left on device")
+    store.event("checkpoint", "server", 1, checkpoint="time-8", clock=4, nbytes=1)
+    assert not any("failed on server" in line for line in render_view(store, spec, []))

@@ -92,6 +92,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import numpy as np  # noqa: E402
+from saved import save  # noqa: E402
 from snapshot_stall import measure as measure_stall  # noqa: E402
 
 from protos import modes  # noqa: E402
@@ -496,15 +497,8 @@ def main() -> None:
     for name, figures in results.items():
         if isinstance(figures, dict):
             print(f"  {name}: {json.dumps(figures)}")
-    out_dir = REPO / "benchmarks" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
     section_name = f"-{args.only}" if args.only and args.only != "io" else ""
-    paths = [out_dir / f"checkpoint_io{section_name}-{results['date']}.json"]
-    if args.json:
-        paths.append(Path(args.json))
-    for out in paths:
-        out.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {out}")
+    save(results, f"checkpoint_io{section_name}-{results['date']}", args.json)
 
 
 def io_section(args: argparse.Namespace) -> dict[str, object]:

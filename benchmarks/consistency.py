@@ -40,6 +40,8 @@ import matplotlib.pyplot as plt
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from saved import save  # noqa: E402
+
 from worker.client import PSClient  # noqa: E402
 
 WORKERS = 5
@@ -244,15 +246,10 @@ def main() -> None:
         "loss_ratio": {key[k]: v / local for k, v in losses.items()},
     }
     print_table(results)
-    out = REPO / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
     stem = f"consistency-{results['date']}{'-quick' if args.quick else ''}"
-    paths = [out / f"{stem}.json"] + ([Path(args.json)] if args.json else [])
-    for path in paths:
-        path.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {path}")
-    plot(results, out / f"{stem}.png")
-    print(f"wrote {out / f'{stem}.png'}")
+    picture = save(results, stem, args.json).with_suffix(".png")
+    plot(results, picture)
+    print(f"wrote {picture}")
 
 
 def print_table(r: dict[str, object]) -> None:

@@ -64,6 +64,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import netns  # noqa: E402  (benchmarks/netns.py, beside this script)
+from saved import save  # noqa: E402
 
 from protos.runtime import tune_malloc  # noqa: E402
 from protos.security import Security  # noqa: E402
@@ -806,17 +807,10 @@ def main() -> None:
         "sparse_rows": rows,
     }
     print_table(results)
-    out_dir = REPO / "benchmarks" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # A partial run names its parts, so it never overwrites another run's figures.
+    # A partial run names its parts.
     suffix = ("-quick" if args.quick else "") + (
         "" if parts == set(PARTS) else "-" + "-".join(p for p in PARTS if p in parts))
-    paths = [out_dir / f"dataplane-{results['date']}{suffix}.json"]
-    if args.json:
-        paths.append(Path(args.json))
-    for path in paths:
-        path.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {path}")
+    save(results, f"dataplane-{results['date']}{suffix}", args.json)
 
 
 def print_table(r: dict[str, object]) -> None:

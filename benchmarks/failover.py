@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import shutil
@@ -46,6 +45,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from checkpoint_io import drop_cache, make_state  # noqa: E402
 from procs import Proc, Procs, wait_until  # noqa: E402
+from saved import save  # noqa: E402
 
 from ps.checkpoint import read_shard, write_shard  # noqa: E402
 from scheduler.spec import JobSpec  # noqa: E402
@@ -309,13 +309,8 @@ def main() -> None:
     print(f"  server kill to training resumed: {results['server_recovery_s']:.2f} s")
     print(f"  checkpoint of {a.checkpoint_mb:.0f} MB: write {write_mbps:.0f} MB/s, restore "
           f"{read_mbps:.0f} MB/s")
-    out = REPO / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
     tag = f"-{a.tag}" if a.tag else ""
-    paths = [out / f"failover-{results['date']}{tag}.json"] + ([Path(a.json)] if a.json else [])
-    for path in paths:
-        path.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {path}")
+    save(results, f"failover-{results['date']}{tag}", a.json)
 
 
 if __name__ == "__main__":

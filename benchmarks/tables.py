@@ -80,6 +80,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 from procs import Proc, Procs  # noqa: E402
+from saved import save  # noqa: E402
 
 from protos.runtime import TRIM_HEAP_S, tune_malloc  # noqa: E402
 from ps.index import KeyIndex  # noqa: E402
@@ -676,23 +677,16 @@ def main() -> None:
         for key in keys if section in results else ():
             results[key] = results[section][key]
     print_table(results)
-    out = REPO / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
     partial = "" if only == set(SECTIONS) else "-" + "-".join(s for s in SECTIONS if s in only)
     stem = f"tables-{results['date']}{'-quick' if a.quick else ''}{partial}"
-    (out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out / f'{stem}.json'}")
-    if a.json:
-        path = Path(a.json)
-        if a.update and path.exists():
-            # Sections run before keep their figures; those of this run replace theirs.
-            earlier = json.loads(path.read_text())
-            results = {**earlier, **results,
-                       "sections": sorted(set(earlier.get("sections", [])) | only),
-                       "argv_by_section": {**earlier.get("argv_by_section", {}),
-                                           **results["argv_by_section"]}}
-        path.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {path}")
+    if a.json and a.update and Path(a.json).exists():
+        # Sections run before keep their figures; those of this run replace theirs.
+        earlier = json.loads(Path(a.json).read_text())
+        results = {**earlier, **results,
+                   "sections": sorted(set(earlier.get("sections", [])) | only),
+                   "argv_by_section": {**earlier.get("argv_by_section", {}),
+                                       **results["argv_by_section"]}}
+    save(results, stem, a.json)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 from procs import Procs  # noqa: E402
+from saved import save  # noqa: E402
 
 PY = sys.executable
 MOVIELENS = str(REPO / "examples" / "movielens.py")
@@ -371,15 +372,11 @@ def main() -> None:
         print(f"  TLS + job secret on / off at batch 1024, {speed_epochs} epochs: transport "
               f"auto ({auto_used}) {results['tls_step_ratio_b1024']:.2f}x; transport grpc (TLS "
               f"carries every byte) {results['tls_step_ratio_b1024_grpc']:.2f}x")
-    out = REPO / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
     partial = "" if only == set(SECTIONS) else "-" + "-".join(s for s in SECTIONS if s in only)
     stem = f"training-{results['date']}{'-quick' if a.quick else ''}{partial}"
-    for path in [out / f"{stem}.json"] + ([Path(a.json)] if a.json else []):
-        path.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {path}")
+    saved = save(results, stem, a.json)
     if runs:
-        plot_curves(runs, seeds, results["date"], out / f"{stem}.png")
+        plot_curves(runs, seeds, results["date"], saved.with_suffix(".png"))
 
 
 def plot_curves(runs: dict[str, list[dict[str, Any]]], seeds: list[int], date: str,

@@ -282,7 +282,6 @@ def _run(a: argparse.Namespace) -> int:
         script_args = a.args[1:] if a.args[:1] == ["--"] else a.args
         # The script (started here or by the worker runner) finds the transport here.
         os.environ.update(_transport_env(a))
-        _check_script(a.script)
         # With or without --rank the script runs as a child of the worker runner, which
         # records a script that returns as finished and starts it again after a rollback.
         return run_worker(WorkerRunConfig(
@@ -300,10 +299,8 @@ def _run(a: argparse.Namespace) -> int:
         os.environ.update(_transport_env(a))
         if a.resume and a.resume_from:
             raise ConfigError("give --resume or --resume-from ID, not both")
-        spec = _spec(a.job, a)
-        _check_script(a.script)
         return up(UpConfig(
-            script=a.script, script_args=tuple(script_args), spec=spec,
+            script=a.script, script_args=tuple(script_args), spec=_spec(a.job, a),
             servers_given=a.servers is not None,
             redis=a.redis, restart=a.restart, resume=a.resume, resume_from=a.resume_from,
             view=not a.no_view,
@@ -316,13 +313,6 @@ def _run(a: argparse.Namespace) -> int:
         _need_redis(a)
         return _checkpoint(JobStore.connect(a.redis, a.job), a.wait_s, a.full)
     raise CoordinationError(f"unknown command {a.command!r}")
-
-
-def _check_script(script: str) -> None:
-    """ConfigError unless `script` is a file: found before any process starts."""
-    if not os.path.isfile(script):
-        raise ConfigError(f"no training script at {script!r} (from {os.getcwd()}); give the "
-                          "path of a Python file")
 
 
 def _security(a: argparse.Namespace) -> security.Security:

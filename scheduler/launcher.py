@@ -42,6 +42,13 @@ log = logging.getLogger(__name__)
 MAX_RESTARTS = 20
 
 
+def check_script(script: str) -> None:
+    """ConfigError unless `script` is a file (a path from this process's directory): found
+    before anything starts."""
+    if not os.path.isfile(script):
+        raise ConfigError(f"training script {script!r} not found (relative to {os.getcwd()})")
+
+
 @dataclass(frozen=True)
 class UpConfig:
     script: str
@@ -59,6 +66,9 @@ class UpConfig:
     start_timeout_s: float = 120.0
     metrics_base_port: int = 0
     tls: bool = True  # certificates and a job secret made for this run
+
+    def __post_init__(self) -> None:
+        check_script(self.script)
 
 
 class State(enum.Enum):

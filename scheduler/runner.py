@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from types import FrameType
 
 from scheduler.errors import ConfigError, JobNotFoundError, RankUnavailableError
-from scheduler.launcher import die_with_parent, shell_status
+from scheduler.launcher import check_script, die_with_parent, shell_status
 from scheduler.spec import RESTART_EXIT_CODE, JobSpec
 from scheduler.store import ALL_FINISHED, NO_FREE_RANK, JobStore, redact, ride_out
 
@@ -64,9 +64,7 @@ class WorkerRunConfig:
         if self.rank_wait_s < 0:
             raise ConfigError(f"--rank-wait-s must be >= 0 (0: no limit), got "
                               f"{self.rank_wait_s:g}")
-        if not os.path.isfile(self.script):
-            raise ConfigError(f"training script {self.script!r} not found (relative to "
-                              f"{os.getcwd()})")
+        check_script(self.script)
 
 
 def wait_for_spec(store: JobStore, timeout_s: float,

@@ -61,8 +61,8 @@ def test_a_missing_script_is_named_before_anything_starts(command: list[str]) ->
     # No Redis answers at that address, and `up` would start one: the refusal comes first.
     out = _pstrain(*command, "examples/no-such-script.py", "--", "--epochs", "1")
     assert out.returncode == 2, out.stderr
-    assert (f"pstrain {command[0]}: no training script at 'examples/no-such-script.py' (from "
-            f"{REPO})") in out.stderr
+    assert (f"pstrain {command[0]}: training script 'examples/no-such-script.py' not found "
+            f"(relative to {REPO})") in out.stderr
     assert "pstrain up: job" not in out.stdout
 
 

@@ -26,7 +26,12 @@ from protos.codec import FLOAT_DTYPES
 from protos.partition import RowRange, shard_of_keys
 from protos.runtime import trim_heap
 from ps.checkpoint import EVICTED_KEYS, LaterRows
-from ps.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
+from ps.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    out_of_memory,
+)
 from ps.index import MAX_ROWS, SLOT_BYTES, KeyIndex, capacity_for
 from ps.initializers import InitSpec, init_rows
 from ps.locks import RWLock
@@ -969,9 +974,9 @@ class SparseTable(_Counted):
 
     def _create_rows(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """Gives the absent, distinct `keys` the row slots `slots` (from _take_slots) and
-        initialises them. All or nothing: when memory for them cannot be had (the storage,
-        the index or the initial rows), the keys stay absent, the slots free, and
-        ResourceExhaustedError says so. Caller holds the index lock."""
+        initialises them. All or nothing: on any failure the keys stay absent and the slots
+        free; when memory for them cannot be had (the storage, the index or the initial
+        rows), ResourceExhaustedError says so. Caller holds the index lock."""
         needed = int(slots.max()) + 1 if len(slots) else 0
         inserted = False
         try:
@@ -984,10 +989,12 @@ class SparseTable(_Counted):
             if self.index.capacity != before:
                 trim_heap()
             self._init_rows(keys, slots)
-        except (MemoryError, OSError, RuntimeError) as exc:
+        except BaseException as exc:
             if inserted:
                 self.index.delete(keys)
             self._free_slots(slots)
+            if not out_of_memory(exc):
+                raise
             raise ResourceExhaustedError(
                 f"table {self.spec.name!r}: this server could not allocate memory for "
                 f"{len(keys)} new rows ({exc}); none of them was created. Give the server a "

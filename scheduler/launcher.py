@@ -598,6 +598,10 @@ def membership_report(store: JobStore, spec: JobSpec) -> dict[str, Any]:
     }
 
 
+# Events read at a time by the report at the end of a run.
+REPORT_PAGE = 1000
+
+
 def checkpoint_report(store: JobStore, spec: JobSpec) -> dict[str, Any]:
     """How a job's checkpoints went in this run: the newest complete one, and the writes that
     failed ({checkpoint, shard, error} of the newest), from the job's events since the run
@@ -609,9 +613,9 @@ def checkpoint_report(store: JobStore, spec: JobSpec) -> dict[str, Any]:
     failed: list[Event] = []
     after = "-"
     while True:
-        page = store.events(after)
+        page = store.events(after, count=REPORT_PAGE)
         failed += [e for e in page if e.type == "checkpoint_failed" and e.time_s >= since]
-        if len(page) < 1000:
+        if len(page) < REPORT_PAGE:
             break
         after = page[-1].id
     latest = store.latest_checkpoint(spec.servers)

@@ -163,10 +163,11 @@ class Scheduler:
                 self._gone.add(int(change["worker"]))
             else:
                 self._gone.discard(int(change["worker"]))
-        # An earlier leader's record is newer than this scheduler's memory, if it led before.
-        served = self.store.served_incarnations()
-        self._incarnations.update(served)
-        self._served.update(served)
+        # What an earlier leader accounted for, for the servers this scheduler never saw;
+        # its own memory wins (Redis may have come back with less than it knew).
+        for shard, incarnation in self.store.served_incarnations().items():
+            self._incarnations.setdefault(shard, incarnation)
+            self._served.setdefault(shard, incarnation)
         self._fences_loaded = True
 
     def _find_dead_at_takeover(self) -> None:

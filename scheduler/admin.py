@@ -138,5 +138,13 @@ def _clock_ahead(store: JobStore, spec: JobSpec) -> int:
     """
     first = _open_clock(store, spec)
     time.sleep(spec.heartbeat_interval_s * 2)
-    second = _open_clock(store, spec)
-    return second + (second - first) + 2
+    return clock_to_aim(first, _open_clock(store, spec))
+
+
+def clock_to_aim(first: int, second: int) -> int:
+    """The sync clock to cut at, from the open clock seen twice, two heartbeat intervals
+    apart: past `second` by as many clocks as ran between them, plus two. Clocks that went
+    back between the looks (a rollback, or a heartbeat from before one) say nothing of the
+    pace: then two past `second`, never behind it (a clock already passed is skipped by
+    every shard, and the request would wait for its retry in vain)."""
+    return second + max(0, second - first) + 2

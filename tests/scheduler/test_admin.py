@@ -8,7 +8,7 @@ import sys
 import pytest
 from procs import REPO, Procs, free_port
 
-from scheduler.admin import health
+from scheduler.admin import clock_to_aim, health
 
 
 def pstrain(*args: str) -> subprocess.CompletedProcess[str]:
@@ -42,3 +42,13 @@ def test_health_refuses_bad_input_naming_it(args: list[str], message: str) -> No
     done = pstrain("health", *args)
     assert done.returncode == 2
     assert message in done.stderr
+
+
+@pytest.mark.parametrize(("first", "second", "aim"), [
+    (0, 0, 2),  # an idle or new job: two clocks on
+    (40, 50, 62),  # ten clocks ran between the looks: ten more, and two
+    (60, 40, 42),  # rolled back between the looks: never behind the clock now open
+])
+def test_a_sync_checkpoint_aims_at_a_clock_still_ahead(first: int, second: int,
+                                                       aim: int) -> None:
+    assert clock_to_aim(first, second) == aim

@@ -1104,6 +1104,9 @@ def _scan(directory: StrPath, job: str, *, with_bad: bool) -> list[Manifest]:
         try:
             manifest = read_manifest(ckpt_dir)
         except CheckpointCorruptError as exc:
+            if not ckpt_dir.exists():  # another shard's retention took it while it was read
+                log.debug("job %s: checkpoint %s went while it was read", job, name)
+                continue
             log.warning("job %s: skipping corrupt checkpoint %s: %s", job, name, exc)
             continue
         except CheckpointError as exc:

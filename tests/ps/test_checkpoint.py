@@ -454,6 +454,31 @@ def test_latest_complete_skips_incomplete_and_corrupt(tmp_path: Path) -> None:
     assert list_checkpoints(tmp_path, "other-job") == []
 
 
+def test_a_checkpoint_pruned_while_it_is_listed_is_passed_over_as_gone_not_corrupt(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # Every shard prunes the job's directory after its full checkpoint: one shard's listing
+    # may read a checkpoint that another shard's retention renames away under it.
+    clock = _Clock()
+    _checkpoint(tmp_path, "c1", [0, 1], 2, clock)
+    _checkpoint(tmp_path, "c2", [0, 1], 2, clock)
+    truncated = _checkpoint(tmp_path, "c3", [0, 1], 2, clock)[1]
+    with open(truncated.path, "r+b") as f:
+        f.truncate(truncated.nbytes - 1)
+    read_entry = ckpt._read_entry
+
+    def pruned_midway(path: Path, shard: int) -> dict[str, Any]:
+        if path.parent.name == "c1":  # its entries listed, then the directory renamed away
+            path.parent.rename(tmp_path / JOB / ".c1.pruned-1-00000000")
+        return read_entry(path, shard)
+
+    monkeypatch.setattr(ckpt, "_read_entry", pruned_midway)
+    with caplog.at_level("WARNING", logger="ps.checkpoint"):
+        listed = [m.checkpoint_id for m in list_checkpoints(tmp_path, JOB)]
+    assert listed == ["c2"]
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "skipping corrupt checkpoint c3" in warned[0], warned
+
+
 def test_latest_complete_can_verify_checksums(tmp_path: Path) -> None:
     clock = _Clock()
     _checkpoint(tmp_path, "c1", [0], 1, clock)

@@ -366,6 +366,11 @@ class Shard:
         self._cuts_seen: collections.deque[str] = collections.deque(maxlen=64)
         # The job's rollback count as of this shard's last restore; older workers are refused.
         self.generation = 0
+        # How many restores this shard has had, and what the last one restored (guarded by
+        # self._clocks): a call that began before a restore is refused where it would change
+        # or read the clocks after it, as it belongs to the timeline the restore ended.
+        self._restores = 0
+        self._restored_from = ""
         # Called with (table, clocks behind the slowest live worker) for each served ssp or
         # sync pull: the metrics' staleness histogram.
         self.observe_staleness: Callable[[str, int], None] | None = None
@@ -522,13 +527,13 @@ class Shard:
 
     def _await_pull(
         self, name: str, policy: Policy, worker: int, clock: int, wait_s: float,
-        alive: Alive,
+        alive: Alive, restores: int,
     ) -> None:
         if not policy.pull_waits:
             return
         with self._clocks:
             view = self._wait_for(
-                lambda: self.board.view(worker, clock), policy.on_pull, wait_s, alive,
+                lambda: self.board.view(worker, clock), policy.on_pull, wait_s, alive, restores,
                 lambda last, waited: ClockWaitTimeoutError(
                     f"waited {waited:.1f} s: "
                     + policy.explain_pull_wait(name, last, self.board.waiters())
@@ -541,17 +546,20 @@ class Shard:
 
     def _wait_for(
         self, view_fn: Callable[[], ClockView], decide: Callable[[ClockView], Decision],
-        wait_s: float, alive: Alive, on_timeout: Callable[[ClockView, float], PSError],
+        wait_s: float, alive: Alive, restores: int,
+        on_timeout: Callable[[ClockView, float], PSError],
     ) -> ClockView:
         """Asks `decide` until it stops saying WAIT. Caller holds self._clocks.
 
         Past the wait's limit, raises what `on_timeout` makes of the last view and the
         seconds waited; CallEndedError as soon as `alive` says the caller has gone (looked
-        at every ALIVE_POLL_S), so an abandoned call does not hold its thread.
+        at every ALIVE_POLL_S), so an abandoned call does not hold its thread; RolledBackError
+        once the shard has been restored since the call began (`restores`, its count then).
         """
         limit = self.config.max_wait_s if wait_s <= 0 else min(wait_s, self.config.max_wait_s)
         start = self._now()
         while True:
+            self._check_not_restored(restores)
             view = view_fn()
             if decide(view) is not Decision.WAIT:
                 return view
@@ -567,6 +575,18 @@ class Shard:
 
     # ---- pushes ----------------------------------------------------------------------------
 
+    def _check_not_restored(self, restores: int) -> None:
+        """RolledBackError if the shard was restored since a call began (`restores`: the
+        count then): its clocks and pushes are of the timeline the restore ended, and a
+        worker whose pushes waited for a clock across a rollback must not add them to the
+        same clock of the new one. Caller holds self._clocks."""
+        if self._restores != restores:
+            raise RolledBackError(
+                f"this shard was restored from {self._restored_from} (generation "
+                f"{self.generation}) while the call was in progress; nothing of it was done "
+                "after the restore, and this process must restart and rejoin"
+            )
+
     def exchange(self, request: Exchange, alive: Alive = None) -> ExchangeResult:
         """A worker's step in one call: its pushes, the end of its iteration, its pulls.
 
@@ -576,6 +596,7 @@ class Shard:
         modes say. Blocks like the calls it combines.
         """
         worker, generation = request.worker, request.generation
+        restores = self._restores  # before any check: a restore from here on is seen
         self.check_generation(worker, generation)
         self.check_fenced(worker, request.incarnation)
         if request.cut:
@@ -630,17 +651,17 @@ class Shard:
         # Last of the checks, as it reserves room (never rows) for what passed all others.
         grant = self._admit_rows(touches)
         try:
-            outcomes = [self._commit(p, alive) for p in prepared]
+            outcomes = [self._commit(p, alive, restores) for p in prepared]
             open_clock = None
             if request.end_iteration:
                 open_clock = self.tick(worker, request.incarnation, request.push_clock,
-                                       generation, request.position)
+                                       generation, request.position, restores)
             if self._cut is not None and request.pulls:
                 self._hold_for_cut(worker, request.pull_clock, alive)
             pulled: list[torch.Tensor | SparseRows] = []
             for pull, (policy, read) in zip(request.pulls, reads, strict=True):
                 self._await_pull(pull.table, policy, worker, request.pull_clock,
-                                 request.wait_s, alive)
+                                 request.wait_s, alive, restores)
                 pulled.append(read())
         finally:
             self._release(grant)
@@ -800,7 +821,7 @@ class Shard:
             aggregate=lambda: self._sum(name, SparseSum).add(keys, rows), keys=keys, known=known,
         )
 
-    def _commit(self, p: _Prepared, alive: Alive = None) -> PushOutcome:
+    def _commit(self, p: _Prepared, alive: Alive, restores: int) -> PushOutcome:
         """Applies (or aggregates, or drops, or keeps the values an assign if absent finds)
         a checked push once, as its table's mode says; answers when that is done."""
         name, table, policy, meta = p.name, p.table, p.policy, p.meta
@@ -812,7 +833,8 @@ class Shard:
             table.count(pushes_duplicate=1)
             return PushOutcome.DUPLICATE
         try:
-            outcome = self._run_push(name, table, policy, meta, p.apply, p.aggregate, alive)
+            outcome = self._run_push(name, table, policy, meta, p.apply, p.aggregate, alive,
+                                     restores)
         except BaseException:
             self.ledger.abandon(meta.worker, meta.incarnation, meta.seq)
             raise
@@ -821,7 +843,7 @@ class Shard:
 
     def _run_push(
         self, name: str, table: Table, policy: Policy, meta: PushMeta,
-        apply: Callable[[], bool], aggregate: Callable[[], None], alive: Alive,
+        apply: Callable[[], bool], aggregate: Callable[[], None], alive: Alive, restores: int,
     ) -> PushOutcome:
         if meta.assign:
             return PushOutcome.APPLIED if apply() else PushOutcome.KEPT
@@ -839,7 +861,7 @@ class Shard:
                 )
             view = self._wait_for(
                 lambda: self.board.view(meta.worker, meta.clock), policy.on_push, meta.wait_s,
-                alive,
+                alive, restores,
                 lambda last, waited: ClockWaitTimeoutError(
                     f"waited {waited:.1f} s: "
                     + policy.explain_push_wait(name, last, self.board.waiters())
@@ -865,13 +887,15 @@ class Shard:
     # ---- clocks and membership -------------------------------------------------------------
 
     def tick(self, worker: int, incarnation: int, clock: int, generation: int = 0,
-             position: bytes = b"") -> int:
+             position: bytes = b"", restores: int | None = None) -> int:
         """`worker` finished iteration `clock` on this shard, and was then at `position` in
         its data; returns the open sync clock. Its caller, `exchange`, has checked the ids
-        and clock."""
+        and clock; `restores` is the shard's restore count when that call began (None: now)."""
         self.check_generation(worker, generation)
         self.ledger.check_incarnation(worker, incarnation)
         with self._clocks:
+            if restores is not None:
+                self._check_not_restored(restores)
             self.board.tick(worker, clock, position)
             self._close_ready()
             self._cut_if_ready()
@@ -1168,6 +1192,9 @@ class Shard:
             self.snapshots.reset()
             if generation is not None:
                 self.generation = max(self.generation, generation)
+            self._restores += 1
+            self._restored_from = (f"checkpoint {state.checkpoint_id}" if state is not None
+                                   else "the empty state")
             with self._lock:
                 self._tables.clear()
                 self._policies.clear()

@@ -23,7 +23,12 @@ from protos import codec, modes
 from protos.partition import RowRange
 from ps.checkpoint import materialized
 from ps.clocks import Quorum
-from ps.errors import ClockWaitTimeoutError, InvalidArgumentError, ResourceExhaustedError
+from ps.errors import (
+    ClockWaitTimeoutError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    RolledBackError,
+)
 from ps.index import capacity_for
 from ps.initializers import InitSpec
 from ps.row_policy import admitted_by_probability
@@ -219,6 +224,39 @@ def test_an_ssp_pull_is_released_when_the_slowest_worker_advances() -> None:
     # A pull within the bound never waits.
     pull_dense(shard, "w", 2, 3)
     assert shard.pull_log()[-1] == PullRecord("w", 2, 3, 2)
+
+
+def _step(shard: Shard, worker: int, incarnation: int, generation: int, clock: int,
+          value: float) -> PushOutcome:
+    """One sync step of a worker: its push of `value` to "w" at `clock`, and the clock's end."""
+    meta = PushMeta(worker, incarnation, clock + 1, clock, generation=generation)
+    push = DensePush("w", meta, F32, (4,), [(0, torch.full((4,), value))])
+    result = shard.exchange(Exchange(
+        worker=worker, incarnation=incarnation, generation=generation, push_clock=clock,
+        pushes=[push], end_iteration=True, pull_clock=clock + 1, pulls=[]))
+    outcome: PushOutcome = result.outcomes[0]
+    return outcome
+
+
+def test_a_push_waiting_for_its_clock_across_a_rollback_is_refused_not_counted() -> None:
+    # A worker of the timeline a rollback ends can have a push waiting for a clock the new
+    # timeline reaches later (its connection outlives it): it must not join that clock's sum.
+    shard, clock = make_shard("sync")
+    start = shard.snapshot("start")
+    for w in (0, 1):
+        _step(shard, w, 1, 0, 0, 2.0)
+    early = Call(lambda: _step(shard, 0, 1, 0, 2, 100.0))  # clock 2 is not open: it waits
+    assert settle(early, clock)
+    shard.restore(start, generation=1)
+    with pytest.raises(RolledBackError, match=r"restored from checkpoint start \(generation 1\)"):
+        early.outcome()
+    for w in (0, 1):
+        assert shard.join(w, 2, 1)[0] == 0
+    for c, pushed in enumerate([(2.0, 2.0), (1.0, 3.0), (0.5, 0.5)]):
+        for w in (0, 1):
+            assert _step(shard, w, 2, 1, c, pushed[w]) is PushOutcome.APPLIED
+    assert values(shard)[0] == [1.0 - 2.0 - 2.0 - 0.5] * 4  # the means, and nothing else
+    assert shard.clock_state().history[-1] == (2, 2, 0)
 
 
 @pytest.mark.parametrize(

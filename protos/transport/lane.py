@@ -137,10 +137,12 @@ class LaneContext:
     """What a handler sees of a lane call: the part of grpc.ServicerContext that the Exchange
     handler uses (trailing metadata, abort)."""
 
-    def __init__(self, peer: str = "lane", session: int = 0) -> None:
+    def __init__(self, peer: str = "lane", session: int = 0,
+                 conn: socket.socket | None = None) -> None:
         self._marks: tuple[str, ...] = ()
         self._peer = peer
         self.session = session  # the session whose hello opened the connection
+        self._conn = conn
 
     def peer(self) -> str:
         """Who called, as gRPC's context names a peer: the client process ("lane:pid N")."""
@@ -153,11 +155,19 @@ class LaneContext:
         raise LaneAbort(code, details, self._marks)
 
     def is_active(self) -> bool:
-        """A lane call has no deadline of its own: its client waits on the connection."""
-        return True
+        """Whether the client still waits for the answer: a lane call has no deadline of its
+        own, so it ends when the client hangs up (its process ended, or it gave the lane
+        up). A client sends nothing more while it waits, so the connection reads as hung up
+        or as nothing. Costs one poll of the socket; never blocks."""
+        if self._conn is None:
+            return True
+        poller = select.poll()
+        poller.register(self._conn, _HUNG_UP)
+        return not poller.poll(0)
 
 
 Handler = Callable[[bytes, LaneContext], bytes]
+_HUNG_UP = select.POLLHUP | select.POLLERR | select.POLLRDHUP
 _ACCEPT, _WAKE = object(), object()  # the watcher's own sockets
 
 
@@ -303,7 +313,7 @@ class LaneServer:
             return False
         with self._lock:
             peer, session = self._peers[conn]
-        write_frame(conn, *self._answer(body, peer, session))
+        write_frame(conn, *self._answer(body, peer, session, conn))
         return True
 
     def _welcome(self, conn: socket.socket) -> bool:
@@ -338,8 +348,9 @@ class LaneServer:
         write_frame(conn, ANSWER, b"")
         return True
 
-    def _answer(self, body: bytes, peer: str, session: int) -> tuple[int, bytes]:
-        context = LaneContext(peer, session)
+    def _answer(self, body: bytes, peer: str, session: int,
+                conn: socket.socket) -> tuple[int, bytes]:
+        context = LaneContext(peer, session, conn)
         try:
             return ANSWER, self._handle(body, context)
         except LaneAbort as exc:

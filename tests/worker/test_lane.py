@@ -316,6 +316,36 @@ def test_lane_refusals_deadlines_and_bugs(lane_server: tuple[LaneServer, LaneCli
         LaneClient(server.address, 1, "wrong").check(5.0)
 
 
+def test_a_call_sees_its_client_wait_and_then_hang_up(calls: ThreadPoolExecutor) -> None:
+    # A handler that waits (a sync push for a later clock) ends once its client has gone,
+    # not at its own limit: its thread is free, and what it would have done is not done.
+    seen: list[tuple[float, bool]] = []
+    ended = threading.Event()
+
+    def wait_for_hang_up(data: bytes, context: LaneContext) -> bytes:
+        start = time.monotonic()
+        while context.is_active() and time.monotonic() - start < 5.0:
+            seen.append((time.monotonic() - start, True))
+            time.sleep(0.01)
+        seen.append((time.monotonic() - start, context.is_active()))
+        ended.set()
+        return b""
+
+    server = LaneServer(wait_for_hang_up, lambda session, token, pid: "", 1 << 20, calls)
+    client = LaneClient(server.address, 1, "t")
+    try:
+        with pytest.raises(LaneError) as err:
+            client.call(b"x", 0.3)  # gives up: its connection closes
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert ended.wait(5.0)
+        waited, active = seen[-1]
+        assert not active and 0.25 <= waited < 0.3 + 1.0, seen[-1]
+        assert all(a for t, a in seen[:-1]) and seen[-2][0] >= 0.2  # active while it waited
+    finally:
+        client.close()
+        server.close()
+
+
 def test_a_closed_lane_breaks_the_channel(lane_server: tuple[LaneServer, LaneClient]) -> None:
     server, client = lane_server
     assert client.call(b"x", 5.0) == b"x"

@@ -110,6 +110,48 @@ def test_a_worker_from_before_a_rollback_is_told_on_the_lane(procs: Procs) -> No
         assert lane is not None and lane.calls == 2  # refused on the lane, not retried
 
 
+@pytest.mark.parametrize("lanes", [True, False], ids=["lane", "grpc"])
+def test_a_push_waiting_for_its_clock_is_refused_when_a_rollback_restores_the_server(
+        procs: Procs, lanes: bool) -> None:
+    # A sync push for a clock not open yet waits at the server; a rollback restores the
+    # server under it. The push belongs to the run the rollback ended: refused at once, it
+    # can never count in the new run's clock (over the lane, whose connection outlives the
+    # worker's interest in it, as over gRPC).
+    server = procs.server(extra=["--mode", "sync", "--workers", "2"])
+    with PSClient([server.address], worker=0, lanes=lanes) as client, \
+            PSClient([server.address], worker=1, lanes=lanes) as other:
+        declare(client)
+        declare(other)
+        client.exchange([Push("w", torch.ones(6, 3))], end_iteration=True)  # clock 0
+        waiting: list[BaseException] = []
+
+        def push_at_clock_1() -> None:
+            try:
+                client.exchange([Push("w", torch.ones(6, 3))], end_iteration=True)
+            except BaseException as exc:  # what the call ended with
+                waiting.append(exc)
+
+        thread = threading.Thread(target=push_at_clock_1, daemon=True)
+        thread.start()
+        thread.join(1.0)
+        assert thread.is_alive(), waiting  # clock 0 is still open: worker 1 has not ended it
+        admin = ServerAdmin()
+        try:
+            admin.restore(server.address, "", "", generation=1)
+            restored = time.monotonic()
+        finally:
+            admin.close()
+        thread.join(10.0)
+        assert not thread.is_alive(), "the push still waits after the restore"
+        assert time.monotonic() - restored < 5.0
+        (refused,) = waiting
+        assert isinstance(refused, RolledBackError), refused
+        assert "restored from the empty state (generation 1)" in refused.details
+        assert (client.links[0].peer.lane is not None) is lanes
+    with PSClient([server.address], worker=0) as fresh:
+        assert fresh.stats()[0].tables == []  # nothing of the old run came back
+
+
 def zero_rows(client: PSClient) -> tuple[np.ndarray, torch.Tensor]:
     """Declares sparse table "e" (SGD at lr 1, rows from zeros); 100 keys, a gradient of 1s."""
     client.declare_sparse("e", 8, optimizer="sgd", lr=1.0, init=("zeros", 0, 0))

@@ -593,7 +593,9 @@ class Shard:
         Every push and pull is checked before anything changes, so a refused exchange
         changes nothing. Then the pushes apply in order (each at most once, as push_*),
         the iteration ends (if asked), and the pulls are served, waiting as their tables'
-        modes say. Blocks like the calls it combines.
+        modes say. Blocks like the calls it combines. RolledBackError if the shard was
+        restored while the exchange was under way: what it did before the restore went
+        with the state the restore replaced, and nothing after it was done.
         """
         worker, generation = request.worker, request.generation
         restores = self._restores  # before any check: a restore from here on is seen
@@ -665,6 +667,8 @@ class Shard:
                 pulled.append(read())
         finally:
             self._release(grant)
+        with self._clocks:  # an answer never acknowledges or returns what a restore replaced
+            self._check_not_restored(restores)
         cut = self._cut  # a moment's value: a worker told twice marks once
         announce = cut.checkpoint_id if cut is not None and worker not in cut.marked else ""
         return ExchangeResult(outcomes, open_clock, pulled, announce)

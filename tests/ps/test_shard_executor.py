@@ -259,6 +259,25 @@ def test_a_push_waiting_for_its_clock_across_a_rollback_is_refused_not_counted()
     assert shard.clock_state().history[-1] == (2, 2, 0)
 
 
+def test_an_async_push_that_a_restore_overtakes_is_refused_not_acknowledged() -> None:
+    # An async push applies to the table it found when it arrived; a restore that lands
+    # while it applies replaces that table. Its answer must not say the push counts.
+    shard, _ = make_shard("async")
+    start = shard.snapshot("start")
+    table = shard._table("w")[0]
+    apply = table.apply
+
+    def overtaken(*args: Any) -> bool:
+        applied: bool = apply(*args)
+        shard.restore(start, generation=1)
+        return applied
+
+    table.apply = overtaken  # type: ignore[method-assign]
+    with pytest.raises(RolledBackError, match=r"restored from checkpoint start \(generation 1\)"):
+        push_w(shard, 0, 1, 0, 5.0)
+    assert values(shard)[0] == [1.0] * 4  # the restored state, without the push
+
+
 @pytest.mark.parametrize(
     ("mode", "call", "message"),
     [

@@ -366,9 +366,10 @@ class Shard:
         self._cuts_seen: collections.deque[str] = collections.deque(maxlen=64)
         # The job's rollback count as of this shard's last restore; older workers are refused.
         self.generation = 0
-        # How many restores this shard has had, and what the last one restored (guarded by
+        # How many restores this shard has had, and what the last one restored (written under
         # self._clocks): a call that began before a restore is refused where it would change
-        # or read the clocks after it, as it belongs to the timeline the restore ended.
+        # or read the clocks after it, and at its end, as it belongs to the timeline the
+        # restore ended.
         self._restores = 0
         self._restored_from = ""
         # Called with (table, clocks behind the slowest live worker) for each served ssp or
@@ -579,7 +580,8 @@ class Shard:
         """RolledBackError if the shard was restored since a call began (`restores`: the
         count then): its clocks and pushes are of the timeline the restore ended, and a
         worker whose pushes waited for a clock across a rollback must not add them to the
-        same clock of the new one. Caller holds self._clocks."""
+        same clock of the new one. Needs no lock: a restore names what it restored before it
+        counts, and a count read as it changes is a restore after the call."""
         if self._restores != restores:
             raise RolledBackError(
                 f"this shard was restored from {self._restored_from} (generation "
@@ -667,8 +669,7 @@ class Shard:
                 pulled.append(read())
         finally:
             self._release(grant)
-        with self._clocks:  # an answer never acknowledges or returns what a restore replaced
-            self._check_not_restored(restores)
+        self._check_not_restored(restores)  # never acknowledge or return what a restore replaced
         cut = self._cut  # a moment's value: a worker told twice marks once
         announce = cut.checkpoint_id if cut is not None and worker not in cut.marked else ""
         return ExchangeResult(outcomes, open_clock, pulled, announce)
@@ -1196,9 +1197,9 @@ class Shard:
             self.snapshots.reset()
             if generation is not None:
                 self.generation = max(self.generation, generation)
-            self._restores += 1
             self._restored_from = (f"checkpoint {state.checkpoint_id}" if state is not None
                                    else "the empty state")
+            self._restores += 1
             with self._lock:
                 self._tables.clear()
                 self._policies.clear()

@@ -50,6 +50,7 @@ class Procs:
         self.workdir = workdir
         self.started: list[Proc] = []
         self._count = 0
+        self.tmp = workdir / "tmp"  # the TMPDIR of every process started here
 
     def spawn(self, args: list[str], name: str, env: dict[str, str] | None = None,
               cwd: Path | None = None) -> Proc:
@@ -57,7 +58,11 @@ class Procs:
         stdout and stderr in a log file."""
         self._count += 1
         log_path = self.workdir / f"{name}-{self._count}.log"
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # Temporary files (a failed `pstrain up` keeps its logs in one) stay in the test's
+        # directory, not in the host's /tmp.
+        self.tmp.mkdir(exist_ok=True)
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.tmp),
+                    **(env or {})}
         with open(log_path, "wb") as log:
             popen = subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT, cwd=cwd or REPO, env=full_env,

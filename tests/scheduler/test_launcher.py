@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -172,7 +171,7 @@ def test_a_run_that_ends_well_leaves_no_temporary_directory(procs: Procs, log_di
                         *(["--log-dir", str(logs)] if log_dir else []), JOB_WORKER, "--",
                         "--steps", "3", "--out", str(procs.workdir / "out")], "up")
     assert up.popen.wait(timeout=120) == 0, up.log()
-    assert not list(Path(tempfile.gettempdir()).glob(f"pstrain-{job}-*"))
+    assert procs.tmp.is_dir() and not list(procs.tmp.glob(f"pstrain-{job}-*"))
     assert (logs / "worker0.log").is_file() == log_dir
 
 

@@ -46,7 +46,7 @@ from ps.deltas import WAIT_FOR_EARLIER_S
 from ps.errors import PSError
 from ps.reshard import JoinedRows, reshard, routes_here, shards_needed
 from ps.server import ParameterServer
-from ps.shard import Shard
+from ps.shard import Shard, Skipped
 from scheduler.heartbeat import Heartbeat
 from scheduler.recovery import (
     built_on_bad,
@@ -195,10 +195,14 @@ class ServerCoordinator:
             state = shard.snapshot(checkpoint_id)
             threading.Thread(target=self._write, args=(state,), daemon=True).start()
 
-    def _write(self, state: ShardState | None) -> None:
-        if state is None:
-            log.warning("shard %d: a checkpoint's cut was missed or given up; skipping it",
-                        self.server.config.shard)
+    def _write(self, state: ShardState | Skipped) -> None:
+        if isinstance(state, Skipped):
+            # An event, so that `pstrain checkpoint` asks again at once (sync) or says why.
+            log.warning("shard %d: skipping checkpoint %s: %s", self.server.config.shard,
+                        state.checkpoint_id, state.reason)
+            ride_out("checkpoint", lambda: self.store.event(
+                "checkpoint_skipped", "server", self.server.config.shard,
+                checkpoint=state.checkpoint_id, reason=state.reason), None)
             return
         run_in_background()  # this thread's own, started for this write
         started = time.monotonic()

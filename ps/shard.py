@@ -302,6 +302,18 @@ class ExchangeResult:
     cut: str = ""  # a checkpoint cut the worker has yet to mark
 
 
+@dataclass(frozen=True)
+class Skipped:
+    """A checkpoint this shard did not take, and why (its writer reports it)."""
+
+    checkpoint_id: str
+    reason: str
+
+
+# Who writes a snapshot the shard takes: gets it, or what it skipped. Runs on another thread.
+Done = Callable[[ShardState | Skipped], None]
+
+
 @dataclass
 class _Cut:
     """A consistent cut under way (async and ssp checkpoints): each worker's cut clock as it
@@ -309,7 +321,7 @@ class _Cut:
 
     checkpoint_id: str
     started: float
-    done: Callable[[ShardState | None], None]
+    done: Done
     marked: dict[int, int] = field(default_factory=dict)
 
 
@@ -355,14 +367,14 @@ class Shard:
         self._clock_policy = make_policy(config.mode, config.staleness)
         self._sums: dict[str, Aggregate] = {}
         self._pull_log: collections.deque[PullRecord] = collections.deque(maxlen=PULL_LOG_SIZE)
-        self._pending_snapshot: tuple[int, str, Callable[[ShardState | None], None]] | None = None
+        self._pending_snapshot: tuple[int, str, Done] | None = None
         # Full or delta, and what a delta builds on; whoever writes a snapshot reports to it.
         self.snapshots = SnapshotLog(config.checkpoint_full_every)
-        self._periodic: tuple[int, Callable[[ShardState | None], None]] | None = None
+        self._periodic: tuple[int, Done] | None = None
         # The async/ssp cut under way (guarded by self._clocks), who writes cuts a worker
         # starts here, and the ids of recent cuts (a late marker of one starts nothing).
         self._cut: _Cut | None = None
-        self._on_cut: Callable[[ShardState | None], None] | None = None
+        self._on_cut: Done | None = None
         self._cuts_seen: collections.deque[str] = collections.deque(maxlen=64)
         # The job's rollback count as of this shard's last restore; older workers are refused.
         self.generation = 0
@@ -966,7 +978,7 @@ class Shard:
     def _snapshot_if_due(self) -> None:
         """After a clock closed: take the snapshots due at the new open clock."""
         clock = self.board.open_clock
-        due: list[tuple[str, Callable[[ShardState | None], None]]] = []
+        due: list[tuple[str, Done]] = []
         pending = self._pending_snapshot
         if pending is not None and pending[0] == clock:
             self._pending_snapshot = None
@@ -1005,7 +1017,7 @@ class Shard:
         with self._clocks:
             return self._snapshot(checkpoint_id)
 
-    def snapshot_every(self, clocks: int, done: Callable[[ShardState | None], None]) -> None:
+    def snapshot_every(self, clocks: int, done: Done) -> None:
         """Snapshots whenever the open sync clock reaches a multiple of `clocks`.
 
         Every shard cuts at the same clocks without talking to the others, so together they
@@ -1015,20 +1027,21 @@ class Shard:
             self._periodic = (clocks, done) if clocks > 0 else None
 
     def snapshot_at(self, clock: int, checkpoint_id: str,
-                    done: Callable[[ShardState | None], None]) -> None:
+                    done: Done) -> None:
         """Snapshots when sync clock `clock` opens (at once if it is open now), then calls
-        `done` with it; with None if this shard is past `clock` already."""
+        `done` with it; with a Skipped if this shard is past `clock` already."""
         with self._clocks:
             if self.board.open_clock == clock:
-                state: ShardState | None = self._snapshot(checkpoint_id)
+                state: ShardState | Skipped = self._snapshot(checkpoint_id)
             elif self.board.open_clock > clock:
-                state = None
+                state = Skipped(checkpoint_id, f"shard {self.config.shard} was past clock "
+                                f"{clock} (at {self.board.open_clock}) when it was asked")
             else:
                 self._pending_snapshot = (clock, checkpoint_id, done)
                 return
         done(state)
 
-    def cut(self, checkpoint_id: str, done: Callable[[ShardState | None], None]) -> bool:
+    def cut(self, checkpoint_id: str, done: Done) -> bool:
         """Starts a consistent cut (async and ssp checkpoints); False when one is under way.
 
         Exchanges tell each worker of the cut; the worker marks it on its next exchange with
@@ -1039,18 +1052,18 @@ class Shard:
         `done` with it on another thread. Every shard cuts at the same worker clocks, as
         each worker marks all shards in one exchange: together the shards' snapshots are
         one consistent checkpoint. A cut that has not completed within the shard's wait
-        limit (a live worker that stopped stepping) is given up: `done` gets None and the
+        limit (a live worker that stopped stepping) is given up: `done` gets a Skipped and the
         waiting exchanges go on. A worker may start a cut here by marking it first.
         """
         with self._clocks:
             return self._start_cut(checkpoint_id, done)
 
-    def on_cut(self, done: Callable[[ShardState | None], None] | None) -> None:
+    def on_cut(self, done: Done | None) -> None:
         """Who writes a cut that a worker's mark starts here (before the shard heard of it)."""
         with self._clocks:
             self._on_cut = done
 
-    def _start_cut(self, checkpoint_id: str, done: Callable[[ShardState | None], None]) -> bool:
+    def _start_cut(self, checkpoint_id: str, done: Done) -> bool:
         """Caller holds self._clocks."""
         if checkpoint_id in self._cuts_seen:
             return True
@@ -1132,12 +1145,13 @@ class Shard:
         if cut is None:
             return
         self._cut = None
-        log.warning("shard %d: gave up the cut of checkpoint %s after %.0f s: worker(s) %s did "
-                    "not reach it (a worker that stops stepping without finishing holds a cut "
-                    "back)", self.config.shard, cut.checkpoint_id, self._now() - cut.started,
-                    self.board.short_of_cut(cut.marked))
+        reason = (f"shard {self.config.shard} gave up its cut after "
+                  f"{self._now() - cut.started:.0f} s: worker(s) "
+                  f"{self.board.short_of_cut(cut.marked)} did not reach it (a worker that stops "
+                  "stepping without finishing holds a cut back)")
         self._clocks.notify_all()
-        threading.Thread(target=cut.done, args=(None,), daemon=True).start()
+        skipped = Skipped(cut.checkpoint_id, reason)
+        threading.Thread(target=cut.done, args=(skipped,), daemon=True).start()
 
     def _snapshot(self, checkpoint_id: str, cut: Mapping[int, int] | None = None) -> ShardState:
         """Caller holds self._clocks. `cut`: each worker's cut clock (an async or ssp cut);

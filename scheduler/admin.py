@@ -105,24 +105,40 @@ def take_checkpoint(store: JobStore, wait_s: float, full: bool = False,
             f"job {spec.job!r} has no checkpoint directory; start it with --checkpoint-dir"
         )
     deadline = time.monotonic() + wait_s
+    seen = next((e.id for e in store.recent_events(1)), "-")
     while True:
         at_clock = _clock_ahead(store, spec) if spec.mode == "sync" else -1
         checkpoint_id = f"{prefix}-{int(time.time() * 1000):015d}"
         store.request_checkpoint(checkpoint_id, at_clock, full=full)
         # A sync clock aimed at from late heartbeats may be passed before a shard hears of
-        # it (the shard skips it): then ask again at a later one. An async cut completes
-        # or is given up by the servers themselves.
+        # it: the shard says it skipped it, and the request is made again at a later clock
+        # (after a while without word, too). An async cut completes or is given up by the
+        # servers themselves, saying why.
         again = time.monotonic() + max(SYNC_RETRY_S, 10 * spec.heartbeat_interval_s)
         while time.monotonic() < deadline:
             entries = store.checkpoint(checkpoint_id)
             if len(entries) == spec.servers:
                 return checkpoint_id, entries
-            if spec.mode == "sync" and time.monotonic() >= again:
+            seen, reason = _skipped(store, checkpoint_id, seen)
+            if reason and spec.mode != "sync":
+                return f"{checkpoint_id} was not taken: {reason}"
+            if spec.mode == "sync" and (reason or time.monotonic() >= again):
                 break
             time.sleep(0.2)
         if time.monotonic() >= deadline:
             return (f"{checkpoint_id} not complete after {wait_s:g} s "
                     f"({len(store.checkpoint(checkpoint_id))} of {spec.servers} shards)")
+
+
+def _skipped(store: JobStore, checkpoint_id: str, after: str) -> tuple[str, str]:
+    """The newest event id after `after`, and why a shard skipped `checkpoint_id` if one
+    said so among those events ("" if none did)."""
+    reason = ""
+    for event in store.events(after=after):
+        after = event.id
+        if event.type == "checkpoint_skipped" and event.detail.get("checkpoint") == checkpoint_id:
+            reason = str(event.detail.get("reason", ""))
+    return after, reason
 
 
 def _open_clock(store: JobStore, spec: JobSpec) -> int:

@@ -42,6 +42,7 @@ from ps.shard import (
     PushOutcome,
     Shard,
     ShardConfig,
+    Skipped,
     SparsePush,
     format_size,
 )
@@ -697,6 +698,24 @@ def tick_w(shard: Shard, worker: int, seq: int, clock: int, value: float, *, cut
         cut_clock=cut_clock))
 
 
+def test_a_sync_snapshot_at_a_clock_passed_says_it_was_skipped_and_one_ahead_is_taken() -> None:
+    shard, _ = make_shard("sync", workers=1)
+    shard.join(0, 1)
+    for step in range(3):
+        tick_w(shard, 0, step + 1, step, 1.0)
+    taken: list[Any] = []
+    shard.snapshot_at(1, "late", taken.append)  # the open clock is 3
+    assert taken == [Skipped("late", "shard 0 was past clock 1 (at 3) when it was asked")]
+    shard.snapshot_at(4, "ahead", taken.append)
+    assert len(taken) == 1  # taken once clock 4 opens
+    tick_w(shard, 0, 4, 3, 1.0)
+    deadline = time.monotonic() + BOUND_S
+    while len(taken) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert [type(t).__name__ for t in taken] == ["Skipped", "ShardState"]
+    assert taken[1].checkpoint_id == "ahead" and taken[1].clock == 4
+
+
 @pytest.mark.parametrize("mode", ["async", "ssp"])
 def test_a_cut_holds_each_worker_past_its_mark_until_every_worker_reached_it(mode: str) -> None:
     shard, clock = make_shard(mode, staleness=2)
@@ -746,7 +765,9 @@ def test_a_cut_a_live_worker_never_reaches_is_given_up_at_the_wait_limit() -> No
     deadline = time.monotonic() + BOUND_S
     while not taken and time.monotonic() < deadline:
         time.sleep(0.001)
-    assert taken == [None]
+    (skipped,) = taken
+    assert isinstance(skipped, Skipped) and skipped.checkpoint_id == "c1"
+    assert "worker(s) [1] did not reach it" in skipped.reason, skipped
     assert values(shard)[0] == [0.0] * 4
     # A new cut may start: the given-up one holds nothing back.
     assert shard.cut("c2", taken.append)

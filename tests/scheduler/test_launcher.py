@@ -286,6 +286,13 @@ def test_checkpoint_on_demand_then_resume_from_it(procs: Procs) -> None:
                         "--steps", "1000000", "--sleep-ms", "5", "--out", str(out)], "up")
     store = JobStore.connect(redis, "again")
     wait_until(lambda: worker_clock(store, 0) >= 20, 90, "training to run")
+    # A request for a clock already passed is skipped, and the server says so.
+    store.request_checkpoint("passed", 0)
+    skipped = wait_until(lambda: next((e for e in store.events() if e.type ==
+                                       "checkpoint_skipped"), None), 30, "the skip")
+    assert skipped.detail["checkpoint"] == "passed", skipped  # type: ignore[attr-defined]
+    assert skipped.detail["reason"].startswith(  # type: ignore[attr-defined]
+        "shard 0 was past clock 0 (at "), skipped
     done = subprocess.run([sys.executable, "-m", "scheduler.cli", "checkpoint", "--redis",
                            redis, "--job", "again"], cwd=REPO, capture_output=True, text=True,
                           timeout=120, check=False)

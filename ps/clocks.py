@@ -116,17 +116,22 @@ class ClockBoard:
             through += 1
         self.through[worker] = through
 
-    def acked(self, worker: int, clock: int) -> None:
+    def acked(self, worker: int, clock: int) -> bool:
         """Every iteration of `worker` before `clock` was answered by every shard: none is
-        still to tick here (one this shard lost, restarted from a checkpoint, never will)."""
+        still to tick here (one this shard lost, restarted from a checkpoint, never will).
+        A worker acknowledged past the open clock has finished it. True if this moved
+        anything."""
         if clock <= self.through.get(worker, 0):
-            return
+            return False
         ahead = self._ahead.get(worker, set())
         ahead.difference_update([c for c in ahead if c < clock])
         while clock in ahead:
             ahead.discard(clock)
             clock += 1
         self.through[worker] = clock
+        if clock > self.open_clock:
+            self._finish(worker)
+        return True
 
     def position_before(self, worker: int, clock: int) -> bytes:
         """Where `worker` was in its data after its newest iteration below `clock` that said
@@ -164,6 +169,11 @@ class ClockBoard:
         self.finished.clear()
         for worker in self._early.pop(self.open_clock, []):
             self._finish(worker)
+        # Workers through this clock without its tick here: a restart of this shard lost
+        # it, and their acknowledgement said so (see `acked`).
+        for worker in sorted(self.live):
+            if self.through.get(worker, 0) > self.open_clock:
+                self._finish(worker)
 
     def restart(self, worker: int) -> int:
         """A new incarnation of `worker` starts; returns the clock it starts at.
@@ -244,6 +254,12 @@ class ClockBoard:
         A worker never seen here has nothing here to cut: what it sends later comes after."""
         return sorted(w for w in self.live
                       if w in self.through and (w not in cut or self.through[w] < cut[w]))
+
+    def held(self) -> int:
+        """Ticks kept for later: early ones waiting for their clock to open, and those past
+        a gap in their worker's iterations. A pipeline's depth per worker, in a job whose
+        workers all step."""
+        return sum(len(w) for w in self._early.values()) + sum(len(a) for a in self._ahead.values())
 
     def latest_position(self, worker: int) -> bytes:
         """Where `worker` was in its data after its newest iteration that said (b"": none)."""

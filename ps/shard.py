@@ -617,7 +617,7 @@ class Shard:
         self.check_fenced(worker, request.incarnation)
         if request.cut:
             self._mark_cut(worker, request.cut, request.cut_clock, request.acked_clock)
-        elif self._cut is not None:
+        elif request.acked_clock > self.board.through.get(worker, 0):  # a hint; _acked locks
             self._acked(worker, request.acked_clock)
         if self._cut is not None and (request.pushes or request.end_iteration):
             self._hold_for_cut(worker, request.push_clock, alive)
@@ -1083,9 +1083,10 @@ class Shard:
         """Every shard answered `worker`'s iterations before `acked_clock`: none of them is
         still on its way here (or it was lost with an earlier incarnation of this shard)."""
         with self._clocks:
-            self.board.acked(worker, acked_clock)
-            self._cut_if_ready()
-            self._clocks.notify_all()
+            if self.board.acked(worker, acked_clock):
+                self._close_ready()
+                self._cut_if_ready()
+                self._clocks.notify_all()
 
     def _mark_cut(self, worker: int, checkpoint_id: str, clock: int, acked_clock: int) -> None:
         if not _CUT_ID.fullmatch(checkpoint_id):
@@ -1101,7 +1102,8 @@ class Shard:
                 if cut is None:  # taken at once: no live worker to wait for
                     return
             cut.marked.setdefault(worker, clock)
-            self.board.acked(worker, acked_clock)
+            if self.board.acked(worker, acked_clock):
+                self._close_ready()
             self._cut_if_ready()
             self._clocks.notify_all()
 

@@ -168,3 +168,32 @@ def test_an_acknowledged_clock_fills_gaps_a_restored_shard_never_sees_ticked() -
     assert board.short_of_cut({0: 502}) == []
     board.acked(0, 10)  # never backwards
     assert board.through[0] == 502
+
+
+def test_a_restored_shard_s_open_clock_follows_workers_acknowledged_past_it() -> None:
+    # Async and ssp workers go on from their own clocks while a shard restarts: the
+    # iterations its checkpoint did not have (20..499 here) never tick again. Their
+    # acknowledgements close those clocks, and no tick is held for them.
+    board = ClockBoard(Quorum(2))
+    board.restore_meta({"open_clock": 20, "clocks": {"0": 20, "1": 20}, "live": [0, 1]}, 0)
+    for clock in range(500, 600):
+        for worker in (0, 1):
+            board.acked(worker, clock)
+            board.tick(worker, clock)
+            while closes(board):
+                board.close()
+    assert board.open_clock == 600
+    assert board.held() == 0
+    assert board.through == {0: 600, 1: 600}
+
+
+def test_an_acknowledgement_finishes_the_open_clock_only_for_its_worker() -> None:
+    board = ClockBoard(Quorum(2))
+    board.restore_meta({"open_clock": 20, "clocks": {"0": 20, "1": 20}, "live": [0, 1]}, 0)
+    assert board.acked(0, 30)
+    assert not board.acked(0, 25)  # never backwards
+    assert board.finished == {0} and not closes(board)  # worker 1 still owes clock 20
+    board.tick(1, 20)
+    assert closes(board)
+    board.close()
+    assert board.open_clock == 21 and board.finished == {0}  # worker 0 is through 21 too

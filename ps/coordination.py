@@ -174,6 +174,10 @@ class ServerCoordinator:
         if request.get("full"):
             shard.snapshots.ask_full(checkpoint_id)
         if self.spec.mode != "sync":
+            if shard.cut_started(checkpoint_id):
+                # A worker's mark started it here before this beat read the request.
+                self._handled = checkpoint_id
+                return
             if shard.snapshots.writing():
                 # One copy of the tables waits for its (paced) write at a time: asked faster
                 # than it writes, a server would pile up copies. The next beat asks again.

@@ -1058,6 +1058,11 @@ class Shard:
         with self._clocks:
             return self._start_cut(checkpoint_id, done)
 
+    def cut_started(self, checkpoint_id: str) -> bool:
+        """Whether the cut of `checkpoint_id` started here (it may be over)."""
+        with self._clocks:
+            return checkpoint_id in self._cuts_seen
+
     def on_cut(self, done: Done | None) -> None:
         """Who writes a cut that a worker's mark starts here (before the shard heard of it)."""
         with self._clocks:

@@ -825,12 +825,15 @@ def test_a_worker_marking_a_cut_the_shard_has_not_heard_of_starts_it() -> None:
     shard, _ = make_shard("async", workers=1)
     taken: list[Any] = []
     tick_w(shard, 0, 1, 0, 1.0, cut="early", cut_clock=0)  # no writer yet: ignored
-    assert not taken
+    assert not taken and not shard.cut_started("early")
     shard.on_cut(taken.append)
     tick_w(shard, 0, 2, 1, 1.0, cut="early", cut_clock=1)
     deadline = time.monotonic() + BOUND_S
     while not taken and time.monotonic() < deadline:
         time.sleep(0.001)
     assert [s.checkpoint_id for s in taken] == ["early"]
+    # The server's request, read after the mark, finds it started (and does not wait for
+    # the write of this very cut as if it were an earlier one's).
+    assert shard.cut_started("early") and not shard.cut_started("later")
     with pytest.raises(InvalidArgumentError, match="not a checkpoint id"):
         tick_w(shard, 0, 3, 2, 1.0, cut="../x", cut_clock=2)

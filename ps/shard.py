@@ -1162,10 +1162,14 @@ class Shard:
 
     def _snapshot(self, checkpoint_id: str, cut: Mapping[int, int] | None = None) -> ShardState:
         """Caller holds self._clocks. `cut`: each worker's cut clock (an async or ssp cut);
-        None takes each worker at its clock here, with the position of its newest tick
-        (sync: the clocks as the rollback restores them). Full or a delta of the snapshot
-        before, as `self.snapshots` plans (every trigger comes here); whoever writes it
-        reports how it went to `self.snapshots`."""
+        None takes each worker at its clock here, with the position of its newest tick,
+        but in sync mode at most at the open clock: the snapshot holds every clock below it,
+        a rollback replays the rest, and a worker's tick that came early for the open clock
+        (nothing to push here) is not part of it. Full or a delta of the snapshot before,
+        as `self.snapshots` plans (every trigger comes here); whoever writes it reports how
+        it went to `self.snapshots`."""
+        if cut is None and self._clock_policy.aggregates:
+            cut = dict.fromkeys(self.board.clocks, self.board.open_clock)
         with self._lock:
             tables = list(self._tables.items())
         kind, base = self.snapshots.plan(checkpoint_id)

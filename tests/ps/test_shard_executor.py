@@ -729,6 +729,37 @@ def test_a_restored_shard_follows_workers_that_went_on_from_their_own_clocks(mod
     assert shard.board.held() == 0  # nothing kept for clocks that never come
 
 
+def test_a_sync_snapshot_takes_a_worker_that_ticked_early_at_the_open_clock() -> None:
+    # Worker 1 had nothing to push to this shard in iterations 3 and 4: its tick for 4 came
+    # before clock 4 opened. The snapshot at clock 4 holds clocks 0-3; a rollback to it
+    # replays iteration 4 for every worker, so all of them rejoin at 4 and clock 4 closes.
+    # (Taken at 5, worker 1 would resume at 5 everywhere: its gradients of iteration 4 to
+    # the other shards lost, and clock 4 here waiting for its tick for good.)
+    shard, _ = make_shard("sync", workers=2)
+    for worker in (0, 1):
+        shard.join(worker, 1)
+    for clock in range(3):
+        for worker in (0, 1):
+            tick_w(shard, worker, clock + 1, clock, 1.0)
+    for clock in (3, 4):
+        shard.exchange(Exchange(worker=1, incarnation=1, generation=0, push_clock=clock,
+                                pushes=[], end_iteration=True, pull_clock=clock + 1, pulls=[]))
+    taken: list[Any] = []
+    shard.snapshot_at(4, "clock-4", taken.append)
+    tick_w(shard, 0, 4, 3, 1.0)  # closes clock 3: the snapshot
+    deadline = time.monotonic() + BOUND_S
+    while not taken and time.monotonic() < deadline:
+        time.sleep(0.001)
+    (state,) = taken
+    assert state.clock == 4 and state.meta["clocks"] == {"0": 4, "1": 4}
+    shard.restore(state, generation=1)
+    assert [shard.join(worker, 2, 1)[0] for worker in (0, 1)] == [4, 4]
+    for worker in (0, 1):
+        shard.exchange(Exchange(worker=worker, incarnation=2, generation=1, push_clock=4,
+                                pushes=[], end_iteration=True, pull_clock=5, pulls=[]))
+    assert shard.clock_state().open_clock == 5
+
+
 def test_a_sync_snapshot_at_a_clock_passed_says_it_was_skipped_and_one_ahead_is_taken() -> None:
     shard, _ = make_shard("sync", workers=1)
     shard.join(0, 1)

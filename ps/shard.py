@@ -376,6 +376,7 @@ class Shard:
         self._cut: _Cut | None = None
         self._on_cut: Done | None = None
         self._cuts_seen: collections.deque[str] = collections.deque(maxlen=64)
+        self._cut_waiting = ""  # the newest checkpoint told to wait for the cut under way
         # The job's rollback count as of this shard's last restore; older workers are refused.
         self.generation = 0
         # How many restores this shard has had, and what the last one restored (written under
@@ -1074,8 +1075,10 @@ class Shard:
             return True
         if self._cut is not None:
             if self._now() - self._cut.started < self._cut_wait_s():
-                log.warning("shard %d: checkpoint %s waits: the cut of %s is under way",
-                            self.config.shard, checkpoint_id, self._cut.checkpoint_id)
+                if self._cut_waiting != checkpoint_id:  # asked again every beat: said once
+                    self._cut_waiting = checkpoint_id
+                    log.warning("shard %d: checkpoint %s waits: the cut of %s is under way",
+                                self.config.shard, checkpoint_id, self._cut.checkpoint_id)
                 return False
             self._give_up_cut()
         self._cuts_seen.append(checkpoint_id)

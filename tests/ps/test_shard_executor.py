@@ -8,6 +8,7 @@ the clocks move, a parked call is known to have looked again once it has read th
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
@@ -833,6 +834,21 @@ def test_a_cut_a_live_worker_never_reaches_is_given_up_at_the_wait_limit() -> No
     assert values(shard)[0] == [0.0] * 4
     # A new cut may start: the given-up one holds nothing back.
     assert shard.cut("c2", taken.append)
+
+
+def test_a_checkpoint_asked_again_while_a_cut_is_under_way_is_told_to_wait_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    shard, _ = make_shard("async")
+    for worker in (0, 1):
+        shard.join(worker, 1)
+    assert shard.cut("c1", lambda state: None)
+    with caplog.at_level(logging.WARNING, logger="ps.shard"):
+        for _ in range(5):  # the server asks on every heartbeat
+            assert not shard.cut("c2", lambda state: None)
+        assert not shard.cut("c3", lambda state: None)
+    said = [r.getMessage() for r in caplog.records if "is under way" in r.getMessage()]
+    assert said == ["shard 0: checkpoint c2 waits: the cut of c1 is under way",
+                    "shard 0: checkpoint c3 waits: the cut of c1 is under way"]
 
 
 def test_a_cut_with_no_live_worker_is_taken_at_once_and_a_dead_worker_releases_one() -> None:

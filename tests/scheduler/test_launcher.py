@@ -209,6 +209,17 @@ def test_killed_server_restarts_restores_and_the_job_finishes(procs: Procs) -> N
     wait_until(lambda: any(e.type in ("restored", "dead") and e.role == "server"
                            and e.member == "0" and e.time_s >= killed_at
                            for e in store.events()), 10, "the scheduler to see the restart")
+    # The workers went on from their own clocks; the restored shard's clock follows them
+    # past where they were when it came back (it does not wait for the iterations it lost).
+    ahead = max(worker_clock(store, r) for r in range(2)) + 1
+    seen = [0]
+
+    def caught_up() -> bool:
+        beat = store.heartbeats("server", [0])[0]
+        seen[0] = max(seen[0], int(beat["open_clock"]) if beat else 0)
+        return seen[0] >= ahead
+
+    wait_until(caught_up, 30, f"server 0's clock to pass {ahead}")
     assert up.popen.wait(timeout=180) == 0, up.log()
     for r in range(2):
         assert json.loads((out / f"worker{r}.json").read_text())["clock"] == 400

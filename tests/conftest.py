@@ -26,7 +26,8 @@ TRANSPORTS = [
 
 # Test files that bound how long something takes or lean on heartbeat deadlines. They carry
 # the `alone` mark: scripts/test.sh runs every other test two at a time, then these one at a
-# time, so that no neighbour's load pushes them past a bound.
+# time, so that no neighbour's load pushes them past a bound. A single test elsewhere that
+# bounds a duration carries the mark itself.
 ALONE = (
     "tests/scheduler/test_detector.py",  # suspect and dead deadlines under pauses and a CPU hog
     "tests/scheduler/test_heartbeat.py",  # beats within a bound through a Redis stall

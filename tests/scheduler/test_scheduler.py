@@ -129,6 +129,7 @@ def test_second_job_with_a_live_name_is_refused(procs: Procs) -> None:
     assert "job 'taken' is running" in second.log()
 
 
+@pytest.mark.alone  # bounds a duration that includes the interpreter's start-up
 @pytest.mark.parametrize("role", ["scheduler", "server"])
 def test_unreachable_redis_fails_within_5s_naming_the_url(procs: Procs, role: str) -> None:
     url = "redis://127.0.0.1:9/0"  # the discard port: nothing listens there

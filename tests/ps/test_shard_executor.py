@@ -688,15 +688,15 @@ def test_ids_the_admission_rule_refuses_take_no_room_in_the_budget(admit: str) -
 
 
 def tick_w(shard: Shard, worker: int, seq: int, clock: int, value: float, *, cut: str = "",
-           cut_clock: int = 0, position: bytes = b"") -> Any:
+           cut_clock: int = 0, position: bytes = b"", acked_clock: int = 0) -> Any:
     """Worker `worker`'s step `clock`: a push to "w" and the end of the iteration, marking
-    `cut` if given."""
+    `cut` if given, its iterations before `acked_clock` answered by every shard."""
     push = DensePush("w", PushMeta(worker, 1, seq, clock), F32, (4,),
                      [(0, torch.full((4,), value))])
     return shard.exchange(Exchange(
         worker=worker, incarnation=1, generation=0, push_clock=clock, pushes=[push],
         end_iteration=True, pull_clock=clock + 1, pulls=[], position=position, cut=cut,
-        cut_clock=cut_clock))
+        cut_clock=cut_clock, acked_clock=acked_clock))
 
 
 @pytest.mark.parametrize("mode", ["async", "ssp"])
@@ -707,12 +707,8 @@ def test_a_restored_shard_follows_workers_that_went_on_from_their_own_clocks(mod
     for worker in (0, 1):
         shard.join(worker, 1)
 
-    def step(worker: int, clock: int) -> None:
-        push = DensePush("w", PushMeta(worker, 1, clock + 1, clock), F32, (4,),
-                         [(0, torch.zeros(4))])
-        shard.exchange(Exchange(
-            worker=worker, incarnation=1, generation=0, push_clock=clock, pushes=[push],
-            end_iteration=True, pull_clock=clock + 1, pulls=[], acked_clock=clock))
+    def step(worker: int, clock: int) -> None:  # a worker's clock: every earlier one answered
+        tick_w(shard, worker, clock + 1, clock, 0.0, acked_clock=clock)
 
     for clock in range(10):
         for worker in (0, 1):

@@ -119,10 +119,11 @@ class ClockBoard:
     def acked(self, worker: int, clock: int) -> bool:
         """Every iteration of `worker` before `clock` was answered by every shard: none is
         still to tick here (one this shard lost, restarted from a checkpoint, never will).
-        A worker acknowledged past the open clock has finished it. True if this moved
-        anything."""
+        Its clock is at least `clock` (the ssp bound reads it), and a worker acknowledged
+        past the open clock has finished it. True if this moved anything."""
         if clock <= self.through.get(worker, 0):
             return False
+        self.report(worker, clock)
         ahead = self._ahead.get(worker, set())
         ahead.difference_update([c for c in ahead if c < clock])
         while clock in ahead:
@@ -169,8 +170,13 @@ class ClockBoard:
         self.finished.clear()
         for worker in self._early.pop(self.open_clock, []):
             self._finish(worker)
-        # Workers through this clock without its tick here: a restart of this shard lost
-        # it, and their acknowledgement said so (see `acked`).
+        self._finish_through()
+
+    def _finish_through(self) -> None:
+        """Finishes the open clock for every live worker already through it, whose tick for
+        it will not come: a restart of this shard lost it (their acknowledgement said so,
+        see `acked`), or it was spent while the worker was out of the live set, which it
+        rejoined past this clock."""
         for worker in sorted(self.live):
             if self.through.get(worker, 0) > self.open_clock:
                 self._finish(worker)
@@ -189,6 +195,7 @@ class ClockBoard:
         # The new incarnation's first iteration is its clock: ticks count on from there.
         self.through[worker] = self.clocks[worker]
         self._ahead.pop(worker, None)
+        self._finish_through()
         return self.clocks[worker]
 
     def set_live(self, workers: Iterable[int]) -> None:
@@ -202,6 +209,7 @@ class ClockBoard:
             if worker in self.contributors:
                 self.finished.add(worker)
         self.live = new
+        self._finish_through()
 
     def fence(self, fenced: Mapping[int, int]) -> None:
         """Records incarnations declared dead (worker -> incarnation); never lowers one."""

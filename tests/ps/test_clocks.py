@@ -187,6 +187,50 @@ def test_a_restored_shard_s_open_clock_follows_workers_acknowledged_past_it() ->
     assert board.through == {0: 600, 1: 600}
 
 
+def test_an_acknowledgement_moves_the_worker_s_clock_for_the_ssp_bound() -> None:
+    # A restored ssp shard that hears of a worker only through read-only exchanges (its
+    # evaluation after training) must still see it at the clock it acknowledges: the bound
+    # of every pull, its own included, reads these clocks.
+    board = ClockBoard(Quorum(2))
+    board.restore_meta({"open_clock": 20, "clocks": {"0": 20, "1": 20}, "live": [0, 1]}, 0)
+    board.acked(0, 500)
+    assert board.clocks == {0: 500, 1: 20} and board.min_live_clock() == 20
+    board.acked(1, 480)
+    assert board.min_live_clock() == 480
+
+
+def test_a_worker_restarted_past_the_open_clock_holds_it_back_no_more() -> None:
+    # Async: worker 1 ran ahead to 50 while worker 0 was slow, then died and came back as a
+    # new incarnation at its own clock. Clocks 10..19 opened while it was out (its early
+    # ticks for them were spent then); it is past the open clock 20 when it is live again,
+    # and clocks it is past close with worker 0 alone, with nothing kept for them.
+    board = ClockBoard(Quorum(2))
+
+    def tick(worker: int, clock: int) -> None:
+        board.tick(worker, clock)
+        while closes(board):
+            board.close()
+
+    for clock in range(50):
+        tick(1, clock)
+    for clock in range(10):
+        tick(0, clock)
+    assert board.open_clock == 10
+    board.set_live([0])  # worker 1 declared dead
+    for clock in range(10, 20):
+        tick(0, clock)
+    assert board.open_clock == 20
+    assert board.restart(1) == 50
+    board.set_live([0, 1])
+    for clock in range(20, 50):
+        tick(0, clock)
+    assert board.open_clock == 50 and board.held() == 0
+    tick(0, 50)
+    assert board.open_clock == 50  # from its clock on, worker 1 counts again
+    tick(1, 50)
+    assert board.open_clock == 51
+
+
 def test_an_acknowledgement_finishes_the_open_clock_only_for_its_worker() -> None:
     board = ClockBoard(Quorum(2))
     board.restore_meta({"open_clock": 20, "clocks": {"0": 20, "1": 20}, "live": [0, 1]}, 0)

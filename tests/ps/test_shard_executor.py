@@ -726,6 +726,36 @@ def test_a_restored_shard_follows_workers_that_went_on_from_their_own_clocks(mod
     assert shard.board.held() == 0  # nothing kept for clocks that never come
 
 
+def test_a_restored_ssp_shard_serves_read_only_pulls_of_workers_that_went_on() -> None:
+    # Workers past the checkpoint (clock 30 against 10) that only pull from the restored
+    # shard, as they do when they evaluate after training: each pull's acknowledged clock
+    # says where its worker is, so the staleness bound holds them only for each other.
+    shard, clock = make_shard("ssp", staleness=2)
+    for worker in (0, 1):
+        shard.join(worker, 1)
+    for step in range(10):
+        for worker in (0, 1):
+            tick_w(shard, worker, step + 1, step, 0.0, acked_clock=step)
+    state = shard.snapshot("at-10")
+    for step in range(10, 30):
+        for worker in (0, 1):
+            tick_w(shard, worker, step + 1, step, 0.0, acked_clock=step)
+    shard.restore(state)
+
+    def read(worker: int) -> torch.Tensor:
+        result = shard.exchange(Exchange(
+            worker=worker, incarnation=1, generation=0, push_clock=30, pushes=[],
+            end_iteration=False, pull_clock=30, pulls=[Pull("w")], acked_clock=30))
+        pulled: torch.Tensor = result.pulled[0]
+        return pulled.clone()
+
+    first = Call(lambda: read(0))
+    assert settle(first, clock)  # worker 1 is still at 10 here, as far as the shard knows
+    # Worker 1 says it is at 30: both pulls are within the bound.
+    assert Call(lambda: read(1)).outcome().shape == (4,)
+    assert first.outcome().shape == (4,)
+
+
 def test_a_sync_snapshot_takes_a_worker_that_ticked_early_at_the_open_clock() -> None:
     # Worker 1 had nothing to push to this shard in iterations 3 and 4: its tick for 4 came
     # before clock 4 opened. The snapshot at clock 4 holds clocks 0-3; a rollback to it

@@ -376,7 +376,7 @@ class Shard:
         self._cut: _Cut | None = None
         self._on_cut: Done | None = None
         self._cuts_seen: collections.deque[str] = collections.deque(maxlen=64)
-        self._cut_waiting = ""  # the newest checkpoint told to wait for the cut under way
+        self._cut_waiting = ""  # the cut under way that a checkpoint was told to wait for
         # The job's rollback count as of this shard's last restore; older workers are refused.
         self.generation = 0
         # How many restores this shard has had, and what the last one restored (written under
@@ -934,8 +934,11 @@ class Shard:
             clock = self.board.restart(worker) if new else self.board.clocks.get(worker, 0)
             self._close_ready()
             self._clocks.notify_all()
-            log.info("shard %d: worker %d incarnation %d joined at clock %d",
-                     self.config.shard, worker, incarnation, clock)
+            # A join repeated by the same incarnation asks whether it is still live (a
+            # finishing worker polls it): worth a line only the first time.
+            log.log(logging.INFO if new else logging.DEBUG,
+                    "shard %d: worker %d incarnation %d joined at clock %d",
+                    self.config.shard, worker, incarnation, clock)
             return (clock, self.board.open_clock, worker in self.board.live,
                     self.board.position_before(worker, clock))
 
@@ -1075,9 +1078,12 @@ class Shard:
             return True
         if self._cut is not None:
             if self._now() - self._cut.started < self._cut_wait_s():
-                if self._cut_waiting != checkpoint_id:  # asked again every beat: said once
-                    self._cut_waiting = checkpoint_id
-                    log.warning("shard %d: checkpoint %s waits: the cut of %s is under way",
+                # Asked again every beat, and a new checkpoint every period while the cut
+                # is held back: said once per cut.
+                if self._cut_waiting != self._cut.checkpoint_id:
+                    self._cut_waiting = self._cut.checkpoint_id
+                    log.warning("shard %d: checkpoint %s waits: the cut of %s is under way "
+                                "(later checkpoints that wait for it are not logged)",
                                 self.config.shard, checkpoint_id, self._cut.checkpoint_id)
                 return False
             self._give_up_cut()

@@ -862,19 +862,23 @@ def test_a_cut_a_live_worker_never_reaches_is_given_up_at_the_wait_limit() -> No
     assert shard.cut("c2", taken.append)
 
 
-def test_a_checkpoint_asked_again_while_a_cut_is_under_way_is_told_to_wait_once(
+def test_checkpoints_asked_while_a_cut_is_under_way_are_told_to_wait_once_per_cut(
         caplog: pytest.LogCaptureFixture) -> None:
-    shard, _ = make_shard("async")
+    shard, clock = make_shard("async")
     for worker in (0, 1):
         shard.join(worker, 1)
     assert shard.cut("c1", lambda state: None)
     with caplog.at_level(logging.WARNING, logger="ps.shard"):
         for _ in range(5):  # the server asks on every heartbeat
             assert not shard.cut("c2", lambda state: None)
-        assert not shard.cut("c3", lambda state: None)
+        assert not shard.cut("c3", lambda state: None)  # the next period's checkpoint
+        clock.set(11.0)  # c1 is given up; c4 starts the next cut, which c5 waits for
+        assert shard.cut("c4", lambda state: None)
+        assert not shard.cut("c5", lambda state: None)
     said = [r.getMessage() for r in caplog.records if "is under way" in r.getMessage()]
-    assert said == ["shard 0: checkpoint c2 waits: the cut of c1 is under way",
-                    "shard 0: checkpoint c3 waits: the cut of c1 is under way"]
+    assert said == [f"shard 0: checkpoint {c} waits: the cut of {cut} is under way (later "
+                    "checkpoints that wait for it are not logged)"
+                    for c, cut in (("c2", "c1"), ("c5", "c4"))]
 
 
 def test_a_cut_with_no_live_worker_is_taken_at_once_and_a_dead_worker_releases_one() -> None:

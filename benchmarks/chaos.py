@@ -1,18 +1,21 @@
 """Fault runs: `pstrain up --restart` jobs of the MovieLens example under random faults.
 
     python benchmarks/chaos.py [--modes sync,async,ssp:2] [--seed 1] [--epochs 20]
-                               [--faults kill,pause] [--json PATH]
+                               [--faults kill,pause,redis] [--json PATH]
 
 Per mode, with its own redis-server: `pstrain up --restart` of examples/movielens.py on 2
 servers and 2 workers (batch 128; checkpoints every 40 clocks in sync mode, every 4 s in the
-others). From 12 s in until the job ends, every 4-12 s one live server, worker or the leading
-scheduler (pids from `pstrain status --json`) is SIGKILLed, or SIGSTOPped for 1-14 s and then
-continued (--faults picks which; seeded). What each run reports: the faults, the exit status
-(0 expected), each worker's test AUC, restarts, the ERROR lines and tracebacks in every log
-(none expected), the WARNING lines by kind, and the widest spread of the clocks the shards of
-one checkpoint were taken at (`checkpoint_clock_spread_max`: a shard whose clock stopped
-following the workers shows here). Prints a table and writes JSON to
-benchmarks/results/chaos-<date>.json (or --json PATH). Runs minutes; not part of the tests.
+others). From 12 s in until the job ends, every 4-12 s one live server, worker or the
+leading scheduler (pids from `pstrain status --json`) is SIGKILLed, or SIGSTOPped for 1-14 s
+and then continued, or Redis is SIGKILLed and started again empty on its port after 1-8 s,
+or SIGSTOPped for 1-8 s (--faults picks which kinds; seeded). What each run reports: the
+faults, the exit status (0 expected), each worker's test AUC, restarts, the ERROR lines and
+tracebacks in every log (none expected), the WARNING lines by kind, and the widest spread of
+the clocks the shards of one checkpoint were taken at (`checkpoint_clock_spread_max`: a
+shard whose clock stopped following the workers shows here; read from the job's events, so
+only of checkpoints taken since Redis last came back empty). Prints a table and writes JSON
+to benchmarks/results/chaos-<date>.json (or --json PATH). Runs minutes; not part of the
+tests.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from procs import Procs, wait_until  # noqa: E402
+from procs import Proc, Procs, wait_until  # noqa: E402
 from saved import save  # noqa: E402
 
 from scheduler.store import JobStore  # noqa: E402
@@ -60,24 +63,38 @@ def targets(redis: str, job: str) -> list[tuple[str, int, int]]:
     return found
 
 
-def fault(rng: random.Random, kinds: list[str], redis: str, job: str) -> list[object] | None:
-    """One fault on a random live process; what was done, or None if nothing was live."""
-    live = targets(redis, job)
-    if not live:
-        return None
-    role, ident, pid = rng.choice(live)
+def fault(rng: random.Random, kinds: list[str], procs: Procs, redis: Proc,
+          job: str) -> tuple[list[object] | None, Proc]:
+    """One fault: on a random live process, or on Redis (SIGKILLed and started again empty
+    on its port, or SIGSTOPped, for 1-8 s). What was done (None if nothing was live), and
+    the Redis process from then on."""
     kind = rng.choice(kinds)
+    if kind == "redis":
+        span = round(rng.uniform(1.0, 8.0), 1)
+        if rng.random() < 0.5:
+            port = int(redis.address.rsplit(":", 1)[1].split("/")[0])
+            procs.kill(redis)
+            time.sleep(span)
+            return ["redis-restart-empty", span], procs.redis(port)
+        os.kill(redis.pid, signal.SIGSTOP)
+        time.sleep(span)
+        os.kill(redis.pid, signal.SIGCONT)
+        return ["redis-pause", span], redis
+    live = targets(redis.address, job)
+    if not live:
+        return None, redis
+    role, ident, pid = rng.choice(live)
     try:
         if kind == "kill":
             os.kill(pid, signal.SIGKILL)
-            return ["kill", role, ident]
+            return ["kill", role, ident], redis
         span = round(rng.uniform(1.0, 14.0), 1)
         os.kill(pid, signal.SIGSTOP)
         time.sleep(span)
         os.kill(pid, signal.SIGCONT)
-        return ["pause", role, ident, span]
+        return ["pause", role, ident, span], redis
     except ProcessLookupError:
-        return None
+        return None, redis
 
 
 def log_lines(logs: Path) -> tuple[list[str], dict[str, int]]:
@@ -105,7 +122,8 @@ def clock_spread(store: JobStore) -> int:
 
 
 def run(procs: Procs, mode: str, seed: int, epochs: int, kinds: list[str]) -> dict[str, Any]:
-    redis = procs.redis().address
+    redis_proc = procs.redis()
+    redis = redis_proc.address
     job = f"chaos-{mode.replace(':', '')}"
     out = procs.workdir / job
     every = ["--checkpoint-every-clocks", "40"] if mode == "sync" else [
@@ -122,7 +140,7 @@ def run(procs: Procs, mode: str, seed: int, epochs: int, kinds: list[str]) -> di
     wait_until(lambda: up.popen.poll() is not None or time.monotonic() - started > 12, 30,
                "the job to start")
     while up.popen.poll() is None:
-        done = fault(rng, kinds, redis, job)
+        done, redis_proc = fault(rng, kinds, procs, redis_proc, job)
         if done is not None:
             faults.append(done)
             print(f"  {mode}: {done}", flush=True)
@@ -147,12 +165,13 @@ def main() -> None:
     p.add_argument("--modes", default="sync,async,ssp:2")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--faults", default="kill,pause", help="kill, pause or both")
+    p.add_argument("--faults", default="kill,pause",
+                   help="comma-separated: kill, pause, redis (each fault picks one)")
     p.add_argument("--json", default=None, metavar="PATH")
     a = p.parse_args()
     kinds = a.faults.split(",")
-    if not kinds or set(kinds) - {"kill", "pause"}:
-        p.error(f"--faults must list kill and/or pause, got {a.faults!r}")
+    if not kinds or set(kinds) - {"kill", "pause", "redis"}:
+        p.error(f"--faults must list some of kill, pause and redis, got {a.faults!r}")
     procs = Procs(Path(tempfile.mkdtemp(prefix="pstrain-chaos-")))
     runs = []
     try:

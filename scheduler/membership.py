@@ -11,7 +11,13 @@ joins like any restarted process.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
+
+# Records of worker changes a job keeps (Redis's list, and a scheduler's memory of it).
+MEMBERSHIP_KEPT = 1000
 
 
 @dataclass(frozen=True)
@@ -78,3 +84,15 @@ class MembershipTracker:
                 self.alive[member] = incarnation
                 out.append(Transition("restored", member, incarnation, known))
         return out
+
+
+def merged_changes(known: list[dict[str, Any]], more: Iterable[dict[str, Any]],
+                   kept: int = MEMBERSHIP_KEPT) -> list[dict[str, Any]]:
+    """The records of worker changes in `known` and `more`, each once, oldest first (by
+    their time), the newest `kept` of them: what a scheduler remembered and what Redis
+    lists, which may each lack some of the other's (Redis came back without its data, or
+    an earlier leader wrote them)."""
+    seen: dict[str, dict[str, Any]] = {}
+    for change in (*known, *more):
+        seen.setdefault(json.dumps(change, sort_keys=True), change)
+    return sorted(seen.values(), key=lambda c: float(c.get("time", 0.0)))[-kept:]

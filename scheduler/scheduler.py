@@ -27,7 +27,7 @@ from protos.security import Security
 from scheduler.admin import ServerAdmin
 from scheduler.detector import FailureDetector, Notice, Suspicions, connection_name
 from scheduler.finishing import Departures
-from scheduler.membership import MembershipTracker, Transition
+from scheduler.membership import MembershipTracker, Transition, merged_changes
 from scheduler.recovery import (
     RedisWatch,
     chain_of,
@@ -70,6 +70,9 @@ class Scheduler:
         # and whether this lease has read the fences and records of earlier leaders.
         self._gone: set[int] = set()
         self._fences_loaded = True
+        # The changes of the job's workers on record, oldest first: this scheduler's and, read
+        # at each new lease, earlier leaders'. Put back if Redis returns without them.
+        self._changes: list[dict[str, Any]] = []
         # The open sync clock as this poll's server heartbeats give it.
         self._clock = 0
         self.admin = ServerAdmin(security=security)
@@ -158,11 +161,13 @@ class Scheduler:
         read before this lease's first beats are."""
         for rank, incarnation in self.store.fenced_workers().items():
             self.workers.fence(rank, incarnation)
-        for change in self.store.membership_changes():
+        recorded = self.store.membership_changes()
+        for change in recorded:
             if change.get("change") == "dead":
                 self._gone.add(int(change["worker"]))
             else:
                 self._gone.discard(int(change["worker"]))
+        self._changes = merged_changes(self._changes, recorded)
         # What an earlier leader accounted for, for the servers this scheduler never saw;
         # its own memory wins (Redis may have come back with less than it knew).
         for shard, incarnation in self.store.served_incarnations().items():
@@ -193,13 +198,15 @@ class Scheduler:
             self._stopped = True
             return
         if self.store.spec() is None:
-            # Redis came back empty: the leader's memory rebuilds the job.
+            # Redis came back empty: the leader's memory rebuilds the job, its spec last, so
+            # a job listed again is a whole one.
             self._redis.emptied(self._now())
-            self.store.put_spec(self.spec)
-            self.store.event("rebuilt", "scheduler", self.ident)
             for rank, incarnation in self.workers.fenced.items():
                 self.store.fence_worker(rank, incarnation)
             self.store.record_served(self._served)
+            self.store.put_membership(self._changes)
+            self.store.put_spec(self.spec)
+            self.store.event("rebuilt", "scheduler", self.ident)
             log.warning("scheduler: job %r was missing from Redis; rebuilt it", self.spec.job)
         worker_ids = sorted(set(range(self.spec.workers)) | set(self.store.members("worker")))
         server_ids = list(range(self.spec.servers))
@@ -312,9 +319,10 @@ class Scheduler:
     def _record_change(self, rank: int, change: str, incarnation: int) -> None:
         """Records a change of the job's workers, which `pstrain up` and `pstrain status`
         report: after one, a sync job's result is no longer the single-process one."""
-        self.store.record_membership({"time": time.time(), "clock": self._clock,
-                                      "worker": rank, "change": change,
-                                      "incarnation": incarnation})
+        entry = {"time": time.time(), "clock": self._clock, "worker": rank, "change": change,
+                 "incarnation": incarnation}
+        self._changes = merged_changes(self._changes, [entry])
+        self.store.record_membership(entry)
         if self.spec.mode == "sync":
             log.warning("worker %d %s at clock %d: the sync job's membership changed, so its "
                         "result is no longer the single-process one", rank,

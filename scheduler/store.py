@@ -51,6 +51,7 @@ import redis
 import redis.exceptions
 
 from scheduler.errors import JobExistsError, RedisUnavailableError
+from scheduler.membership import MEMBERSHIP_KEPT
 from scheduler.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -131,9 +132,6 @@ if tonumber(ARGV[2]) > held then
 end
 return 1
 """
-
-# Membership changes kept in Redis per job.
-MEMBERSHIP_KEPT = 1000
 
 # The heartbeat-key claim of `worker.init()`, which also leaves alone ranks held by a
 # `pstrain worker` claim and ranks that have finished. KEYS: heartbeat, rank key, finished
@@ -568,6 +566,15 @@ class JobStore:
         pipe = self.redis.pipeline(transaction=False)
         pipe.rpush(self.keys.membership(), json.dumps(dict(entry)))
         pipe.ltrim(self.keys.membership(), -MEMBERSHIP_KEPT, -1)
+        pipe.execute()
+
+    def put_membership(self, changes: Iterable[Mapping[str, Any]]) -> None:
+        """Replaces the changes of the workers with `changes` (oldest first), at once."""
+        entries = [json.dumps(dict(c)) for c in changes]
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(self.keys.membership())
+        if entries:
+            pipe.rpush(self.keys.membership(), *entries)
         pipe.execute()
 
     def membership_changes(self) -> list[dict[str, Any]]:

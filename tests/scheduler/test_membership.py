@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.membership import MembershipTracker, Transition
+from scheduler.membership import MembershipTracker, Transition, merged_changes
 
 Observed = dict[int, int | None]
 
@@ -163,3 +163,28 @@ def test_without_fencing_a_dead_member_joins_again() -> None:
     tracker.update({0: 4})
     tracker.update({0: None})
     assert tracker.update({0: 4}) == [joined(0, 4)] and tracker.fenced == {}
+
+
+def change(t: float, worker: int, kind: str) -> dict[str, object]:
+    return {"time": t, "clock": int(t), "worker": worker, "change": kind, "incarnation": 7}
+
+
+@pytest.mark.parametrize(("known", "more", "merged"), [
+    # Redis came back empty: what the scheduler remembers is all there is.
+    ([change(1, 0, "dead"), change(2, 0, "joined")], [],
+     [change(1, 0, "dead"), change(2, 0, "joined")]),
+    # A new lease reads an earlier leader's records: each once, in time order.
+    ([change(2, 0, "joined")], [change(1, 0, "dead"), change(2, 0, "joined")],
+     [change(1, 0, "dead"), change(2, 0, "joined")]),
+    ([change(3, 1, "dead")], [change(1, 0, "dead"), change(2, 0, "joined")],
+     [change(1, 0, "dead"), change(2, 0, "joined"), change(3, 1, "dead")]),
+])
+def test_records_of_worker_changes_merge_once_each_in_time_order(
+        known: list[dict[str, object]], more: list[dict[str, object]],
+        merged: list[dict[str, object]]) -> None:
+    assert merged_changes(known, more) == merged
+
+
+def test_merged_records_keep_the_newest() -> None:
+    many = [change(t, 0, "dead" if t % 2 else "joined") for t in range(10)]
+    assert merged_changes(many[5:], many[:5], kept=3) == many[7:]

@@ -62,8 +62,10 @@ def event(store: JobStore, kind: str, role: str, member: int, after: float = 0.0
     return None
 
 
-def test_worker_killed_in_sync_mode_shrinks_quorum_and_rejoins(procs: Procs) -> None:
-    redis = procs.redis().address
+def test_worker_killed_in_sync_mode_shrinks_quorum_rejoins_and_stays_on_the_record(
+        procs: Procs) -> None:
+    redis_proc = procs.redis()
+    redis = redis_proc.address
     store = JobStore.connect(redis, "kill")
     start_job(procs, redis, "kill", "sync", workers=3)
     out = procs.workdir / "out"
@@ -83,6 +85,16 @@ def test_worker_killed_in_sync_mode_shrinks_quorum_and_rejoins(procs: Procs) -> 
     joined = wait_until(lambda: event(store, "joined", "worker", 2, after=killed_at), 30,
                         "the rejoin")
     assert joined.detail["incarnation"] != dead.detail["incarnation"]  # type: ignore[attr-defined]
+    # The record of the change (what `pstrain up` and `pstrain status` report: the result is
+    # no longer the single-process one) outlives Redis restarted empty.
+    wait_until(lambda: len(store.membership_changes()) == 2, 10, "the membership records")
+    changes = store.membership_changes()
+    assert [(c["worker"], c["change"]) for c in changes] == [(2, "dead"), (2, "joined")]
+    port = int(redis.rsplit(":", 1)[1].split("/")[0])
+    procs.kill(redis_proc, signal.SIGKILL)
+    procs.redis(port=port)
+    wait_until(lambda: store.spec() is not None, 30, "the scheduler to rebuild the job")
+    assert store.membership_changes() == changes
     for proc in (workers[0], workers[1], again):
         assert proc.popen.wait(timeout=120) == 0, proc.log()
     finals = [json.loads((out / f"worker{r}.json").read_text()) for r in range(3)]

@@ -241,6 +241,21 @@ def test_the_servers_incarnations_accounted_for_are_kept_until_a_new_run(
     assert store.served_incarnations() == {}
 
 
+def test_the_record_of_worker_changes_is_appended_to_and_put_back_whole(procs: Procs) -> None:
+    # A leader appends each change; one rebuilding the job after Redis came back puts back
+    # the whole record it remembers, and doing so again changes nothing.
+    store = JobStore.connect(procs.redis().address, "changes", timeout_s=5)
+    dead = {"time": 1.0, "clock": 4, "worker": 1, "change": "dead", "incarnation": 7}
+    joined = {"time": 2.0, "clock": 9, "worker": 1, "change": "joined", "incarnation": 8}
+    store.record_membership(dead)
+    assert store.membership_changes() == [dead]
+    for _ in range(2):
+        store.put_membership([dead, joined])
+        assert store.membership_changes() == [dead, joined]
+    store.put_membership([])
+    assert store.membership_changes() == []
+
+
 def test_departures_read_a_finish_and_an_exit_together(procs: Procs) -> None:
     # finish_worker records the rank and the clock it finished at; mark_finished (the
     # script exited 0 without ctx.finish()) the rank alone.

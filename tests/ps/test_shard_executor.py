@@ -699,48 +699,43 @@ def tick_w(shard: Shard, worker: int, seq: int, clock: int, value: float, *, cut
         cut_clock=cut_clock, acked_clock=acked_clock))
 
 
-@pytest.mark.parametrize("mode", ["async", "ssp"])
-def test_a_restored_shard_follows_workers_that_went_on_from_their_own_clocks(mode: str) -> None:
-    # Async and ssp workers do not roll back: after a restore, the iterations since the
-    # checkpoint never tick here again, and each exchange's acknowledged clock says so.
-    shard, _ = make_shard(mode, staleness=3)
+def steps(shard: Shard, clocks: range) -> None:
+    """Workers 0 and 1 each step through `clocks`, every earlier iteration answered."""
+    for clock in clocks:
+        for worker in (0, 1):
+            tick_w(shard, worker, clock + 1, clock, 0.0, acked_clock=clock)
+
+
+def restored_behind(mode: str, staleness: int) -> tuple[Shard, FakeClock]:
+    """A shard restored from its snapshot at clock 10 after workers 0 and 1 went on to 30:
+    what an async or ssp shard is after a restart, its workers carrying on from their own
+    clocks (they do not roll back)."""
+    shard, clock = make_shard(mode, staleness=staleness)
     for worker in (0, 1):
         shard.join(worker, 1)
-
-    def step(worker: int, clock: int) -> None:  # a worker's clock: every earlier one answered
-        tick_w(shard, worker, clock + 1, clock, 0.0, acked_clock=clock)
-
-    for clock in range(10):
-        for worker in (0, 1):
-            step(worker, clock)
+    steps(shard, range(10))
     state = shard.snapshot("at-10")
-    for clock in range(10, 30):
-        for worker in (0, 1):
-            step(worker, clock)
+    steps(shard, range(10, 30))
     shard.restore(state)
+    return shard, clock
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_a_restored_shard_follows_workers_that_went_on_from_their_own_clocks(mode: str) -> None:
+    # The iterations since the checkpoint never tick here again, and each exchange's
+    # acknowledged clock says so.
+    shard, _ = restored_behind(mode, staleness=3)
     assert shard.clock_state().open_clock == 10
-    for clock in range(30, 130):
-        for worker in (0, 1):
-            step(worker, clock)
+    steps(shard, range(30, 130))
     assert shard.clock_state().open_clock == 130
     assert shard.board.held() == 0  # nothing kept for clocks that never come
 
 
 def test_a_restored_ssp_shard_serves_read_only_pulls_of_workers_that_went_on() -> None:
-    # Workers past the checkpoint (clock 30 against 10) that only pull from the restored
-    # shard, as they do when they evaluate after training: each pull's acknowledged clock
-    # says where its worker is, so the staleness bound holds them only for each other.
-    shard, clock = make_shard("ssp", staleness=2)
-    for worker in (0, 1):
-        shard.join(worker, 1)
-    for step in range(10):
-        for worker in (0, 1):
-            tick_w(shard, worker, step + 1, step, 0.0, acked_clock=step)
-    state = shard.snapshot("at-10")
-    for step in range(10, 30):
-        for worker in (0, 1):
-            tick_w(shard, worker, step + 1, step, 0.0, acked_clock=step)
-    shard.restore(state)
+    # Workers past the checkpoint that only pull from the restored shard, as they do when
+    # they evaluate after training: each pull's acknowledged clock says where its worker
+    # is, so the staleness bound holds them only for each other.
+    shard, clock = restored_behind("ssp", staleness=2)
 
     def read(worker: int) -> torch.Tensor:
         result = shard.exchange(Exchange(

@@ -102,6 +102,55 @@ def test_worker_killed_in_sync_mode_shrinks_quorum_rejoins_and_stays_on_the_reco
     assert finals[0]["w"] == finals[1]["w"] == finals[2]["w"]
 
 
+def test_an_async_worker_that_ran_ahead_died_and_came_back_holds_no_clock_back(
+        procs: Procs) -> None:
+    # Worker 0 is paused while worker 1 runs ahead; worker 1 is killed and, while it is
+    # out, worker 0 alone closes clocks. Worker 1's new incarnation comes back at its own
+    # clock, far ahead: the server's open clock must not wait for its ticks of the clocks
+    # that opened while it was out (it did, for good, keeping every later tick in memory).
+    redis = procs.redis().address
+    store = JobStore.connect(redis, "ahead")
+    # Worker 0 is paused for seconds: suspect, never declared dead, even on a loaded machine.
+    start_job(procs, redis, "ahead", "async", workers=2, extra=["--suspect-timeout-s", "60"])
+    out = procs.workdir / "out"
+    steps = 1500
+    workers = [start_worker(procs, redis, "ahead", r, out, steps, 5.0) for r in range(2)]
+    wait_until(lambda: min(worker_clock(store, r) for r in range(2)) >= 20, 60,
+               "training to run")
+    beats = live_beats(store, "worker", [0, 1])
+    slow, fast = (int(beats[r]["pid"]) for r in (0, 1))  # the scripts, not `pstrain worker`
+    os.kill(slow, signal.SIGSTOP)
+    try:
+        ran_ahead = worker_clock(store, 1) + 300
+        wait_until(lambda: worker_clock(store, 1) >= ran_ahead, 30, "worker 1 to run ahead")
+        killed_at = time.time()
+        os.kill(fast, signal.SIGKILL)
+        assert workers[1].popen.wait(timeout=30) != 0
+        wait_until(lambda: event(store, "dead", "worker", 1, after=killed_at), 10,
+                   "worker 1's death")
+        alone_to = worker_clock(store, 0) + 5
+        os.kill(slow, signal.SIGCONT)
+        wait_until(lambda: worker_clock(store, 0) >= alone_to, 10, "worker 0 to step alone")
+        # Still behind worker 1 when it comes back: the case under test.
+        os.kill(slow, signal.SIGSTOP)
+        assert worker_clock(store, 0) < ran_ahead
+        again = start_worker(procs, redis, "ahead", 1, out, steps, 5.0)
+        wait_until(lambda: event(store, "joined", "worker", 1, after=killed_at), 60,
+                   "worker 1 to come back")
+    finally:
+        os.kill(slow, signal.SIGCONT)
+    # Both train on, worker 0 past where worker 1 came back: the open clock follows worker
+    # 0 (without the rule it stayed where worker 1 came back until worker 1 finished).
+    wait_until(lambda: worker_clock(store, 0) >= ran_ahead + 50, 30,
+               "worker 0 to pass where worker 1 came back")
+    assert again.popen.poll() is None  # worker 1 still trains: the case under test
+    wait_until(lambda: open_clock(store) >= ran_ahead, 5, f"server 0's clock to pass {ran_ahead}")
+    for proc in (workers[0], again):
+        assert proc.popen.wait(timeout=120) == 0, proc.log()
+    assert {json.loads((out / f"worker{r}.json").read_text())["clock"] for r in range(2)} == {
+        steps}
+
+
 def test_standby_scheduler_takes_over_and_still_detects_deaths(procs: Procs) -> None:
     redis = procs.redis().address
     store = JobStore.connect(redis, "failover")

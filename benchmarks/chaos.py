@@ -1,14 +1,14 @@
 """Fault runs: `pstrain up --restart` jobs of the MovieLens example under random faults.
 
     python benchmarks/chaos.py [--modes sync,async,ssp:2] [--seed 1] [--epochs 20]
-                               [--faults kill,pause,redis] [--workers 2] [--backups 0]
-                               [--json PATH]
+                               [--faults kill,pause,redis] [--servers 2] [--workers 2]
+                               [--backups 0] [--json PATH]
 
 Per mode, with its own redis-server: `pstrain up --restart` of examples/movielens.py on 2
-servers and 2 workers (or --workers, with --backups; batch 128; checkpoints every 40 clocks
-in sync mode, every 4 s in the others). From 12 s in until the job ends, every 4-12 s one
-live server, worker or the leading scheduler (pids from `pstrain status --json`) is
-SIGKILLed, or SIGSTOPped for 1-14 s and then continued, or Redis is SIGKILLed and started
+servers and 2 workers (or --servers, --workers, with --backups; batch 128; checkpoints every
+40 clocks in sync mode, every 4 s in the others). From 12 s in until the job ends, every
+4-12 s one live server, worker or the leading scheduler (pids from `pstrain status --json`)
+is SIGKILLed, or SIGSTOPped for 1-14 s and then continued, or Redis is SIGKILLed and started
 again empty on its port after 1-8 s, or SIGSTOPped for 1-8 s (--faults picks which kinds;
 seeded). What each run reports: the faults, the exit status (0 expected), each worker's test
 AUC, restarts, the ERROR lines and tracebacks in every log (none expected), the WARNING
@@ -122,15 +122,15 @@ def clock_spread(store: JobStore) -> int:
     return max((max(c) - min(c) for c in clocks.values() if len(c) > 1), default=0)
 
 
-def run(procs: Procs, mode: str, seed: int, epochs: int, kinds: list[str], workers: int,
-        backups: int) -> dict[str, Any]:
+def run(procs: Procs, mode: str, seed: int, epochs: int, kinds: list[str], servers: int,
+        workers: int, backups: int) -> dict[str, Any]:
     redis_proc = procs.redis()
     redis = redis_proc.address
     job = f"chaos-{mode.replace(':', '')}"
     out = procs.workdir / job
     every = ["--checkpoint-every-clocks", "40"] if mode == "sync" else [
         "--checkpoint-every-s", "4"]
-    up = procs.pstrain(["up", "--redis", redis, "--job", job, "--servers", "2",
+    up = procs.pstrain(["up", "--redis", redis, "--job", job, "--servers", str(servers),
                         "--workers", str(workers), "--backups", str(backups),
                         "--mode", mode, "--restart", "--checkpoint-dir", str(out / "ckpt"),
                         *every, "--log-dir", str(out / "logs"), "--no-view",
@@ -155,7 +155,7 @@ def run(procs: Procs, mode: str, seed: int, epochs: int, kinds: list[str], worke
     aucs = [json.loads(line.split(": ", 1)[1])["test_auc"]
             for line in up.log().splitlines() if re.match(r"worker \d+: \{", line)]
     errors, warnings = log_lines(out / "logs")
-    return {"mode": mode, "seed": seed, "epochs": epochs, "workers": workers,
+    return {"mode": mode, "seed": seed, "epochs": epochs, "servers": servers, "workers": workers,
             "backups": backups, "exit_status": code,
             "seconds": round(time.monotonic() - started, 1), "faults": faults,
             "test_auc": aucs, "restarts": summary.get("restarts", {}),
@@ -171,6 +171,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--faults", default="kill,pause",
                    help="comma-separated: kill, pause, redis (each fault picks one)")
+    p.add_argument("--servers", type=int, default=2)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--backups", type=int, default=0,
                    help="backup workers of a sync job (the slowest gradients of a step dropped)")
@@ -183,7 +184,8 @@ def main() -> None:
     runs = []
     try:
         for i, mode in enumerate(a.modes.split(",")):
-            runs.append(run(procs, mode, a.seed + i, a.epochs, kinds, a.workers, a.backups))
+            runs.append(run(procs, mode, a.seed + i, a.epochs, kinds, a.servers, a.workers,
+                            a.backups))
     finally:
         procs.close()
     print(f"{'mode':<8}{'exit':>5}{'faults':>8}{'restarts':>10}{'errors':>8}{'spread':>8}  AUC")

@@ -617,8 +617,8 @@ class Shard:
         self.check_generation(worker, generation)
         self.check_fenced(worker, request.incarnation)
         if request.cut:
-            self._mark_cut(worker, request.cut, request.cut_clock, request.acked_clock)
-        elif request.acked_clock > self.board.through.get(worker, 0):  # a hint; _acked locks
+            self._mark_cut(worker, request.cut, request.cut_clock)
+        if request.acked_clock > self.board.through.get(worker, 0):  # a hint; _acked locks
             self._acked(worker, request.acked_clock)
         if self._cut is not None and (request.pushes or request.end_iteration):
             self._hold_for_cut(worker, request.push_clock, alive)
@@ -1102,7 +1102,7 @@ class Shard:
                 self._cut_if_ready()
                 self._clocks.notify_all()
 
-    def _mark_cut(self, worker: int, checkpoint_id: str, clock: int, acked_clock: int) -> None:
+    def _mark_cut(self, worker: int, checkpoint_id: str, clock: int) -> None:
         if not _CUT_ID.fullmatch(checkpoint_id):
             raise InvalidArgumentError(
                 f"the exchange marks a cut of {checkpoint_id[:80]!r}, which is not a checkpoint "
@@ -1113,11 +1113,12 @@ class Shard:
                 if self._on_cut is None or not self._start_cut(checkpoint_id, self._on_cut):
                     return
                 cut = self._cut
-                if cut is None:  # taken at once: no live worker to wait for
+                # None: taken at once (no live worker to wait for). Another cut: this one is
+                # over here (taken or given up), and a late mark of it says nothing of the
+                # cut under way.
+                if cut is None or cut.checkpoint_id != checkpoint_id:
                     return
             cut.marked.setdefault(worker, clock)
-            if self.board.acked(worker, acked_clock):
-                self._close_ready()
             self._cut_if_ready()
             self._clocks.notify_all()
 

@@ -857,6 +857,34 @@ def test_a_cut_a_live_worker_never_reaches_is_given_up_at_the_wait_limit() -> No
     assert shard.cut("c2", taken.append)
 
 
+def test_a_late_mark_of_a_cut_that_is_over_does_not_count_for_the_next_one() -> None:
+    # c1 was given up here; a worker's mark of c1 that arrives while c2 is under way is a
+    # mark of a cut that is over. Counted for c2, it let c2 be taken without that worker.
+    shard, clock = make_shard("async", max_wait_s=10.0)
+    for worker in (0, 1):
+        shard.join(worker, 1)
+    taken: list[Any] = []
+    shard.on_cut(taken.append)  # as a server does: a worker's mark may start a cut here
+    shard.cut("c1", taken.append)
+    clock.set(11.0)
+    assert shard.cut("c2", taken.append)  # gives up c1, starts c2
+    shard.exchange(Exchange(worker=1, incarnation=1, generation=0, push_clock=0, pushes=[],
+                            end_iteration=False, pull_clock=0, pulls=[], cut="c1",
+                            cut_clock=0))
+    reads = clock.reads
+    held = Call(partial(tick_w, shard, 0, 1, 0, 1.0, cut="c2", cut_clock=0))
+    assert settle(held, clock, reads)  # c2 still waits for worker 1's own mark of it
+    assert [t.checkpoint_id for t in taken] == ["c1"]
+    shard.exchange(Exchange(worker=1, incarnation=1, generation=0, push_clock=0, pushes=[],
+                            end_iteration=False, pull_clock=0, pulls=[], cut="c2",
+                            cut_clock=0))
+    held.outcome()
+    deadline = time.monotonic() + BOUND_S
+    while len(taken) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert [t.checkpoint_id for t in taken] == ["c1", "c2"]
+
+
 def test_checkpoints_asked_while_a_cut_is_under_way_are_told_to_wait_once_per_cut(
         caplog: pytest.LogCaptureFixture) -> None:
     shard, clock = make_shard("async")

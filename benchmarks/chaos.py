@@ -73,10 +73,9 @@ def fault(rng: random.Random, kinds: list[str], procs: Procs, redis: Proc,
     if kind == "redis":
         span = round(rng.uniform(1.0, 8.0), 1)
         if rng.random() < 0.5:
-            port = int(redis.address.rsplit(":", 1)[1].split("/")[0])
             procs.kill(redis)
             time.sleep(span)
-            return ["redis-restart-empty", span], procs.redis(port)
+            return ["redis-restart-empty", span], procs.redis(redis.port)
         os.kill(redis.pid, signal.SIGSTOP)
         time.sleep(span)
         os.kill(redis.pid, signal.SIGCONT)

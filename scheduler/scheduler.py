@@ -27,7 +27,12 @@ from protos.security import Security
 from scheduler.admin import ServerAdmin
 from scheduler.detector import FailureDetector, Notice, Suspicions, connection_name
 from scheduler.finishing import Departures
-from scheduler.membership import MembershipTracker, Transition, merged_changes
+from scheduler.membership import (
+    MEMBERSHIP_KEPT,
+    MembershipTracker,
+    Transition,
+    merged_changes,
+)
 from scheduler.recovery import (
     RedisWatch,
     chain_of,
@@ -321,7 +326,7 @@ class Scheduler:
         report: after one, a sync job's result is no longer the single-process one."""
         entry = {"time": time.time(), "clock": self._clock, "worker": rank, "change": change,
                  "incarnation": incarnation}
-        self._changes = merged_changes(self._changes, [entry])
+        self._changes = [*self._changes, entry][-MEMBERSHIP_KEPT:]
         self.store.record_membership(entry)
         if self.spec.mode == "sync":
             log.warning("worker %d %s at clock %d: the sync job's membership changed, so its "

@@ -31,6 +31,7 @@ class Proc:
     address: str = ""
     info: dict[str, object] = field(default_factory=dict)
     ready_file: Path | None = None  # where a server writes its address once it serves
+    port: int = 0  # a redis-server's, to start it again on the same port
 
     @property
     def pid(self) -> int:
@@ -116,6 +117,7 @@ class Procs:
             proc = self.spawn(args, "redis")
             auth = f":{password}@" if password else ""
             proc.address = f"redis://{auth}127.0.0.1:{chosen}/0"
+            proc.port = chosen
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and proc.popen.poll() is None:
                 with socket.socket() as s:

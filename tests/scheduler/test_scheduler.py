@@ -90,7 +90,7 @@ def test_worker_killed_in_sync_mode_shrinks_quorum_rejoins_and_stays_on_the_reco
     wait_until(lambda: len(store.membership_changes()) == 2, 10, "the membership records")
     changes = store.membership_changes()
     assert [(c["worker"], c["change"]) for c in changes] == [(2, "dead"), (2, "joined")]
-    port = int(redis.rsplit(":", 1)[1].split("/")[0])
+    port = redis_proc.port
     procs.kill(redis_proc, signal.SIGKILL)
     procs.redis(port=port)
     wait_until(lambda: store.spec() is not None, 30, "the scheduler to rebuild the job")
@@ -254,7 +254,7 @@ def pushes_applied(address: str) -> int:
 def test_redis_outage_pauses_coordination_not_training(procs: Procs) -> None:
     redis_proc = procs.redis()
     redis = redis_proc.address
-    port = int(redis.rsplit(":", 1)[1].split("/")[0])
+    port = redis_proc.port
     store = JobStore.connect(redis, "outage")
     started = start_job(procs, redis, "outage", "async", workers=2)
     address = str(live_beats(store, "server", [0])[0]["address"])
@@ -349,7 +349,7 @@ def test_sync_job_rides_out_a_redis_stall_without_rollback(procs: Procs) -> None
 def test_sync_job_rides_out_redis_restarted_empty(procs: Procs) -> None:
     redis_proc = procs.redis()
     redis = redis_proc.address
-    port = int(redis.rsplit(":", 1)[1].split("/")[0])
+    port = redis_proc.port
     store = JobStore.connect(redis, "empty")
     up = up_sync_job(procs, redis, "empty")
     wait_until(lambda: worker_clock(store, 0) >= 30 and store.latest_checkpoint(2), 90,
@@ -427,7 +427,7 @@ def test_server_killed_during_a_redis_outage_rolls_back_to_the_newest_checkpoint
     steps = 250  # the job stalls from the kill (sync) until the rollback: enough left
     redis_proc = procs.redis()
     redis = redis_proc.address
-    port = int(redis.rsplit(":", 1)[1].split("/")[0])
+    port = redis_proc.port
     store = JobStore.connect(redis, "died")
     directory = procs.workdir / "ckpt"
     up = up_sync_job(procs, redis, "died", steps=steps, restart=True,

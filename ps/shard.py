@@ -1089,6 +1089,8 @@ class Shard:
             self._give_up_cut()
         self._cuts_seen.append(checkpoint_id)
         self._cut = _Cut(checkpoint_id, self._now(), done)
+        log.info("shard %d: cut %s begins (live workers: %s)", self.config.shard,
+                 checkpoint_id, sorted(self.board.live))
         self._cut_if_ready()
         self._clocks.notify_all()
         return True

@@ -16,8 +16,8 @@ Typical use::
 
 from __future__ import annotations
 
-import collections
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,9 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
+import grpc
 import torch
 
-from protos import modes, rpc
+from protos import codec, modes, rpc
 from protos import pstrain_pb2 as pb
 from protos.codec import Frame
 from protos.partition import dense_placement
@@ -36,12 +37,15 @@ from protos.runtime import tune_malloc
 from protos.security import Security
 from protos.transport import TransportError, parse_choice
 from worker.bulk import BulkClient
+from worker.cuts import CutMarks
 from worker.errors import PSClientError, RolledBackError
 from worker.link import Link, Reach, RetryPolicy
 from worker.plan import ExchangePlan, Pull, Push, table_lookup, wire_dtype
 from worker.routing import KeysLike, TableInfo
 
 __all__ = ["KeysLike", "PSClient", "Pull", "Push", "RetryPolicy"]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -105,14 +109,9 @@ class PSClient:
         # sets `joined_position` to the servers' record of this rank (b"": none).
         self.position = b""
         self.joined_position = b""
-        # Guards _held_positions and the cut marks below.
-        self._cut_lock = threading.Lock()
+        # Guards _held_positions.
+        self._position_lock = threading.Lock()
         self._held_positions: dict[int, bytes] = {}
-        # A checkpoint cut a server told of, to mark on the next exchange; the cuts marked;
-        # the newest iteration any exchange pushed for or ended (-1: none yet).
-        self._cut_pending = ""
-        self._cuts_marked: collections.deque[str] = collections.deque(maxlen=16)
-        self._sent_clock = -1
         # Told (what, seconds) of every call: the worker's latency metrics.
         self.observe = observe
         self._seq = itertools.count(1)
@@ -146,6 +145,12 @@ class PSClient:
         self._pool = ThreadPoolExecutor(
             max_workers=max(1, 2 * len(self.links)), thread_name_prefix="psclient"
         )
+        # Checkpoint cuts: the marks, and a thread that delivers them while exchanges wait.
+        self.cuts = CutMarks(len(self.links))
+        self._closing = threading.Event()
+        self._prober = threading.Thread(target=self._probe_while_waiting, daemon=True,
+                                        name=f"psclient-cuts-{worker}")
+        self._prober.start()
 
     @property
     def timeout_s(self) -> float:
@@ -170,6 +175,8 @@ class PSClient:
 
     def close(self) -> None:
         """Closes every link. Idempotent."""
+        self._closing.set()
+        self._prober.join()
         self._pool.shutdown(wait=True)
         self._disconnect()
 
@@ -203,6 +210,30 @@ class PSClient:
         if self.observe is not None:
             self.observe(what, time.perf_counter() - start)
         return results
+
+    def _probe_while_waiting(self) -> None:
+        """Asks every shard with an empty exchange, carrying the cut mark a shard lacks,
+        whenever `self.cuts` says it is due (see worker/cuts.py), until the client closes."""
+        while not self._closing.wait(self.cuts.probe_s / 4):
+            if not self.cuts.due():
+                continue
+            for index, link in enumerate(self.links):
+                if self._closing.is_set():
+                    return
+                header = pb.ExchangeRequest(
+                    worker=self.worker, incarnation=self.incarnation,
+                    generation=self.generation, wait_ms=self._wait_ms(),
+                    push_clock=self.clock, pull_clock=self.clock, acked_clock=self.clock)
+                mark = self.cuts.mark_for(index)
+                if mark is not None:
+                    header.cut, header.cut_clock = mark
+                try:
+                    answer, _ = link.exchange(header, codec.Payload(), 0)
+                except (grpc.RpcError, TransportError) as exc:  # the exchanges under way report it
+                    log.debug("worker %d: probe of shard %d failed: %s", self.worker, index,
+                              exc)
+                    continue
+                self.cuts.answered(index, header.cut, answer.cut, self.clock)
 
     def _everywhere(self, method: Rpc[Any, Resp], request: bytes, what: str) -> list[Frame[Resp]]:
         """One unary call on every shard, in shard order."""
@@ -256,7 +287,7 @@ class PSClient:
     def hold_position(self, clock: int) -> None:
         """Keeps the current `position` for the end of iteration `clock`, for callers that
         end iterations after the script has moved on (a pipeline). Thread-safe."""
-        with self._cut_lock:
+        with self._position_lock:
             self._held_positions[clock] = self.position
 
     def join(self) -> int:
@@ -502,17 +533,8 @@ class PSClient:
             wait_ms=self._wait_ms(), push_clock=push_clock, end_iteration=end_iteration,
             pull_clock=pull_clock, acked_clock=self.clock,
         )
-        with self._cut_lock:
-            if self._cut_pending:
-                # The cut falls after every iteration an exchange was sent for: those are
-                # answered before this one (each waits for its answers), or still on their
-                # way and counted in once they arrive; later ones wait at the servers.
-                header.cut = self._cut_pending
-                header.cut_clock = max(self._sent_clock + 1, self.clock)
-                self._cuts_marked.append(self._cut_pending)
-                self._cut_pending = ""
-            if pushes or end_iteration:
-                self._sent_clock = max(self._sent_clock, push_clock)
+        number = self.cuts.send(header, push_clock, bool(pushes or end_iteration))
+        with self._position_lock:
             if end_iteration:
                 header.position = self._held_positions.pop(push_clock, self.position).decode()
                 for old in [c for c in self._held_positions if c < push_clock]:
@@ -528,17 +550,16 @@ class PSClient:
         def send(index: int, msg: pb.ExchangeRequest, payload: Any,
                  answer_bytes: int) -> pb.ExchangeResponse:
             answer, data = self.links[index].exchange(msg, payload, answer_bytes)
+            self.cuts.answered(index, msg.cut, answer.cut, self.clock)
             plan.unpack(index, answer, data)
             return answer
 
         jobs = [(self.links[i], partial(send, i, msg, payload, answer_bytes))
                 for i, msg, payload, answer_bytes in plan.requests()]
-        answers = self._each(jobs, what)
-        told = next((a.cut for a in answers if a.cut), "")
-        if told:
-            with self._cut_lock:
-                if told not in self._cuts_marked:
-                    self._cut_pending = told
+        try:
+            answers = self._each(jobs, what)
+        finally:
+            self.cuts.done(number)
         dropped = sum(result.dropped for answer in answers for result in answer.pushes)
         if dropped:
             with self._count_lock:

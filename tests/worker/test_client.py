@@ -6,11 +6,12 @@ Every test runs once per bulk transport (the `transport` fixture forces it on bo
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
-from procs import Procs
+from procs import Procs, wait_until
 
 from protos import codec, rpc
 from protos import pstrain_pb2 as pb
@@ -18,6 +19,8 @@ from protos.modes import Kind, Mode
 from protos.partition import shard_of_keys
 from protos.parts import cut
 from scheduler.admin import ServerAdmin
+from scheduler.spec import JobSpec
+from scheduler.store import JobStore
 from worker.client import PSClient, Pull, Push
 from worker.errors import ClusterMismatchError, PSClientError, RemoteError, RolledBackError
 
@@ -311,3 +314,42 @@ def test_exchange_too_large_for_one_message_travels_streamed(
     assert client.clock == 1
     stats = [t for s in client.stats() for t in s.tables if t.name == "big"]
     assert [t.pushes_applied for t in stats] == [1, 1]
+
+
+def test_a_worker_waiting_for_a_slower_one_marks_the_cut_that_holds_the_slower_one(
+    procs: Procs, transport: str,
+) -> None:
+    """ssp, staleness 0: worker 1, three clocks ahead, waits in a pull for worker 0 when a
+    checkpoint's cut begins. Worker 0 learns of the cut, marks it, and is held at its cut
+    clock until worker 1 marks it too; worker 1 learns of it only from an answer, and its
+    own exchange waits for worker 0. It must mark the cut while that exchange waits, or each
+    waits for the other until the server's limits end the cut (a minute)."""
+    redis = procs.redis().address
+    store = JobStore.connect(redis, "cutwait")
+    store.create_job(JobSpec(job="cutwait", servers=1, workers=2, heartbeat_interval_s=0.1,
+                             mode="ssp", staleness=0,
+                             checkpoint_dir=str(procs.workdir / "ckpt")), adopt=False)
+    server = procs.server(extra=["--redis", redis, "--job", "cutwait"])
+    wait_until(lambda: 0 in store.members("server"), 30, "the server to join its job")
+    ServerAdmin().set_membership(server.address, [0, 1])
+    with (PSClient([server.address], worker=0, transport=transport) as slow,
+          PSClient([server.address], worker=1, transport=transport) as fast,
+          ThreadPoolExecutor(2) as pool):
+        for client in (slow, fast):
+            client.declare_dense("w", [4], optimizer="sgd", lr=1.0, init=("zeros", 0, 0))
+        for clock in range(3):
+            fast.exchange([Push("w", torch.ones(4))], end_iteration=True, push_clock=clock)
+        ahead = pool.submit(fast.exchange, pulls=[Pull("w")], pull_clock=3)
+        store.request_checkpoint("c1", -1)
+        wait_until(lambda: "cut c1 begins" in server.log(), 10, "the cut to begin")
+        assert not ahead.done()  # waits for worker 0 at clock 3
+        # Worker 0 is told of the cut by this answer and marks it on its next exchange.
+        slow.exchange([Push("w", torch.ones(4))], end_iteration=True, push_clock=0)
+        behind = pool.submit(lambda: [slow.exchange([Push("w", torch.ones(4))],
+                                                    end_iteration=True, push_clock=c)
+                                      for c in (1, 2)])
+        (pulled,) = ahead.result(timeout=20)
+        behind.result(timeout=5)
+    assert torch.equal(pulled, torch.full((4,), -6.0))
+    wait_until(lambda: store.checkpoint("c1"), 10, "checkpoint c1")
+    assert "gave up its cut" not in server.log()

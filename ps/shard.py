@@ -142,6 +142,8 @@ ALIVE_POLL_S = 0.2
 # The longest a checkpoint's cut may hold a worker (at most the shard's wait limit): a live
 # worker that has stopped stepping (evaluating, stuck) makes the checkpoint fail, not the job.
 CUT_WAIT_S = 60.0
+# Recent cuts remembered (begun here, or crossed: marked while another was under way).
+CUTS_KEPT = 64
 
 
 def check_range(what: str, value: int, end: int) -> None:
@@ -375,7 +377,10 @@ class Shard:
         # starts here, and the ids of recent cuts (a late marker of one starts nothing).
         self._cut: _Cut | None = None
         self._on_cut: Done | None = None
-        self._cuts_seen: collections.deque[str] = collections.deque(maxlen=64)
+        self._cuts_seen: collections.deque[str] = collections.deque(maxlen=CUTS_KEPT)
+        # Cuts a worker marked here while another was under way, and why each cannot be
+        # taken here: given up as soon as they begin, holding nobody.
+        self._crossed: dict[str, str] = {}
         self._cut_waiting = ""  # the cut under way that a checkpoint was told to wait for
         # The job's rollback count as of this shard's last restore; older workers are refused.
         self.generation = 0
@@ -1057,7 +1062,10 @@ class Shard:
         each worker marks all shards in one exchange: together the shards' snapshots are
         one consistent checkpoint. A cut that has not completed within the shard's wait
         limit (a live worker that stopped stepping) is given up: `done` gets a Skipped and the
-        waiting exchanges go on. A worker may start a cut here by marking it first.
+        waiting exchanges go on. One that cannot be taken here is given up at once: a worker
+        marked it while another cut was under way here (the shards began the two in
+        different orders), or marked it after iterations it puts past the cut had arrived.
+        A worker may start a cut here by marking it first.
         """
         with self._clocks:
             return self._start_cut(checkpoint_id, done)
@@ -1091,6 +1099,10 @@ class Shard:
         self._cut = _Cut(checkpoint_id, self._now(), done)
         log.info("shard %d: cut %s begins (live workers: %s)", self.config.shard,
                  checkpoint_id, sorted(self.board.live))
+        crossed = self._crossed.pop(checkpoint_id, None)
+        if crossed is not None:
+            self._give_up_cut(crossed)
+            return True
         self._cut_if_ready()
         self._clocks.notify_all()
         return True
@@ -1112,14 +1124,36 @@ class Shard:
         with self._clocks:
             cut = self._cut
             if cut is None or cut.checkpoint_id != checkpoint_id:
+                if (cut is not None and checkpoint_id not in self._cuts_seen
+                        and self._now() - cut.started < self._cut_wait_s()):
+                    # The worker marked this cut after another that is under way here: its
+                    # iterations from `clock` on come after this cut but may come before
+                    # the one under way. This shard cannot keep them apart: the cut is
+                    # given up here as soon as it begins, rather than held for a minute.
+                    self._crossed.setdefault(checkpoint_id, (
+                        f"worker {worker} marked it while the cut of {cut.checkpoint_id} was "
+                        "under way here (the shards began the two in different orders, as "
+                        "after a restart)"))
+                    while len(self._crossed) > CUTS_KEPT:
+                        del self._crossed[next(iter(self._crossed))]
+                    return
                 if self._on_cut is None or not self._start_cut(checkpoint_id, self._on_cut):
                     return
                 cut = self._cut
-                # None: taken at once (no live worker to wait for). Another cut: this one is
-                # over here (taken or given up), and a late mark of it says nothing of the
-                # cut under way.
+                # None: taken at once (no live worker to wait for), or given up. Another cut:
+                # this one is over here (taken or given up), and a late mark of it says
+                # nothing of the cut under way.
                 if cut is None or cut.checkpoint_id != checkpoint_id:
                     return
+            if worker not in cut.marked and self.board.through.get(worker, 0) > clock:
+                # A mark that comes after iterations it puts past the cut (a restarted shard,
+                # or one that began the cut after the mark went by): no snapshot here can be
+                # that cut.
+                self._give_up_cut(
+                    f"worker {worker} marked it at clock {clock} after its iterations up to "
+                    f"{self.board.through[worker] - 1} had reached this shard (a restarted "
+                    "shard, or a cut that began here after the worker marked it)")
+                return
             cut.marked.setdefault(worker, clock)
             self._cut_if_ready()
             self._clocks.notify_all()
@@ -1158,16 +1192,20 @@ class Shard:
                  time.perf_counter() - copying)
         threading.Thread(target=cut.done, args=(state,), daemon=True).start()
 
-    def _give_up_cut(self) -> None:
-        """Caller holds self._clocks."""
+    def _give_up_cut(self, why: str = "") -> None:
+        """Gives up the cut under way: past the wait limit, or at once `why` it cannot be
+        taken here. Caller holds self._clocks."""
         cut = self._cut
         if cut is None:
             return
         self._cut = None
-        reason = (f"shard {self.config.shard} gave up its cut after "
-                  f"{self._now() - cut.started:.0f} s: worker(s) "
-                  f"{self.board.short_of_cut(cut.marked)} did not reach it (a worker that stops "
-                  "stepping without finishing holds a cut back)")
+        if why:
+            reason = f"shard {self.config.shard} gave up its cut at once: {why}"
+        else:
+            reason = (f"shard {self.config.shard} gave up its cut after "
+                      f"{self._now() - cut.started:.0f} s: worker(s) "
+                      f"{self.board.short_of_cut(cut.marked)} did not reach it (a worker that "
+                      "stops stepping without finishing holds a cut back)")
         self._clocks.notify_all()
         skipped = Skipped(cut.checkpoint_id, reason)
         threading.Thread(target=cut.done, args=(skipped,), daemon=True).start()

@@ -76,23 +76,19 @@ class CutMarks:
             if not told:
                 return
             if self._mark is not None and told == self._mark[0]:
-                # It has no mark of this cut: a restarted shard, or one that began the cut
-                # after it had the mark. The same mark goes to it again.
-                self._lack(shard)
-            elif told in self._marked or self._missing:
-                # An older cut, or a new one while the last mark is still on its way: the
-                # shard tells again.
-                return
-            else:
+                # A shard that asks again (a restarted one, or one that began the cut after
+                # the mark went by) gets the same mark: one clock on every shard. If it holds
+                # iterations past that clock by now, it gives the cut up at once.
+                if not self._missing:
+                    self._missing_since = self._now()
+                self._missing.add(shard)
+            elif told not in self._marked and not self._missing:
+                # (An older cut is not marked again; a new one while the last mark is on
+                # its way waits: the shard tells again.)
                 self._mark = (told, max(self._sent + 1, clock))
                 self._marked.append(told)
-                for index in range(self.num_shards):
-                    self._lack(index)
-
-    def _lack(self, shard: int) -> None:
-        if not self._missing:
-            self._missing_since = self._now()
-        self._missing.add(shard)
+                self._missing = set(range(self.num_shards))
+                self._missing_since = self._now()
 
     def mark_for(self, shard: int) -> tuple[str, int] | None:
         """The mark a request to `shard` carries now (None: it has it, or there is none)."""

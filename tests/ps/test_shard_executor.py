@@ -885,6 +885,68 @@ def test_a_late_mark_of_a_cut_that_is_over_does_not_count_for_the_next_one() -> 
     assert [t.checkpoint_id for t in taken] == ["c1", "c2"]
 
 
+def mark(shard: Shard, worker: int, cut: str, cut_clock: int) -> Any:
+    """An exchange that only marks `cut` (as a worker's probe does)."""
+    return shard.exchange(Exchange(worker=worker, incarnation=1, generation=0, push_clock=0,
+                                   pushes=[], end_iteration=False, pull_clock=0, pulls=[],
+                                   cut=cut, cut_clock=cut_clock))
+
+
+def taken_ids(taken: list[Any], count: int) -> list[str]:
+    deadline = time.monotonic() + BOUND_S
+    while len(taken) < count and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return [t.checkpoint_id for t in taken]
+
+
+def test_a_cut_marked_while_another_is_under_way_is_given_up_when_it_begins() -> None:
+    # After a restart the shards may begin two cuts in different orders: here c1 is under
+    # way when worker 0 marks c2 (begun first elsewhere). This shard cannot keep worker 0's
+    # iterations after c2 apart from those before c1; it gave c2 up only after a minute of
+    # holding the workers that marked it.
+    shard, clock = make_shard("async", max_wait_s=120.0)
+    for worker in (0, 1):
+        shard.join(worker, 1)
+    taken: list[Any] = []
+    shard.on_cut(taken.append)
+    assert shard.cut("c1", taken.append)
+    mark(shard, 0, "c2", 0)
+    assert not shard.cut_started("c2")
+    for worker in (0, 1):
+        mark(shard, worker, "c1", 0)
+    assert taken_ids(taken, 1) == ["c1"]
+    assert shard.cut("c2", taken.append)  # the server's request: given up at once
+    assert taken_ids(taken, 2) == ["c1", "c2"]
+    assert isinstance(taken[1], Skipped)
+    assert "gave up its cut at once: worker 0 marked it while the cut of c1" in taken[1].reason
+    # Nobody is held for it: worker 1 steps past its own late mark of c2.
+    step = Call(partial(tick_w, shard, 1, 1, 0, 1.0, cut="c2", cut_clock=0))
+    assert not settle(step, clock, clock.reads)
+    step.outcome()
+    assert values(shard)[0] == [0.0] * 4
+
+
+def test_a_mark_that_comes_after_iterations_past_its_clock_gives_the_cut_up_at_once() -> None:
+    # A shard that began the cut after the worker's mark went by (or restarted since) and
+    # was told it again: the worker's iterations 0-2 are here, past its cut clock 1.
+    shard, clock = make_shard("async", max_wait_s=120.0)
+    for worker in (0, 1):
+        shard.join(worker, 1)
+    for step in range(3):
+        tick_w(shard, 0, step + 1, step, 1.0)
+    taken: list[Any] = []
+    assert shard.cut("c1", taken.append)
+    held = Call(partial(tick_w, shard, 1, 1, 0, 1.0, cut="c1", cut_clock=0))
+    assert settle(held, clock, clock.reads)  # worker 1 marked: held for worker 0
+    mark(shard, 0, "c1", 1)
+    held.outcome()
+    assert taken_ids(taken, 1) == ["c1"]
+    assert isinstance(taken[0], Skipped)
+    assert ("worker 0 marked it at clock 1 after its iterations up to 2 had reached this "
+            "shard") in taken[0].reason
+    assert shard.cut("c2", taken.append)  # the next cut may begin
+
+
 def test_checkpoints_asked_while_a_cut_is_under_way_are_told_to_wait_once_per_cut(
         caplog: pytest.LogCaptureFixture) -> None:
     shard, clock = make_shard("async")

@@ -61,7 +61,8 @@ def test_the_cut_clock_is_the_first_iteration_not_sent(last_sent: int, worker_cl
 
 def test_a_shard_that_tells_of_the_marked_cut_again_gets_the_same_mark() -> None:
     # A restarted shard, or one that began the cut after it had the mark, asks again: the
-    # mark is the same, not a new clock (every shard cuts each worker at one clock).
+    # mark is the same, not a new clock (every shard cuts each worker at one clock; a shard
+    # that holds later iterations by then gives the cut up).
     marks = CutMarks(2)
     sent(marks, 3)
     marks.answered(0, "", "c1", clock=4)
@@ -70,6 +71,7 @@ def test_a_shard_that_tells_of_the_marked_cut_again_gets_the_same_mark() -> None
     sent(marks, 9)
     marks.answered(1, "", "c1", clock=10)
     assert [marks.mark_for(s) for s in range(2)] == [None, ("c1", 4)]
+    assert (sent(marks, 10).cut_clock, marks.mark_for(1)) == (4, ("c1", 4))
 
 
 def test_a_new_cut_waits_for_the_last_mark_to_reach_every_shard() -> None:

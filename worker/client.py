@@ -533,30 +533,30 @@ class PSClient:
             wait_ms=self._wait_ms(), push_clock=push_clock, end_iteration=end_iteration,
             pull_clock=pull_clock, acked_clock=self.clock,
         )
-        number = self.cuts.send(header, push_clock, bool(pushes or end_iteration))
-        with self._position_lock:
-            if end_iteration:
+        if end_iteration:
+            with self._position_lock:
                 header.position = self._held_positions.pop(push_clock, self.position).decode()
                 for old in [c for c in self._held_positions if c < push_clock]:
                     del self._held_positions[old]
         with self._lock:
             tables = dict(self._tables)
-        plan = ExchangePlan(header, table_lookup(tables), self.num_shards, self._seq)
-        for push in pushes:
-            plan.push(push)
-        for pull in pulls:
-            plan.pull(pull)
-
-        def send(index: int, msg: pb.ExchangeRequest, payload: Any,
-                 answer_bytes: int) -> pb.ExchangeResponse:
-            answer, data = self.links[index].exchange(msg, payload, answer_bytes)
-            self.cuts.answered(index, msg.cut, answer.cut, self.clock)
-            plan.unpack(index, answer, data)
-            return answer
-
-        jobs = [(self.links[i], partial(send, i, msg, payload, answer_bytes))
-                for i, msg, payload, answer_bytes in plan.requests()]
+        number = self.cuts.send(header, push_clock, bool(pushes or end_iteration))
         try:
+            plan = ExchangePlan(header, table_lookup(tables), self.num_shards, self._seq)
+            for push in pushes:
+                plan.push(push)
+            for pull in pulls:
+                plan.pull(pull)
+
+            def send(index: int, msg: pb.ExchangeRequest, payload: Any,
+                     answer_bytes: int) -> pb.ExchangeResponse:
+                answer, data = self.links[index].exchange(msg, payload, answer_bytes)
+                self.cuts.answered(index, msg.cut, answer.cut, self.clock)
+                plan.unpack(index, answer, data)
+                return answer
+
+            jobs = [(self.links[i], partial(send, i, msg, payload, answer_bytes))
+                    for i, msg, payload, answer_bytes in plan.requests()]
             answers = self._each(jobs, what)
         finally:
             self.cuts.done(number)

@@ -5,6 +5,7 @@ Every test runs once per bulk transport (the `transport` fixture forces it on bo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -314,6 +315,19 @@ def test_exchange_too_large_for_one_message_travels_streamed(
     assert client.clock == 1
     stats = [t for s in client.stats() for t in s.tables if t.name == "big"]
     assert [t.pushes_applied for t in stats] == [1, 1]
+
+
+def test_an_exchange_refused_before_it_leaves_is_not_counted_as_waiting(
+    two_shards: PSClient,
+) -> None:
+    # A waiting exchange makes the client ask every shard for cuts each second: one that
+    # failed while it was being laid out must not stay counted as waiting.
+    client = two_shards
+    client.cuts.probe_s = 0.05
+    with pytest.raises(PSClientError, match="nope"):
+        client.pull_sparse("nope", np.array([1], dtype=np.int64))
+    time.sleep(0.1)
+    assert not client.cuts.due()
 
 
 def test_a_worker_waiting_for_a_slower_one_marks_the_cut_that_holds_the_slower_one(

@@ -19,6 +19,9 @@ HISTORY = 10_000
 # Data positions remembered per worker: those of its newest ticks. A cut takes the one of the
 # iteration before its clock, at most a pipeline's depth of iterations back.
 POSITIONS = 16
+# How long a new incarnation that joined a shard counts for that shard's cuts before the
+# scheduler lists it live: past the scheduler's poll, and Redis outages of a few seconds.
+JOIN_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,9 @@ class ClockBoard:
         # gap wait in `_ahead` until it fills.
         self.through: dict[int, int] = {}
         self._ahead: dict[int, set[int]] = {}
+        # New incarnations that joined here and are not yet listed live: worker ->
+        # (incarnation, when it joined). A cut counts them for JOIN_GRACE_S.
+        self.joining: dict[int, tuple[int, float]] = {}
         # Worker -> (iteration -> where it was in its data once that iteration was done), for
         # its newest ticks that said.
         self.positions: dict[int, collections.OrderedDict[int, bytes]] = {}
@@ -198,10 +204,22 @@ class ClockBoard:
         self._finish_through()
         return self.clocks[worker]
 
+    def joined(self, worker: int, incarnation: int, at: float) -> None:
+        """A new incarnation of `worker` joined here at time `at` (after `restart`). Until the
+        scheduler lists it live (a poll; longer while Redis is away), cuts count it as live
+        for JOIN_GRACE_S: another shard may count it already, and every shard must hold
+        its iterations past its mark alike."""
+        if worker in self.live:
+            self.joining.pop(worker, None)
+        else:
+            self.joining[worker] = (incarnation, at)
+
     def set_live(self, workers: Iterable[int]) -> None:
         """Replaces the live set. Dead contributors count as finished; joiners enter at the
         slowest live worker's clock, so they hold nobody back."""
         new = set(workers)
+        for worker in new:
+            self.joining.pop(worker, None)
         entry = self._entry_clock()
         for worker in new - self.live:
             self.clocks[worker] = max(self.clocks.get(worker, 0), entry)
@@ -216,6 +234,8 @@ class ClockBoard:
         for worker, incarnation in fenced.items():
             if incarnation > self.fenced.get(worker, -1):
                 self.fenced[worker] = incarnation
+            if worker in self.joining and self.joining[worker][0] <= incarnation:
+                del self.joining[worker]
 
     def check_not_fenced(self, worker: int, incarnation: int) -> None:
         """FencedError when `incarnation` of `worker` was declared dead."""
@@ -255,12 +275,16 @@ class ClockBoard:
             for w, p in meta.get("positions", {}).items()
         }
 
-    def short_of_cut(self, cut: Mapping[int, int]) -> list[int]:
+    def short_of_cut(self, cut: Mapping[int, int], now: float) -> list[int]:
         """Live workers a consistent cut still waits for: of those this shard has seen (a
         join, a tick), the ones without a cut clock in `cut` (worker -> the first iteration
         after the cut), and those with iterations before it that have not ticked here yet.
-        A worker never seen here has nothing here to cut: what it sends later comes after."""
-        return sorted(w for w in self.live
+        A worker never seen here has nothing here to cut: what it sends later comes after.
+        A new incarnation not yet listed live counts as live for JOIN_GRACE_S after its
+        join (`joined`; `now` is the time on the same clock)."""
+        counted = self.live | {w for w, (_, at) in self.joining.items()
+                               if now - at < JOIN_GRACE_S}
+        return sorted(w for w in counted
                       if w in self.through and (w not in cut or self.through[w] < cut[w]))
 
     def held(self) -> int:

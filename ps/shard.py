@@ -936,7 +936,11 @@ class Shard:
         self.check_fenced(worker, incarnation)
         new = self.ledger.check_incarnation(worker, incarnation)
         with self._clocks:
-            clock = self.board.restart(worker) if new else self.board.clocks.get(worker, 0)
+            if new:
+                clock = self.board.restart(worker)
+                self.board.joined(worker, incarnation, self._now())
+            else:
+                clock = self.board.clocks.get(worker, 0)
             self._close_ready()
             self._clocks.notify_all()
             # A join repeated by the same incarnation asks whether it is still live (a
@@ -1182,7 +1186,7 @@ class Shard:
         """Takes the cut under way once no live worker is short of it. Caller holds
         self._clocks."""
         cut = self._cut
-        if cut is None or self.board.short_of_cut(cut.marked):
+        if cut is None or self.board.short_of_cut(cut.marked, self._now()):
             return
         self._cut = None
         copying = time.perf_counter()
@@ -1202,10 +1206,11 @@ class Shard:
         if why:
             reason = f"shard {self.config.shard} gave up its cut at once: {why}"
         else:
+            now = self._now()
             reason = (f"shard {self.config.shard} gave up its cut after "
-                      f"{self._now() - cut.started:.0f} s: worker(s) "
-                      f"{self.board.short_of_cut(cut.marked)} did not reach it (a worker that "
-                      "stops stepping without finishing holds a cut back)")
+                      f"{now - cut.started:.0f} s: worker(s) "
+                      f"{self.board.short_of_cut(cut.marked, now)} did not reach it (a worker "
+                      "that stops stepping without finishing holds a cut back)")
         self._clocks.notify_all()
         skipped = Skipped(cut.checkpoint_id, reason)
         threading.Thread(target=cut.done, args=(skipped,), daemon=True).start()

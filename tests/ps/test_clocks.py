@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ps.clocks import POSITIONS, ClockBoard, Quorum
+from ps.clocks import JOIN_GRACE_S, POSITIONS, ClockBoard, Quorum
 from ps.consistency import SyncPolicy
 from ps.errors import FencedError, InvalidArgumentError, RolledBackError
 
@@ -107,18 +107,41 @@ def test_a_cut_takes_each_worker_at_its_cut_clock_with_its_position_of_then() ->
 
 def test_ticks_out_of_order_count_through_only_once_the_gap_fills() -> None:
     board = ClockBoard(Quorum(1))
-    assert board.short_of_cut({}) == []  # live by default, never seen: nothing to cut
+    assert board.short_of_cut({}, 0.0) == []  # live by default, never seen: nothing to cut
     board.restart(0)  # joins at clock 0
     board.tick(0, 1)  # iteration 1's exchange overtook iteration 0's
     assert board.through[0] == 0
-    assert board.short_of_cut({0: 2}) == [0]
+    assert board.short_of_cut({0: 2}, 0.0) == [0]
     board.tick(0, 0)
     assert board.through[0] == 2
-    assert board.short_of_cut({0: 2}) == []
+    assert board.short_of_cut({0: 2}, 0.0) == []
     # A live worker without a mark holds a cut back; a dead one does not.
-    assert board.short_of_cut({}) == [0]
+    assert board.short_of_cut({}, 0.0) == [0]
     board.set_live(set())
-    assert board.short_of_cut({}) == []
+    assert board.short_of_cut({}, 0.0) == []
+
+
+def test_a_new_incarnation_not_yet_listed_live_counts_for_cuts_for_a_grace() -> None:
+    # Another shard may list it live already (the scheduler tells shards one by one, late
+    # while Redis is away): every shard must wait for its mark alike.
+    board = ClockBoard(Quorum(2))
+    board.set_live({0})
+    board.restart(1)
+    board.joined(1, incarnation=7, at=100.0)
+    assert board.short_of_cut({}, 101.0) == [1]
+    assert board.short_of_cut({1: 0}, 101.0) == []
+    assert board.short_of_cut({}, 100.0 + JOIN_GRACE_S) == []  # never listed: a lost joiner
+    board.fence({1: 6})  # an older incarnation declared dead: this one still counts
+    assert board.short_of_cut({}, 101.0) == [1]
+    board.fence({1: 7})  # this one declared dead
+    assert board.short_of_cut({}, 101.0) == []
+    board.restart(1)
+    board.joined(1, incarnation=8, at=200.0)
+    board.set_live({0, 1})  # listed live: counted as live from now on, with no deadline
+    assert board.joining == {}
+    assert board.short_of_cut({}, 200.0 + JOIN_GRACE_S) == [1]
+    board.set_live({0})  # finished or dead: no longer waited for
+    assert board.short_of_cut({}, 201.0) == []
 
 
 def test_positions_kept_are_bounded_per_worker() -> None:
@@ -162,10 +185,10 @@ def test_an_acknowledged_clock_fills_gaps_a_restored_shard_never_sees_ticked() -
     board.restore_meta({"clocks": {"0": 480}, "live": [0]}, clock=0)
     board.tick(0, 500)  # the worker went on while this shard was down: 480..499 are lost
     board.tick(0, 501)
-    assert board.short_of_cut({0: 502}) == [0]
+    assert board.short_of_cut({0: 502}, 0.0) == [0]
     board.acked(0, 500)  # the worker's next request: every shard answered up to 499
     assert board.through[0] == 502
-    assert board.short_of_cut({0: 502}) == []
+    assert board.short_of_cut({0: 502}, 0.0) == []
     board.acked(0, 10)  # never backwards
     assert board.through[0] == 502
 

@@ -947,6 +947,25 @@ def test_a_mark_that_comes_after_iterations_past_its_clock_gives_the_cut_up_at_o
     assert shard.cut("c2", taken.append)  # the next cut may begin
 
 
+def test_a_cut_waits_for_a_worker_that_joined_before_the_scheduler_lists_it_live() -> None:
+    # Worker 1 restarted and joined every shard; the scheduler, late (Redis restarted
+    # empty), has told another shard it is live but not this one yet. Taken without its
+    # mark here, the cut held one iteration of it more than on the other shard.
+    shard, _ = make_shard("async", max_wait_s=120.0)
+    shard.set_live([0])
+    shard.join(0, 1)
+    shard.join(1, 1)  # new here: a restarted process
+    taken: list[Any] = []
+    assert shard.cut("c1", taken.append)
+    mark(shard, 0, "c1", 0)
+    assert not shard.cut("c2", taken.append)  # c1 is still under way: it waits for worker 1
+    tick_w(shard, 1, 1, 0, 1.0, cut="c1", cut_clock=0)
+    assert taken_ids(taken, 1) == ["c1"]
+    w = {t.name: t.tensors for t in taken[0].tables}["w"]["value"]
+    assert w.tolist() == [1.0] * 4  # worker 1's iteration 0 came after the cut
+    assert values(shard)[0] == [0.0] * 4
+
+
 def test_checkpoints_asked_while_a_cut_is_under_way_are_told_to_wait_once_per_cut(
         caplog: pytest.LogCaptureFixture) -> None:
     shard, clock = make_shard("async")

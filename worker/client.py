@@ -227,9 +227,11 @@ class PSClient:
                 mark = self.cuts.mark_for(index)
                 if mark is not None:
                     header.cut, header.cut_clock = mark
+                request = codec.encode(header, {"payload": []})
                 try:
-                    answer, _ = link.exchange(header, codec.Payload(), 0)
-                except (grpc.RpcError, TransportError) as exc:  # the exchanges under way report it
+                    # Short: a paused shard must not keep the others from their probes.
+                    answer = link.unary(rpc.EXCHANGE, request, self.cuts.probe_s * 2).msg
+                except (grpc.RpcError, PSClientError) as exc:  # exchanges under way report it
                     log.debug("worker %d: probe of shard %d failed: %s", self.worker, index,
                               exc)
                     continue

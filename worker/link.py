@@ -237,9 +237,11 @@ class Link:
                     continue
                 raise RemoteError(code, exc.details() or "", self.index, self.address) from exc
 
-    def unary(self, method: Rpc[Any, Resp], request: bytes) -> Frame[Resp]:
-        """One try of a unary call."""
-        return self._stubs().unary(method, request, self.reach.timeout_s)
+    def unary(self, method: Rpc[Any, Resp], request: bytes,
+              timeout_s: float | None = None) -> Frame[Resp]:
+        """One try of a unary call (within `timeout_s`; default: the link's)."""
+        return self._stubs().unary(method, request,
+                                   self.reach.timeout_s if timeout_s is None else timeout_s)
 
     def _stubs(self) -> Stubs:
         stubs = self.stubs

@@ -235,7 +235,7 @@ class ParameterServerServicer:
         return _guard(declare, context)
 
     def GetStats(self, request: Frame[pb.StatsRequest], context: Any) -> bytes:
-        state = self.shard.clock_state()
+        state = self.shard.clock_state(history=request.msg.history)
         response = pb.StatsResponse(
             info=self.info(),
             tables=[wire.stats_to_proto(s, mode) for s, mode in self.shard.stats()],

@@ -1003,15 +1003,18 @@ class Shard:
             # The write happens elsewhere: this thread holds the clocks.
             threading.Thread(target=done, args=(state,), daemon=True).start()
 
-    def clock_state(self) -> ClockState:
+    def clock_state(self, history: bool = False) -> ClockState:
+        """The clocks now; `history` adds the record of recent sync clocks (up to
+        ps.clocks.HISTORY of them: a copy worth making only when asked for)."""
         with self._clocks:
-            return self._clock_state()
+            return self._clock_state(history)
 
-    def _clock_state(self) -> ClockState:
+    def _clock_state(self, history: bool = False) -> ClockState:
         return ClockState(
             self.board.open_clock, self.board.clocks_closed, dict(self.board.clocks),
             frozenset(self.board.live),
-            tuple((c, used, dropped) for c, (used, dropped) in self.board.history.items()),
+            tuple((c, used, dropped) for c, (used, dropped) in self.board.history.items())
+            if history else (),
         )
 
     def pull_log(self) -> list[PullRecord]:

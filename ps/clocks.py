@@ -61,8 +61,8 @@ class ClockBoard:
         # gap wait in `_ahead` until it fills.
         self.through: dict[int, int] = {}
         self._ahead: dict[int, set[int]] = {}
-        # New incarnations that joined here and are not yet listed live: worker ->
-        # (incarnation, when it joined). A cut counts them for JOIN_GRACE_S.
+        # New incarnations that joined here (`restart`) and are not yet listed live: worker
+        # -> (incarnation, when it joined). A cut counts them for JOIN_GRACE_S.
         self.joining: dict[int, tuple[int, float]] = {}
         # Worker -> (iteration -> where it was in its data once that iteration was done), for
         # its newest ticks that said.
@@ -187,12 +187,20 @@ class ClockBoard:
             if self.through.get(worker, 0) > self.open_clock:
                 self._finish(worker)
 
-    def restart(self, worker: int) -> int:
-        """A new incarnation of `worker` starts; returns the clock it starts at.
+    def restart(self, worker: int, incarnation: int, at: float) -> int:
+        """A new incarnation of `worker` joined here at time `at`; returns the clock it starts
+        at.
 
         A gradient its previous incarnation pushed for the open clock stays counted, and the
-        open clock is finished for it; otherwise it resumes where the old one stood.
+        open clock is finished for it; otherwise it resumes where the old one stood. Until
+        the scheduler lists it live (a poll; longer while Redis is away), cuts count it as
+        live for JOIN_GRACE_S: another shard may count it already, and every shard must hold
+        its iterations past its mark alike.
         """
+        if worker in self.live:
+            self.joining.pop(worker, None)
+        else:
+            self.joining[worker] = (incarnation, at)
         if worker in self.contributors:
             self.finished.add(worker)
             self.report(worker, self.open_clock + 1)
@@ -203,16 +211,6 @@ class ClockBoard:
         self._ahead.pop(worker, None)
         self._finish_through()
         return self.clocks[worker]
-
-    def joined(self, worker: int, incarnation: int, at: float) -> None:
-        """A new incarnation of `worker` joined here at time `at` (after `restart`). Until the
-        scheduler lists it live (a poll; longer while Redis is away), cuts count it as live
-        for JOIN_GRACE_S: another shard may count it already, and every shard must hold
-        its iterations past its mark alike."""
-        if worker in self.live:
-            self.joining.pop(worker, None)
-        else:
-            self.joining[worker] = (incarnation, at)
 
     def set_live(self, workers: Iterable[int]) -> None:
         """Replaces the live set. Dead contributors count as finished; joiners enter at the
@@ -281,7 +279,7 @@ class ClockBoard:
         after the cut), and those with iterations before it that have not ticked here yet.
         A worker never seen here has nothing here to cut: what it sends later comes after.
         A new incarnation not yet listed live counts as live for JOIN_GRACE_S after its
-        join (`joined`; `now` is the time on the same clock)."""
+        join (`restart`; `now` is the time on the same clock)."""
         counted = self.live | {w for w, (_, at) in self.joining.items()
                                if now - at < JOIN_GRACE_S}
         return sorted(w for w in counted

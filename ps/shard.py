@@ -936,11 +936,8 @@ class Shard:
         self.check_fenced(worker, incarnation)
         new = self.ledger.check_incarnation(worker, incarnation)
         with self._clocks:
-            if new:
-                clock = self.board.restart(worker)
-                self.board.joined(worker, incarnation, self._now())
-            else:
-                clock = self.board.clocks.get(worker, 0)
+            clock = (self.board.restart(worker, incarnation, self._now()) if new
+                     else self.board.clocks.get(worker, 0))
             self._close_ready()
             self._clocks.notify_all()
             # A join repeated by the same incarnation asks whether it is still live (a

@@ -211,6 +211,15 @@ class PSClient:
             self.observe(what, time.perf_counter() - start)
         return results
 
+    def _header(self, push_clock: int, end_iteration: bool,
+                pull_clock: int) -> pb.ExchangeRequest:
+        """The fields every shard's part of an exchange carries."""
+        return pb.ExchangeRequest(
+            worker=self.worker, incarnation=self.incarnation, generation=self.generation,
+            wait_ms=self._wait_ms(), push_clock=push_clock, end_iteration=end_iteration,
+            pull_clock=pull_clock, acked_clock=self.clock,
+        )
+
     def _probe_while_waiting(self) -> None:
         """Asks every shard with an empty exchange, carrying the cut mark a shard lacks,
         whenever `self.cuts` says it is due (see worker/cuts.py), until the client closes."""
@@ -220,10 +229,7 @@ class PSClient:
             for index, link in enumerate(self.links):
                 if self._closing.is_set():
                     return
-                header = pb.ExchangeRequest(
-                    worker=self.worker, incarnation=self.incarnation,
-                    generation=self.generation, wait_ms=self._wait_ms(),
-                    push_clock=self.clock, pull_clock=self.clock, acked_clock=self.clock)
+                header = self._header(self.clock, False, self.clock)
                 mark = self.cuts.mark_for(index)
                 if mark is not None:
                     header.cut, header.cut_clock = mark
@@ -530,11 +536,7 @@ class PSClient:
         push_clock = self.clock if push_clock is None else push_clock
         if pull_clock is None:
             pull_clock = push_clock + 1 if end_iteration else self.clock
-        header = pb.ExchangeRequest(
-            worker=self.worker, incarnation=self.incarnation, generation=self.generation,
-            wait_ms=self._wait_ms(), push_clock=push_clock, end_iteration=end_iteration,
-            pull_clock=pull_clock, acked_clock=self.clock,
-        )
+        header = self._header(push_clock, end_iteration, pull_clock)
         if end_iteration:
             with self._position_lock:
                 header.position = self._held_positions.pop(push_clock, self.position).decode()

@@ -108,7 +108,7 @@ def test_a_cut_takes_each_worker_at_its_cut_clock_with_its_position_of_then() ->
 def test_ticks_out_of_order_count_through_only_once_the_gap_fills() -> None:
     board = ClockBoard(Quorum(1))
     assert board.short_of_cut({}, 0.0) == []  # live by default, never seen: nothing to cut
-    board.restart(0)  # joins at clock 0
+    board.restart(0, 1, 0.0)  # joins at clock 0
     board.tick(0, 1)  # iteration 1's exchange overtook iteration 0's
     assert board.through[0] == 0
     assert board.short_of_cut({0: 2}, 0.0) == [0]
@@ -126,8 +126,7 @@ def test_a_new_incarnation_not_yet_listed_live_counts_for_cuts_for_a_grace() -> 
     # while Redis is away): every shard must wait for its mark alike.
     board = ClockBoard(Quorum(2))
     board.set_live({0})
-    board.restart(1)
-    board.joined(1, incarnation=7, at=100.0)
+    board.restart(1, incarnation=7, at=100.0)
     assert board.short_of_cut({}, 101.0) == [1]
     assert board.short_of_cut({1: 0}, 101.0) == []
     assert board.short_of_cut({}, 100.0 + JOIN_GRACE_S) == []  # never listed: a lost joiner
@@ -135,8 +134,7 @@ def test_a_new_incarnation_not_yet_listed_live_counts_for_cuts_for_a_grace() -> 
     assert board.short_of_cut({}, 101.0) == [1]
     board.fence({1: 7})  # this one declared dead
     assert board.short_of_cut({}, 101.0) == []
-    board.restart(1)
-    board.joined(1, incarnation=8, at=200.0)
+    board.restart(1, incarnation=8, at=200.0)
     board.set_live({0, 1})  # listed live: counted as live from now on, with no deadline
     assert board.joining == {}
     assert board.short_of_cut({}, 200.0 + JOIN_GRACE_S) == [1]
@@ -243,7 +241,7 @@ def test_a_worker_restarted_past_the_open_clock_holds_it_back_no_more() -> None:
     for clock in range(10, 20):
         tick(0, clock)
     assert board.open_clock == 20
-    assert board.restart(1) == 50
+    assert board.restart(1, 2, 0.0) == 50
     board.set_live([0, 1])
     for clock in range(20, 50):
         tick(0, clock)

@@ -258,8 +258,13 @@ class Optimizer(ABC, Generic[ConfigT]):
         grad: torch.Tensor,
         state: Mapping[str, torch.Tensor],
         step: torch.Tensor,
+        *,
+        trusted: bool = False,
     ) -> None:
         """Apply one update to a whole dense block, in place.
+
+        ``trusted`` skips the checks below, as for ``apply_rows``: for the dense table, whose
+        block, state and step are its own and whose gradient's shape and dtype it checked.
 
         ``state`` maps each name in ``slots`` to a tensor shaped like ``param``. ``step`` is an
         integer tensor of shape [1] holding how many updates the block has had; it is
@@ -270,14 +275,15 @@ class Optimizer(ABC, Generic[ConfigT]):
         Raises InvalidArgumentError, before touching anything, if shapes, dtypes or state
         do not match. Does not block; see the class docstring for thread-safety.
         """
-        self._check_floating("param", param)
-        self._check_like("grad", grad, param)
-        self._check_state(state, param)
-        if step.shape != (1,) or step.is_floating_point() or step.is_complex():
-            raise InvalidArgumentError(
-                f"step must be an integer tensor of shape [1], got dtype {step.dtype} and "
-                f"shape {list(step.shape)}"
-            )
+        if not trusted:
+            self._check_floating("param", param)
+            self._check_like("grad", grad, param)
+            self._check_state(state, param)
+            if step.shape != (1,) or step.is_floating_point() or step.is_complex():
+                raise InvalidArgumentError(
+                    f"step must be an integer tensor of shape [1], got dtype {step.dtype} "
+                    f"and shape {list(step.shape)}"
+                )
         with torch.no_grad():
             step.add_(1)
             if param.dtype in _COMPACT:

@@ -495,21 +495,24 @@ class DenseTable(_Counted):
                 if not self.written:  # set once: later gradients need not take the lock
                     with self._written_lock:
                         self.written = True
-                before = self.step.clone()
-                step = before
-                if not self.optimizer.elementwise:
-                    # A row-wise rule needs whole rows: the parts, joined, cover the block.
+                if len(parts) == 1 or not self.optimizer.elementwise:
+                    # One update of the whole block: a push that came in one piece, or a
+                    # row-wise rule, which needs whole rows (the parts, joined, cover it).
                     grad = (parts[0][1] if len(parts) == 1
                             else torch.cat([part for _, part in parts]))
                     self.optimizer.apply_dense(self.value, grad.view(self.block_shape),
-                                               self.state, step)
-                    parts = ()
-                for offset, part in parts:
-                    end = offset + part.numel()
-                    state = {k: v.view(-1)[offset:end] for k, v in self.state.items()}
-                    step = before.clone()
-                    self.optimizer.apply_dense(flat[offset:end], part, state, step)
-                self.step.copy_(step)
+                                               self.state, self.step, trusted=True)
+                else:
+                    # Slice by slice, each with the step count the whole block had.
+                    before = self.step.clone()
+                    step = before
+                    for offset, part in parts:
+                        end = offset + part.numel()
+                        state = {k: v.view(-1)[offset:end] for k, v in self.state.items()}
+                        step = before.clone()
+                        self.optimizer.apply_dense(flat[offset:end], part, state, step,
+                                                   trusted=True)
+                    self.step.copy_(step)
                 self._changed = True
         self.count(pushes_applied=1, rows_pushed=self.placement.rows)
         return True

@@ -605,8 +605,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # Below this batch size a step's exchange round trip outlasts its compute and prefetch depth
-# 2 hides it; above, the compute hides it at depth 1 already and a second exchange in flight
-# only adds contention (figures: the README's Training section).
+# 2 hides it; above, the compute hides it at depth 1 already, and reads stay a step fresher
+# (figures: the README's Training section).
 _DEEP_BELOW_BATCH = 512
 
 

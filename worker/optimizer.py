@@ -23,11 +23,10 @@ from worker.plan import Push
 
 log = logging.getLogger(__name__)
 
-# prefetch_depth="auto" with overlap: two exchanges in flight hide a round trip longer than
-# a step of compute, at the price of reads one step staler. Where a step's compute already
-# hides the round trip, the second exchange only adds contention: at batch 1024, and at
-# batch 128 too once every server is reached over a request lane (one host), so "auto"
-# stays at 1 when every shard has one.
+# prefetch_depth="auto" with overlap: pulls asked two steps ahead give each exchange two
+# steps of compute to arrive in, at the price of reads one step staler. Over gRPC two
+# exchanges travel at once (a round trip there can outlast a step); over request lanes
+# (every server on this host) one does, as a second one in flight only adds contention.
 AUTO_PREFETCH_DEPTH = 2
 
 
@@ -56,13 +55,14 @@ class PSOptimizer:
     background: at most one step's pushes are in flight. `overlap=True` with a sync (or
     ssp:0) table raises PSModuleError: those modes promise exact reads.
 
-    `prefetch_depth` d > 1 (overlap only) asks for pulls d steps ahead and lets d exchanges
-    travel at once, so a round trip longer than a step of compute still hides behind
-    compute; reads are then up to d steps stale, so every ssp table's bound must be at
-    least d. Feed `prefetch()` the batch d steps ahead (`lookahead(batches,
-    ps.prefetch_depth)`). `prefetch_depth="auto"` picks 2 (AUTO_PREFETCH_DEPTH) where
-    overlap is on, every ssp bound allows it and some server is reached without a request
-    lane (round trips of a millisecond or more); else 1.
+    `prefetch_depth` d > 1 (overlap only) asks for pulls d steps ahead, so an exchange has
+    d steps of compute to arrive in; reads are then up to d steps stale, so every ssp
+    table's bound must be at least d. Feed `prefetch()` the batch d steps ahead
+    (`lookahead(batches, ps.prefetch_depth)`). Where every server answers over a request
+    lane (`PSClient.exchange_lanes()`, fixed at construction) the exchanges travel one at a
+    time, in order; otherwise up to d at once (`in_flight`), for gRPC round trips longer
+    than a step. `prefetch_depth="auto"` picks 2 (AUTO_PREFETCH_DEPTH) where overlap is on
+    and every ssp bound allows it; else 1.
 
     Construction may ask the servers for their default mode (blocks briefly). Methods are
     meant for the training thread and are not thread-safe; the exchange thread they start
@@ -96,9 +96,7 @@ class PSOptimizer:
         self.overlap = not exact if overlap is None else overlap
         bounds = [b for b in staleness.values() if b is not None]
         if prefetch_depth == "auto":
-            short = all(self.client.exchange_lanes())
-            prefetch_depth = (min([AUTO_PREFETCH_DEPTH, *bounds])
-                              if self.overlap and not short else 1)
+            prefetch_depth = min([AUTO_PREFETCH_DEPTH, *bounds]) if self.overlap else 1
         if not isinstance(prefetch_depth, int):
             raise PSModuleError(f"prefetch_depth must be an int or 'auto', got {prefetch_depth!r}")
         if prefetch_depth < 1 or (prefetch_depth > 1 and not self.overlap):
@@ -112,12 +110,15 @@ class PSOptimizer:
                 f"{min(bounds)} of an ssp table; use at most {min(bounds)}"
             )
         self.prefetch_depth = prefetch_depth
+        self.in_flight = 1 if all(self.client.exchange_lanes()) else prefetch_depth
         dense = [m for m in modules if isinstance(m, PSDense)]
-        self._pipeline = Pipeline(self.client, self.overlap, dense, prefetch_depth)
+        self._pipeline = Pipeline(self.client, self.overlap, dense, prefetch_depth,
+                                  self.in_flight)
         for m in modules:
             m.ps_attach(self._pipeline)
-        log.info("worker %d: PSOptimizer over %d tables, overlap %s", self.client.worker,
-                 len({m.table for m in modules}), self.overlap)
+        log.info("worker %d: PSOptimizer over %d tables, overlap %s, prefetch depth %d, %d "
+                 "exchange(s) in flight", self.client.worker, len({m.table for m in modules}),
+                 self.overlap, prefetch_depth, self.in_flight)
 
     def _staleness(self, modules: Sequence[PSModule]) -> dict[str, int | None]:
         default_mode, default_staleness = modes.ASYNC, 0

@@ -142,20 +142,25 @@ class Pipeline:
     """
 
     def __init__(
-        self, client: PSClient, overlap: bool, dense: Sequence[DenseSource], depth: int
+        self, client: PSClient, overlap: bool, dense: Sequence[DenseSource], depth: int,
+        in_flight: int = 1,
     ) -> None:
+        """`depth`: how many steps ahead pulls are asked for; `in_flight` (1 to `depth`): how
+        many exchanges may travel at once."""
+        if not 1 <= in_flight <= depth:
+            raise ValueError(f"in_flight must be from 1 to depth {depth}, got {in_flight}")
         self.client = client
         self.overlap = overlap
-        # How many steps ahead pulls are asked for, and exchanges may be in flight.
         self.depth = depth
         # The clock of the step being computed, in overlap mode (the client's clock lags
         # behind it while the previous step's pushes are in flight).
         self.step_clock = client.clock
         self.dense = list(dense)
-        # With depth 1, one thread: exchanges apply in the order they were sent. Deeper,
-        # `depth` exchanges overlap; each still carries the end of the iteration its own
-        # pulls need, and the staleness bound (>= depth) covers the ones still in flight.
-        self._exchanges = ThreadPoolExecutor(max_workers=depth,
+        # One thread: exchanges apply in the order they were sent, each with `depth` steps to
+        # arrive in. More: up to `in_flight` overlap; each still carries the end of the
+        # iteration its own pulls need, and the staleness bound (>= depth) covers the ones
+        # still in flight.
+        self._exchanges = ThreadPoolExecutor(max_workers=in_flight,
                                              thread_name_prefix="ps-exchange")
         self.outbox: Outbox | None = None
         self._waiting: list[Ticket] = []  # not sent yet

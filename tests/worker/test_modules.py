@@ -406,18 +406,20 @@ def test_prefetch_depth_stays_within_the_staleness_bound(
     PSOptimizer(ssp, prefetch_depth=1).close()
     with pytest.raises(PSModuleError, match="an int or 'auto'"):
         PSOptimizer(ssp, prefetch_depth="deep")  # type: ignore[arg-type]
-    # "auto": as deep as AUTO_PREFETCH_DEPTH where every bound allows it, else shallower;
-    # 1 where every server answers over the shm exchange lane (short round trips).
+    # "auto": as deep as AUTO_PREFETCH_DEPTH where every bound allows it, else shallower.
+    # Over the shm exchange lanes (short round trips) the exchanges travel one at a time,
+    # over gRPC as many at once as the depth.
     assert all(client.exchange_lanes()) == available("shm")[0]
     with connect(servers, lanes=False) as plain:
         assert not any(plain.exchange_lanes())
         for name, consistency, depth in (("ssp1", "ssp:1", 1), ("sync", "sync", 1),
                                          ("ssp3", "ssp:3", 2), ("async", "async", 2)):
-            for c, expected in ((plain, depth), (client, 1 if all(client.exchange_lanes())
-                                                 else depth)):
+            for c in (plain, client):
                 table = PSEmbedding(c, fresh(name), 2, consistency=consistency)
                 with PSOptimizer(table, prefetch_depth="auto") as ps:
-                    assert ps.prefetch_depth == expected, (consistency, c.exchange_lanes())
+                    assert ps.prefetch_depth == depth, (consistency, c.exchange_lanes())
+                    lanes = all(c.exchange_lanes())
+                    assert ps.in_flight == (1 if lanes else depth), (consistency, lanes)
 
 
 def test_sync_tables_refuse_overlap(client: PSClient) -> None:

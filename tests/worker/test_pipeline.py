@@ -49,7 +49,30 @@ class RecordingClient:
         return [torch.full((1,), float(number)) for _ in pulls]
 
 
+@dataclass
+class MeetingClient(RecordingClient):
+    """A RecordingClient whose exchanges each wait, up to MEET_S, for another to run beside
+    it; `most` is the most that ever ran at once."""
+
+    running: int = 0
+    most: int = 0
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def exchange(self, *args: object, **kwargs: object) -> list[torch.Tensor]:
+        with self.cond:
+            self.running += 1
+            self.most = max(self.most, self.running)
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.running > 1, timeout=MEET_S)
+        try:
+            return super().exchange(*args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            with self.cond:
+                self.running -= 1
+
+
 CPU = torch.device("cpu")
+MEET_S = 0.5
 
 
 @dataclass
@@ -65,8 +88,8 @@ def client() -> RecordingClient:
 
 @contextlib.contextmanager
 def pipeline(client: RecordingClient, overlap: bool, dense: Sequence[Dense] = (),
-             depth: int = 1) -> Iterator[Pipeline]:
-    made = Pipeline(client, overlap, dense, depth)  # type: ignore[arg-type]
+             depth: int = 1, in_flight: int = 1) -> Iterator[Pipeline]:
+    made = Pipeline(client, overlap, dense, depth, in_flight)  # type: ignore[arg-type]
     try:
         yield made
     finally:
@@ -176,3 +199,24 @@ def test_an_error_in_an_exchange_reaches_the_training_thread(client: RecordingCl
         p.dispatch(outbox=True)
         with pytest.raises(PSModuleError, match="refused"):
             p.drain()
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_exchanges_travel_as_many_at_once_as_in_flight_allows(in_flight: int) -> None:
+    client = MeetingClient()
+    with pipeline(client, overlap=True, depth=2, in_flight=in_flight) as p:
+        owner = object()
+        for clock in (1, 2):
+            p.ask_ahead(owner, Ticket("emb", clock, CPU, ids(clock)))
+        p.dispatch(outbox=False, up_to=2)  # one exchange per step's pulls
+        p.drain()
+    assert client.most == in_flight
+    assert sorted(s.pull_clock for s in client.sent) == [1, 2]
+    if in_flight == 1:
+        assert [s.pull_clock for s in client.sent] == [1, 2]  # one at a time, in order
+
+
+def test_in_flight_is_from_one_to_the_depth(client: RecordingClient) -> None:
+    for depth, in_flight in ((1, 2), (2, 0), (2, 3)):
+        with pytest.raises(ValueError, match=f"in_flight must be from 1 to depth {depth}"):
+            Pipeline(client, True, [], depth, in_flight)  # type: ignore[arg-type]

@@ -32,11 +32,13 @@ step: `prefetch()`ed rows and every PSDense's values. So a step costs one round 
 shard, however many tables the model has.
 
 Overlap. Where every table's consistency mode allows staleness (async, or ssp with a bound
-of at least 1), that exchange leaves at the next step's first forward, in the background,
-and its pulls are ready by the step after: the network time hides behind a step of
-compute, and reads are one step stale. Under `sync` (and ssp with bound 0) `step()` sends
-it and waits, and the pulls in it wait for the iteration to close on the servers, so the
-same loop keeps sync's exact semantics while still paying one round trip per step.
+of at least 1), that exchange leaves during the next step, in the background, and its pulls
+are ready by the step after: the network time hides behind a step of compute, and reads are
+one step stale. (With pulls asked two steps ahead it leaves once that step's forward is
+done, at `zero_grad()` or `step()`, as in the loop above.) Under `sync` (and ssp with bound
+0) `step()` sends it and waits, and the pulls in it wait for the iteration to close on the
+servers, so the same loop keeps sync's exact semantics while still paying one round trip per
+step.
 
 GPU workers. Give the sparse modules `device="cuda"` (or move the model with `.to()`), and
 put the module wrapped by `PSDense` on the GPU. Pulled rows are staged in pinned host

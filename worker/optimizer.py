@@ -143,9 +143,14 @@ class PSOptimizer:
     def zero_grad(self) -> None:
         """Clears the gradients of the lookups and parameters of this step, as
         torch.optim.Optimizer.zero_grad(set_to_none=True) does. Does not block.
+
+        Called between a step's forward and its backward, it also tells an overlapped
+        pipeline deeper than one step that the forward is done, so the exchange leaves
+        then and its Python runs beside the backward (otherwise it leaves at `step()`).
         """
         for m in self._modules:
             m.ps_zero_grad()
+        self._pipeline.forward_done()
 
     def step(self) -> None:
         """Pushes this step's gradients and ends the iteration on every shard.
@@ -171,9 +176,11 @@ class PSOptimizer:
             pipeline.dispatch(outbox=True, up_to=clock + 1)
             pipeline.drain()
             return
+        pipeline.forward_done()
         if pipeline.outbox is not None:
             # No PS forward ran in this step to send the last one's gradients: send them.
             pipeline.forward_started()
+            pipeline.forward_done()
         clock = pipeline.step_clock
         # The script's data position now is the one this step's end reports.
         self.client.hold_position(clock)

@@ -3,10 +3,14 @@ asked for the steps ahead (tickets), the gradients of a finished step (the outbo
 one thread that runs exchanges in order.
 
 Every step costs one `PSClient.exchange` per shard: a finished step's pushes and the end of
-its iteration, with the pulls of the steps ahead. With overlap the exchange leaves at the
-first forward of the next step (so the loop's prefetches ride along) and runs while that
-step computes; without it `step()` sends it and waits. Also here: moving pulled rows to a
-module's device and gradients back (pinned host memory for GPUs).
+its iteration, with the pulls of the steps ahead. With overlap the exchange leaves during
+the next step (so the loop's prefetches ride along) and runs while that step computes: at
+its first forward when pulls are asked one step ahead, as the exchange then has only that
+step to arrive in; deeper, once its forward is done (`forward_done`), so the exchange
+thread's Python runs beside the backward, which leaves the interpreter lock free, rather
+than beside the forward, which needs it. Without overlap `step()` sends it and waits. Also
+here: moving pulled rows to a module's device and gradients back (pinned host memory for
+GPUs).
 """
 
 from __future__ import annotations
@@ -169,6 +173,7 @@ class Pipeline:
         self._ahead: dict[int, deque[Ticket]] = {}
         self._dense_clock = -1  # the newest step whose dense pulls were asked for
         self._sent: deque[Future[list[torch.Tensor]]] = deque()
+        self._due = False  # a forward has begun a step whose exchange has not left yet
 
     @property
     def clock(self) -> int:
@@ -186,14 +191,24 @@ class Pipeline:
 
     def forward_started(self) -> None:
         """A PS module's forward is about to run. With overlap, the first of a step waits
-        for the exchanges in flight but the newest depth - 1 (raising their error), then
-        sends the previous step's gradients with the pulls asked for the steps ahead."""
+        for the exchanges in flight but the newest depth - 1 (raising their error); then,
+        at depth 1, sends the previous step's gradients with the pulls asked for the next
+        step; deeper, leaves that to `forward_done`."""
         if self.overlap:
             if self.outbox is not None:
                 self.settle()
             self.ask_dense(self.step_clock + self.depth)
-            # Pulls further ahead wait for their turn: sent now, they could wait on this
-            # worker's own iterations still to come.
+            self._due = True
+            if self.depth == 1:
+                self.forward_done()
+
+    def forward_done(self) -> None:
+        """The step's forward is over (PSOptimizer's zero_grad or step): sends the exchange
+        its first forward began, if it has not left. Pulls further ahead than the depth wait
+        for their turn: sent now, they could wait on this worker's own iterations still to
+        come."""
+        if self._due:
+            self._due = False
             self.dispatch(outbox=True, up_to=self.step_clock + self.depth)
 
     def ask(self, ticket: Ticket) -> Ticket:

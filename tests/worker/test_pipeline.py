@@ -189,6 +189,28 @@ def test_overlap_sends_the_last_steps_gradients_at_the_next_forward(
             ([], False, ["mlp"], 1), (["emb"], True, ["mlp"], 2)]
 
 
+def test_deeper_the_exchange_leaves_when_the_forward_is_done(client: RecordingClient) -> None:
+    with pipeline(client, overlap=True, dense=[Dense("mlp")], depth=2) as p:
+        p.forward_started()  # step 0
+        p.forward_started()  # a second PS module's forward
+        p.drain()
+        assert client.sent == []  # the forward needs the interpreter; the exchange waits
+        p.forward_done()  # zero_grad(), before the backward
+        p.forward_done()  # step(): already gone, nothing more
+        p.drain()
+        assert [(s.pushes, s.end_iteration, s.pulls, s.pull_clock) for s in client.sent] == [
+            ([], False, ["mlp"], 2)]
+        p.outbox = Outbox(0, [Push("emb", torch.ones(1, 2), None)], None)
+        p.step_clock = 1
+        p.forward_started()  # step 1 asks for step 3's values; step 0's gradients wait
+        p.drain()
+        assert len(client.sent) == 1
+        p.forward_done()
+        p.drain()
+        assert [(s.pushes, s.end_iteration, s.pulls, s.pull_clock) for s in client.sent[1:]] == [
+            (["emb"], True, ["mlp"], 3)]
+
+
 def test_an_error_in_an_exchange_reaches_the_training_thread(client: RecordingClient) -> None:
     def refuse(*args: object, **kwargs: object) -> list[torch.Tensor]:
         raise PSModuleError("refused")

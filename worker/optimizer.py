@@ -51,8 +51,9 @@ class PSOptimizer:
     are summed) and ends the iteration on every shard, in one exchange per shard that also
     carries the pulls asked for the next step (prefetches, and every PSDense's values).
     `overlap` (default: allowed by every table's mode, i.e. async or ssp with bound >= 1)
-    defers that exchange to the next step's first forward, which sends it in the
-    background: at most one step's pushes are in flight. `overlap=True` with a sync (or
+    defers that exchange to the next step, which sends it in the background (at its first
+    forward, or at depth > 1 once its forward is done: see `zero_grad`): at most one step's
+    pushes wait to be sent. `overlap=True` with a sync (or
     ssp:0) table raises PSModuleError: those modes promise exact reads.
 
     `prefetch_depth` d > 1 (overlap only) asks for pulls d steps ahead, so an exchange has

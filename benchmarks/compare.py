@@ -1,0 +1,104 @@
+"""Training speed of several checkouts of pstrain, alternated: which code trains faster?
+
+    python benchmarks/compare.py NAME=DIR[:SCRIPT] NAME=DIR[:SCRIPT] ... \
+        [--batch-size 128] [--epochs 4] [--rounds 8] [--json PATH]
+
+Each variant is a checkout (a `git worktree add DIR REV`, with the compiled `ps/*.so` copied
+in) and a training script in it (default `examples/movielens.py`; pass a variant of the
+loop as SCRIPT). Every round runs each variant once as a user does, `pstrain up --servers 1
+--workers 1 --mode async --no-view SCRIPT -- --batch-size B --epochs E` with the checkout on
+PYTHONPATH, in order on even rounds and reversed on odd ones, so that drift in the
+machine's load falls on every variant alike. Prints each run and the medians of worker 0's
+samples/s (and its test AUC), and saves them as JSON. Run it alone: on a shared machine a
+second job measures the load, not the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from saved import save
+
+PY = sys.executable
+
+
+def variant(text: str) -> tuple[str, Path, str]:
+    """NAME=DIR[:SCRIPT] as (name, checkout, script); ArgumentTypeError names a bad one."""
+    name, sep, rest = text.partition("=")
+    where, _, script = rest.partition(":")
+    checkout = Path(where).resolve()
+    script = script or "examples/movielens.py"
+    if not sep or not name or not where:
+        raise argparse.ArgumentTypeError(f"a variant is NAME=DIR[:SCRIPT], got {text!r}")
+    if not (checkout / "worker").is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: {checkout} is not a pstrain checkout")
+    if not (checkout / script).is_file():
+        raise argparse.ArgumentTypeError(f"{text!r}: {checkout / script} does not exist")
+    return name, checkout, script
+
+
+def run(checkout: Path, script: str, batch: int, epochs: int) -> dict[str, Any]:
+    """One `pstrain up` from `checkout`; worker 0's result line."""
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    done = subprocess.run(
+        [PY, "-m", "scheduler.cli", "up", "--servers", "1", "--workers", "1", "--mode",
+         "async", "--no-view", script, "--", "--batch-size", str(batch), "--epochs",
+         str(epochs)],
+        cwd=checkout, env=env, capture_output=True, text=True, timeout=1800, check=False)
+    for line in done.stdout.splitlines():
+        if line.startswith("worker 0: "):
+            result: dict[str, Any] = json.loads(line.removeprefix("worker 0: "))
+            return result
+    raise RuntimeError(f"{checkout} {script}: no result from worker 0 (exit "
+                       f"{done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("variants", nargs="+", type=variant, metavar="NAME=DIR[:SCRIPT]")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--json", help="write the figures here (default: a new file under "
+                                  "benchmarks/results/)")
+    a = p.parse_args()
+    names = [name for name, _, _ in a.variants]
+    if len(set(names)) != len(names):
+        p.error(f"variant names must differ, got {names}")
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    aucs: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(a.rounds):
+        for name, checkout, script in a.variants if r % 2 == 0 else a.variants[::-1]:
+            result = run(checkout, script, a.batch_size, a.epochs)
+            rates[name].append(float(result["samples_per_s"]))
+            aucs[name].append(float(result["test_auc"]))
+            print(f"round {r} {name}: {result['samples_per_s']:.0f} samples/s, test AUC "
+                  f"{result['test_auc']:.5f}", flush=True)
+    medians = {name: statistics.median(v) for name, v in rates.items()}
+    first = names[0]
+    for name in names:
+        print(f"{name:<16}{medians[name]:>10.0f} samples/s (median of {a.rounds}), "
+              f"{medians[name] / medians[first]:.3f}x {first}")
+    save({
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
+        "batch_size": a.batch_size, "epochs": a.epochs, "rounds": a.rounds,
+        "variants": {name: {"checkout": str(checkout), "script": script}
+                     for name, checkout, script in a.variants},
+        "samples_per_s": medians,
+        "ratio_to_first": {name: medians[name] / medians[first] for name in names},
+        "runs": rates, "test_auc": aucs,
+    }, f"compare-{datetime.date.today().isoformat()}-b{a.batch_size}", a.json)
+
+
+if __name__ == "__main__":
+    main()

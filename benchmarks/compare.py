@@ -1,11 +1,11 @@
 """Training speed of several checkouts of pstrain, alternated: which code trains faster?
 
     python benchmarks/compare.py NAME=DIR[:SCRIPT] NAME=DIR[:SCRIPT] ... \
-        [--batch-size 128] [--epochs 4] [--rounds 8] [--json PATH]
+        [--batch-size 128] [--epochs 4] [--servers 1] [--rounds 8] [--json PATH]
 
 Each variant is a checkout (a `git worktree add DIR REV`, with the compiled `ps/*.so` copied
 in) and a training script in it (default `examples/movielens.py`; pass a variant of the
-loop as SCRIPT). Every round runs each variant once as a user does, `pstrain up --servers 1
+loop as SCRIPT). Every round runs each variant once as a user does, `pstrain up --servers S
 --workers 1 --mode async --no-view SCRIPT -- --batch-size B --epochs E` with the checkout on
 PYTHONPATH, in order on even rounds and reversed on odd ones, so that drift in the
 machine's load falls on every variant alike. Prints each run and the medians of worker 0's
@@ -46,11 +46,11 @@ def variant(text: str) -> tuple[str, Path, str]:
     return name, checkout, script
 
 
-def run(checkout: Path, script: str, batch: int, epochs: int) -> dict[str, Any]:
+def run(checkout: Path, script: str, batch: int, epochs: int, servers: int) -> dict[str, Any]:
     """One `pstrain up` from `checkout`; worker 0's result line."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     done = subprocess.run(
-        [PY, "-m", "scheduler.cli", "up", "--servers", "1", "--workers", "1", "--mode",
+        [PY, "-m", "scheduler.cli", "up", "--servers", str(servers), "--workers", "1", "--mode",
          "async", "--no-view", script, "--", "--batch-size", str(batch), "--epochs",
          str(epochs)],
         cwd=checkout, env=env, capture_output=True, text=True, timeout=1800, check=False)
@@ -67,6 +67,7 @@ def main() -> None:
     p.add_argument("variants", nargs="+", type=variant, metavar="NAME=DIR[:SCRIPT]")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--servers", type=int, default=1)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--json", help="write the figures here (default: a new file under "
                                   "benchmarks/results/)")
@@ -78,7 +79,7 @@ def main() -> None:
     aucs: dict[str, list[float]] = {name: [] for name in names}
     for r in range(a.rounds):
         for name, checkout, script in a.variants if r % 2 == 0 else a.variants[::-1]:
-            result = run(checkout, script, a.batch_size, a.epochs)
+            result = run(checkout, script, a.batch_size, a.epochs, a.servers)
             rates[name].append(float(result["samples_per_s"]))
             aucs[name].append(float(result["test_auc"]))
             print(f"round {r} {name}: {result['samples_per_s']:.0f} samples/s, test AUC "
@@ -91,13 +92,14 @@ def main() -> None:
     save({
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
-        "batch_size": a.batch_size, "epochs": a.epochs, "rounds": a.rounds,
+        "batch_size": a.batch_size, "epochs": a.epochs, "servers": a.servers,
+        "rounds": a.rounds,
         "variants": {name: {"checkout": str(checkout), "script": script}
                      for name, checkout, script in a.variants},
         "samples_per_s": medians,
         "ratio_to_first": {name: medians[name] / medians[first] for name in names},
         "runs": rates, "test_auc": aucs,
-    }, f"compare-{datetime.date.today().isoformat()}-b{a.batch_size}", a.json)
+    }, f"compare-{datetime.date.today().isoformat()}-b{a.batch_size}-s{a.servers}", a.json)
 
 
 if __name__ == "__main__":

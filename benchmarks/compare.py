@@ -17,18 +17,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 from saved import save
-
-PY = sys.executable
+from training import MODES, run_up
 
 
 def variant(text: str) -> tuple[str, Path, str]:
@@ -44,22 +39,6 @@ def variant(text: str) -> tuple[str, Path, str]:
     if not (checkout / script).is_file():
         raise argparse.ArgumentTypeError(f"{text!r}: {checkout / script} does not exist")
     return name, checkout, script
-
-
-def run(checkout: Path, script: str, batch: int, epochs: int, servers: int) -> dict[str, Any]:
-    """One `pstrain up` from `checkout`; worker 0's result line."""
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
-    done = subprocess.run(
-        [PY, "-m", "scheduler.cli", "up", "--servers", str(servers), "--workers", "1", "--mode",
-         "async", "--no-view", script, "--", "--batch-size", str(batch), "--epochs",
-         str(epochs)],
-        cwd=checkout, env=env, capture_output=True, text=True, timeout=1800, check=False)
-    for line in done.stdout.splitlines():
-        if line.startswith("worker 0: "):
-            result: dict[str, Any] = json.loads(line.removeprefix("worker 0: "))
-            return result
-    raise RuntimeError(f"{checkout} {script}: no result from worker 0 (exit "
-                       f"{done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
 
 
 def main() -> None:
@@ -79,7 +58,9 @@ def main() -> None:
     aucs: dict[str, list[float]] = {name: [] for name in names}
     for r in range(a.rounds):
         for name, checkout, script in a.variants if r % 2 == 0 else a.variants[::-1]:
-            result = run(checkout, script, a.batch_size, a.epochs, a.servers)
+            result = run_up(a.servers, 1, MODES["async"],
+                            ["--batch-size", str(a.batch_size), "--epochs", str(a.epochs)],
+                            script=str(checkout / script), repo=checkout)
             rates[name].append(float(result["samples_per_s"]))
             aucs[name].append(float(result["test_auc"]))
             print(f"round {r} {name}: {result['samples_per_s']:.0f} samples/s, test AUC "

@@ -74,11 +74,13 @@ def children_cpu_s() -> float:
     return used.ru_utime + used.ru_stime
 
 
-def run(command: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:
-    """Runs `command` to its end; its output and the CPU seconds it and its children used."""
+def run(command: list[str], repo: Path = REPO) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Runs `command` to its end in checkout `repo` (its code first on the path); its
+    output and the CPU seconds it and its children used."""
     before = children_cpu_s()
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True,
-                          timeout=1800)
+    env = None if repo == REPO else {**os.environ, "PYTHONPATH": str(repo)}
+    done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True,
+                          check=True, timeout=1800)
     return done, children_cpu_s() - before
 
 
@@ -88,13 +90,14 @@ def run_local(args: list[str]) -> dict[str, Any]:
 
 
 def run_up(servers: int, workers: int, mode: list[str], args: list[str],
-           up_flags: tuple[str, ...] = ()) -> dict[str, Any]:
-    """`pstrain up ... movielens.py` (with `up_flags` for `pstrain up` itself); the result of
-    worker 0, and the CPU seconds of the whole job (every process `pstrain up` started, Redis
-    included)."""
+           up_flags: tuple[str, ...] = (), script: str = MOVIELENS,
+           repo: Path = REPO) -> dict[str, Any]:
+    """`pstrain up ... SCRIPT` (with `up_flags` for `pstrain up` itself) from checkout
+    `repo`; the result of worker 0, and the CPU seconds of the whole job (every process
+    `pstrain up` started, Redis included)."""
     done, cpu_s = run([PY, "-m", "scheduler.cli", "up", "--servers", str(servers),
-                       "--workers", str(workers), *mode, "--no-view", *up_flags, MOVIELENS,
-                       "--", *args])
+                       "--workers", str(workers), *mode, "--no-view", *up_flags, script,
+                       "--", *args], repo)
     for line in done.stdout.splitlines():
         if line.startswith("worker 0: "):
             return {**json.loads(line.removeprefix("worker 0: ")), "cpu_s": cpu_s}

@@ -11,6 +11,11 @@ PYTHONPATH, in order on even rounds and reversed on odd ones, so that drift in t
 machine's load falls on every variant alike. Prints each run and the medians of worker 0's
 samples/s (and its test AUC), and saves them as JSON. Run it alone: on a shared machine a
 second job measures the load, not the code.
+
+Each variant is also compared round by round with the first, whose run in the same round is
+the nearest in time: the median of those paired ratios, a 90% bootstrap interval of it, and
+in how many rounds the variant was faster. An interval that holds 1.0 means the rounds
+cannot tell the two apart; on a noisy machine, run more rounds.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import datetime
 import os
 import platform
+import random
 import statistics
 from pathlib import Path
 
@@ -39,6 +45,20 @@ def variant(text: str) -> tuple[str, Path, str]:
     if not (checkout / script).is_file():
         raise argparse.ArgumentTypeError(f"{text!r}: {checkout / script} does not exist")
     return name, checkout, script
+
+
+def paired(first: list[float], other: list[float], resamples: int = 2000
+           ) -> dict[str, float]:
+    """`other` against `first`, round by round: the median of the per-round ratios, a 90%
+    bootstrap interval of that median (a fixed seed: the same runs give the same interval),
+    and the rounds in which `other` was faster."""
+    ratios = [b / a for a, b in zip(first, other, strict=True)]
+    draw = random.Random(0)
+    medians = sorted(statistics.median(draw.choices(ratios, k=len(ratios)))
+                     for _ in range(resamples))
+    return {"median": statistics.median(ratios), "low": medians[int(0.05 * resamples)],
+            "high": medians[int(0.95 * resamples) - 1],
+            "faster": sum(r > 1 for r in ratios), "rounds": len(ratios)}
 
 
 def main() -> None:
@@ -67,9 +87,16 @@ def main() -> None:
                   f"{result['test_auc']:.5f}", flush=True)
     medians = {name: statistics.median(v) for name, v in rates.items()}
     first = names[0]
+    pairs = {name: paired(rates[first], rates[name]) for name in names[1:]}
     for name in names:
-        print(f"{name:<16}{medians[name]:>10.0f} samples/s (median of {a.rounds}), "
-              f"{medians[name] / medians[first]:.3f}x {first}")
+        line = (f"{name:<16}{medians[name]:>10.0f} samples/s (median of {a.rounds}), "
+                f"{medians[name] / medians[first]:.3f}x {first}")
+        if name in pairs:
+            pair = pairs[name]
+            line += (f"; round by round {pair['median']:.3f}x (90% interval "
+                     f"{pair['low']:.3f}-{pair['high']:.3f}), faster in {pair['faster']} of "
+                     f"{pair['rounds']}")
+        print(line)
     save({
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
@@ -79,6 +106,7 @@ def main() -> None:
                      for name, checkout, script in a.variants},
         "samples_per_s": medians,
         "ratio_to_first": {name: medians[name] / medians[first] for name in names},
+        "paired_to_first": pairs,
         "runs": rates, "test_auc": aucs,
     }, f"compare-{datetime.date.today().isoformat()}-b{a.batch_size}-s{a.servers}", a.json)
 

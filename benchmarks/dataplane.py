@@ -24,6 +24,13 @@ that the machine's noise falls on all of them alike:
   the ucx transport is available) beside PyTorch RPC forced onto TensorPipe's TCP path, for
   dense pull and push of 16 MiB and sparse pull and push of 64k rows x dim 64. Where
   namespaces may not be made, `cross_host` holds only `skipped`, the reason.
+- the CPU a training step's exchange costs (`--only exchange`, the `exchange_cpu` key): a
+  MovieLens-shaped step (the gradients of two sparse tables of dim 16 under Adagrad and of
+  a 10,369-element MLP under Adam pushed, the iteration ended, the next step's rows and the
+  MLP pulled, in one exchange) at batch 128 and 1024, one exchange after another over each
+  of `grpc` and `auto`: the server's and this client process's CPU per exchange (from
+  their clocks over 3 runs of many exchanges; medians) and the round trip: the fixed cost
+  of an exchange, which a training job's samples/s shows only through its noise;
 - mutual TLS and the job secret (`--only tls`): two pstrain servers, one with TLS and the
   secret (certificates made for the run, as `pstrain up` does) and one without, each reached
   over transport grpc (TLS carries every byte) and auto (on one host shm with its request
@@ -74,11 +81,14 @@ from scheduler.certs import make_job_certs  # noqa: E402
 from worker.client import PSClient, Pull, Push  # noqa: E402
 
 MiB = 1024 * 1024
-PARTS = ["dense", "sparse", "index", "transports", "cross-host", "tls"]
+PARTS = ["dense", "sparse", "index", "transports", "exchange", "cross-host", "tls"]
 RAW_SERVICE = "/bench.Raw/"
 TRPC_LR = 1e-9
 STEP_ROWS = 128  # rows pushed and pulled by a small training step (small_step_us)
 TLS_TRANSPORTS = ("grpc", "auto")  # grpc: TLS carries every byte; auto: on one host, shm
+# A MovieLens training step's exchange (examples/movielens.py's defaults): seven one-id
+# features fused in one table, the genres in another, both dim 16; the MLP 128-64-32-1.
+STEP_FIELDS_VOCAB, STEP_GENRES, STEP_DIM, STEP_MLP = 9_800, 18, 16, 10_369
 
 
 # ---- the PyTorch RPC baseline server (runs in a subprocess) ---------------------------------
@@ -400,6 +410,77 @@ def bench_transports(
     finally:
         for c in clients.values():
             c.close()
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU seconds so far, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def step_items(batch: int, count: int, rng: np.random.Generator
+               ) -> list[tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor]]:
+    """`count` steps of a MovieLens-shaped batch: (unique field keys, unique genre keys,
+    their gradient rows)."""
+    out = []
+    for _ in range(count):
+        fields = np.unique(rng.integers(0, STEP_FIELDS_VOCAB, 7 * batch))
+        genres = np.unique(rng.integers(0, STEP_GENRES, 2 * batch))
+        out.append((fields, genres, torch.randn(len(fields), STEP_DIM),
+                    torch.randn(len(genres), STEP_DIM)))
+    return out
+
+
+def bench_exchange_cpu(address: str, server_pid: int, transports: list[str],
+                       runs: int, steps: dict[int, int]) -> dict[str, dict[str, Any]]:
+    """CPU per exchange of a MovieLens-shaped training step on the server and in this
+    process, and its round trip, per transport and batch size (medians of `runs`)."""
+    rng = np.random.default_rng(5)
+    mlp_grad = torch.randn(STEP_MLP)
+    out: dict[str, dict[str, Any]] = {}
+    for worker, transport in enumerate(transports, start=100):
+        with PSClient([address], worker=worker, transport=transport) as client:
+            client.declare_sparse("step.fields", STEP_DIM, optimizer="adagrad", lr=0.1)
+            client.declare_sparse("step.genres", STEP_DIM, optimizer="adagrad", lr=0.1)
+            client.declare_dense("step.mlp", (STEP_MLP,), optimizer="adam", lr=3e-3)
+            for batch, count in steps.items():
+                items = step_items(batch, 64, rng)
+
+                def step(i: int, client: PSClient = client,
+                         items: list[Any] = items) -> None:
+                    fields, genres, g_fields, g_genres = items[i % len(items)]
+                    ahead = items[(i + 1) % len(items)]
+                    client.exchange(
+                        [Push("step.fields", g_fields, fields, assume_unique=True),
+                         Push("step.genres", g_genres, genres, assume_unique=True),
+                         Push("step.mlp", mlp_grad)],
+                        end_iteration=True,
+                        pulls=[Pull("step.fields", ahead[0], assume_unique=True),
+                               Pull("step.genres", ahead[1], assume_unique=True),
+                               Pull("step.mlp")])
+
+                for i in range(50):  # every row exists, every buffer is warm
+                    step(i)
+                server_us, client_us, trip_us = [], [], []
+                for _ in range(runs):
+                    server0, client0 = cpu_seconds(server_pid), time.process_time()
+                    trips = []
+                    for i in range(count):
+                        start = time.perf_counter()
+                        step(i)
+                        trips.append(time.perf_counter() - start)
+                    server_us.append((cpu_seconds(server_pid) - server0) / count * 1e6)
+                    client_us.append((time.process_time() - client0) / count * 1e6)
+                    trip_us.append(statistics.median(trips) * 1e6)
+                out[f"{transport}_b{batch}"] = {
+                    "server_cpu_us": statistics.median(server_us),
+                    "client_cpu_us": statistics.median(client_us),
+                    "round_trip_us": statistics.median(trip_us),
+                    "transport": client.transports()[0],
+                    "runs": {"server_cpu_us": server_us, "client_cpu_us": client_us,
+                             "round_trip_us": trip_us},
+                }
     return out
 
 
@@ -726,6 +807,7 @@ def main() -> None:
     sparse: dict[str, float] = {}
     index: dict[str, float] = {}
     transport_figures: dict[str, dict[str, float]] = {}
+    exchange_cpu: dict[str, dict[str, Any]] = {}
     if parts - {"cross-host", "tls"}:
         tmp = Path(tempfile.mkdtemp(prefix="pstrain-bench-"))
         procs = []
@@ -771,6 +853,11 @@ def main() -> None:
                         65536, 64)
                 finally:
                     rpc.shutdown()
+            if "exchange" in parts:
+                print("a training step's exchange, CPU per exchange ...", flush=True)
+                exchange_cpu = bench_exchange_cpu(
+                    address, server.pid, ["grpc", "auto"], 3,
+                    {128: 500, 1024: 200} if args.quick else {128: 2000, 1024: 700})
             if "index" in parts:
                 print("key index ...", flush=True)
                 index = bench_index(rows, 65536, 9 if args.quick else 15)
@@ -801,6 +888,7 @@ def main() -> None:
         **index,
         **({"torchrpc_ratio": torchrpc_ratios(transport_figures),
             "transports": transport_figures} if transport_figures else {}),
+        **({"exchange_cpu": exchange_cpu} if exchange_cpu else {}),
         **({"cross_host": cross_host} if cross_host else {}),
         **({**tls_ratios(tls), "tls": tls} if tls else {}),
         "dense_GBps": dense,
@@ -823,6 +911,8 @@ def print_table(r: dict[str, object]) -> None:
         print_sparse(r)
     if "transports" in r:
         print_transports(r["transports"], r["torchrpc_ratio"])  # type: ignore[arg-type]
+    if "exchange_cpu" in r:
+        print_exchange_cpu(r["exchange_cpu"])  # type: ignore[arg-type]
     if "cross_host" in r:
         print_cross_host(r["cross_host"])  # type: ignore[arg-type]
     if "tls" in r:
@@ -858,6 +948,14 @@ def print_transports(tr: dict[str, dict[str, float]], ratios: dict[str, float],
         print(f"{f'step of {STEP_ROWS} rows, us':<22}"
               + "".join(f"{small[n]:>10.0f}" for n in names))
     print(ratio_title + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+
+
+def print_exchange_cpu(ex: dict[str, dict[str, Any]]) -> None:
+    print("\na MovieLens-shaped step's exchange, one after another (medians)")
+    print(f"{'':<14}{'transport':>10}{'server CPU':>12}{'client CPU':>12}{'round trip':>12}")
+    for what, f in ex.items():
+        print(f"{what:<14}{f['transport']:>10}{f['server_cpu_us']:>10.0f}us"
+              f"{f['client_cpu_us']:>10.0f}us{f['round_trip_us']:>10.0f}us")
 
 
 def print_cross_host(ch: dict[str, Any]) -> None:

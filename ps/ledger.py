@@ -50,12 +50,16 @@ class PushLedger:
     """Remembers applied pushes per worker. Thread-safe; `admit` may block on an in-flight twin."""
 
     def __init__(
-        self, window: int = DEFAULT_WINDOW, clock: Callable[[], float] = time.monotonic
+        self, window: int = DEFAULT_WINDOW, clock: Callable[[], float] = time.monotonic,
+        before_wait: Callable[[], None] = lambda: None,
     ) -> None:
+        """`before_wait` runs before `admit` blocks on an in-flight twin (the shard gives
+        up its caller's turn there)."""
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self._window = window
         self._clock = clock
+        self._before_wait = before_wait
         # Guards _logs and every _WorkerLog in it.
         self._cond = threading.Condition(threading.Lock())
         self._logs: dict[int, _WorkerLog] = {}
@@ -75,6 +79,7 @@ class PushLedger:
                     return Admission.DUPLICATE
                 if seq in log.in_flight:
                     remaining = deadline - self._clock()
+                    self._before_wait()
                     if remaining <= 0 or not self._cond.wait(remaining):
                         raise DeadlineExceededError(
                             f"push {seq} of worker {worker} is still being applied by an "

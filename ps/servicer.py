@@ -302,6 +302,8 @@ class ParameterServerServicer:
     # ---- a whole step ----------------------------------------------------------------------
 
     def Exchange(self, request: Frame[pb.ExchangeRequest], context: Any) -> bytes:
+        """A whole step in one message, over gRPC or a request lane. It runs in the shard's
+        turn (see ps.concurrency.Turn), which its waits give up."""
         payload = request.payload("payload")
 
         def run() -> bytes:
@@ -313,7 +315,8 @@ class ParameterServerServicer:
                                            context.is_active)
             return codec.encode(response, {"payload": out.parts})
 
-        return _guard(run, context)
+        with self.shard.turn.taken():
+            return _guard(run, context)
 
     def ExchangeStream(self, parts: Iterator[Frame[pb.ExchangePart]],
                        context: Any) -> Iterator[bytes]:
@@ -345,7 +348,8 @@ class ParameterServerServicer:
                 raise InvalidArgumentError(
                     "a streamed exchange carries its payload in its parts, not in the request"
                 )
-            return self._exchange(msg, payload, context.is_active)
+            with self.shard.turn.taken():  # once every part has arrived
+                return self._exchange(msg, payload, context.is_active)
 
         response, out = _guard(run, context)
         yield from cut(pb.ExchangeAnswerPart, response, out.parts, out.nbytes,

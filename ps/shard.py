@@ -29,6 +29,7 @@ from protos.partition import RowRange, dense_placement
 from ps.aggregate import Aggregate, DenseSum, SparseSum
 from ps.checkpoint import DELTA, FULL, ROWS, ShardState, TableState, materialized
 from ps.clocks import ClockBoard, Quorum
+from ps.concurrency import Turn
 from ps.consistency import ClockView, Decision, Policy, make_policy
 from ps.deltas import SnapshotLog
 from ps.errors import (
@@ -349,7 +350,9 @@ class Shard:
 
     def __init__(self, config: ShardConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self.ledger = PushLedger()
+        # Data calls take it for their work (the servicer) and give it up before they wait.
+        self.turn = Turn()
+        self.ledger = PushLedger(before_wait=self.turn.give_up)
         self._now = clock
         # Guards _tables, _policies and _sums (the dicts, not the tables).
         self._lock = threading.Lock()
@@ -590,6 +593,7 @@ class Shard:
             remaining = start + limit - self._now()
             if remaining <= 0:
                 raise on_timeout(view, self._now() - start)
+            self.turn.give_up()  # the calls this one waits for need it
             self._clocks.wait(remaining if alive is None else min(remaining, ALIVE_POLL_S))
 
     # ---- pushes ----------------------------------------------------------------------------
@@ -1180,6 +1184,7 @@ class Shard:
                     raise CallEndedError(
                         "the caller ended its call while it waited for a checkpoint's cut; "
                         "nothing of it was done")
+                self.turn.give_up()  # the calls that mark the cut need it
                 self._clocks.wait(min(remaining, ALIVE_POLL_S))
 
     def _cut_if_ready(self) -> None:

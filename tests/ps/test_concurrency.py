@@ -1,8 +1,9 @@
 """ps/concurrency.py: data calls in flight, per client and in all. The rule as a table, the
-gate's counting, then a real server whose data threads are held by waiting pulls."""
+gate's counting, the turn, then a real server whose data threads are held by waiting pulls."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -14,7 +15,7 @@ from procs import Procs
 from protos import marks, rpc
 from protos import pstrain_pb2 as pb
 from protos.rpc import Stubs
-from ps.concurrency import RESERVED_THREADS, CallGate, CallLimits, refusal
+from ps.concurrency import RESERVED_THREADS, CallGate, CallLimits, Turn, refusal
 from ps.errors import InvalidArgumentError, ResourceExhaustedError, ServerBusyError
 from worker.client import PSClient
 
@@ -66,6 +67,96 @@ def test_the_gate_counts_per_client_and_forgets_what_left() -> None:
     assert gate.in_flight() == 0
     for _ in range(2):
         gate.enter("a")  # its old count is gone with its calls
+
+
+# ---- the turn ---------------------------------------------------------------------------------
+
+BOUND_S = 5.0  # the longest a turn test waits for a thread, in real time
+
+
+def _taker(turn: Turn, inside: threading.Event, leave: threading.Event,
+           give_up: bool = False) -> threading.Thread:
+    """A thread that takes `turn`, says so, gives it up if asked, and ends at `leave`."""
+
+    def run() -> None:
+        with turn.taken():
+            inside.set()
+            if give_up:
+                turn.give_up()
+            leave.wait(BOUND_S)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_the_turn_lets_one_call_in_until_it_ends() -> None:
+    turn = Turn(wait_s=BOUND_S)
+    first_in, first_out = threading.Event(), threading.Event()
+    first = _taker(turn, first_in, first_out)
+    assert first_in.wait(BOUND_S)
+    second_in, second_out = threading.Event(), threading.Event()
+    second = _taker(turn, second_in, second_out)
+    assert not second_in.wait(0.2), "a second call ran while the first held the turn"
+    first_out.set()
+    assert second_in.wait(BOUND_S), "the turn did not pass on when the first call ended"
+    second_out.set()
+    for t in (first, second):
+        t.join(BOUND_S)
+
+
+def test_a_call_that_gives_up_its_turn_lets_the_next_in_and_goes_on() -> None:
+    turn = Turn(wait_s=BOUND_S)
+    first_in, first_out = threading.Event(), threading.Event()
+    first = _taker(turn, first_in, first_out, give_up=True)
+    assert first_in.wait(BOUND_S)
+    second_in, second_out = threading.Event(), threading.Event()
+    second = _taker(turn, second_in, second_out)
+    assert second_in.wait(BOUND_S), "the turn given up did not let the next call in"
+    assert first.is_alive()  # still running, without the turn
+    # Ending without the turn releases nothing of the second call's.
+    first_out.set()
+    first.join(BOUND_S)
+    third_in, third_out = threading.Event(), threading.Event()
+    third = _taker(turn, third_in, third_out)
+    assert not third_in.wait(0.2), "a call ending without its turn released another's"
+    second_out.set()
+    assert third_in.wait(BOUND_S)
+    third_out.set()
+    for t in (second, third):
+        t.join(BOUND_S)
+
+
+def test_giving_up_a_turn_not_held_changes_nothing() -> None:
+    turn = Turn(wait_s=BOUND_S)
+    turn.give_up()  # nobody holds it: a no-op
+    holder_in, holder_out = threading.Event(), threading.Event()
+    holder = _taker(turn, holder_in, holder_out)
+    assert holder_in.wait(BOUND_S)
+    turn.give_up()  # this thread does not hold it: the holder keeps it
+    other_in, other_out = threading.Event(), threading.Event()
+    other = _taker(turn, other_in, other_out)
+    assert not other_in.wait(0.2)
+    holder_out.set()
+    assert other_in.wait(BOUND_S)
+    other_out.set()
+    for t in (holder, other):
+        t.join(BOUND_S)
+
+
+def test_a_call_runs_without_the_turn_after_its_wait() -> None:
+    turn = Turn(wait_s=0.1)
+    holder_in, holder_out = threading.Event(), threading.Event()
+    holder = _taker(turn, holder_in, holder_out)
+    assert holder_in.wait(BOUND_S)
+    start = time.monotonic()
+    with turn.taken():
+        waited = time.monotonic() - start
+    assert 0.05 < waited < BOUND_S
+    holder_out.set()  # the holder's turn is still its own to give back
+    holder.join(BOUND_S)
+    with turn.taken():  # and it did
+        pass
 
 
 # ---- a real server -----------------------------------------------------------------------

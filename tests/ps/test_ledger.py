@@ -69,6 +69,20 @@ def test_retry_waits_for_in_flight_twin() -> None:
         ledger.admit(0, 1, 2, timeout_s=0.05)
 
 
+def test_a_retry_gives_up_its_turn_before_it_waits_for_its_twin() -> None:
+    waits: list[int] = []
+    ledger = PushLedger(before_wait=lambda: waits.append(1))
+    assert ledger.admit(0, 1, 1, timeout_s=1) is Admission.NEW
+    assert ledger.admit(0, 1, 2, timeout_s=1) is Admission.NEW
+    assert waits == []  # no twin in flight: no wait
+    ledger.done(0, 1, 2)
+    assert ledger.admit(0, 1, 2, timeout_s=1) is Admission.DUPLICATE
+    assert waits == []
+    with pytest.raises(DeadlineExceededError):
+        ledger.admit(0, 1, 1, timeout_s=0.05)
+    assert waits, "the ledger waited for a twin without giving up its caller's turn"
+
+
 def test_entries_round_trip() -> None:
     ledger = PushLedger()
     for seq in (1, 2, 5):

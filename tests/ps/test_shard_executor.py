@@ -210,6 +210,24 @@ def test_a_sync_pull_waits_until_its_clock_closes() -> None:
     assert shard.clock_state().history == ()  # copied only when asked for
 
 
+def test_a_pull_that_waits_for_its_clock_gives_its_turn_to_the_calls_it_waits_for() -> None:
+    shard, clock = make_shard("sync")
+    shard.turn.wait_s = BOUND_S
+    assert shard.tick(0, 1, 0) == 0  # worker 1 has not finished clock 0
+
+    def waiting_pull() -> torch.Tensor:
+        with shard.turn.taken():  # as the servicer runs every data call
+            return pull_dense(shard, "w", 0, 1).clone()
+
+    pull = Call(waiting_pull)
+    assert settle(pull, clock)
+    start = time.monotonic()
+    with shard.turn.taken():  # worker 1's call: it must not wait for the parked pull
+        assert time.monotonic() - start < BOUND_S / 2, "the waiting pull kept its turn"
+        assert shard.tick(1, 1, 0) == 1
+    assert pull.outcome().tolist() == [1.0] * 4
+
+
 def test_an_ssp_pull_is_released_when_the_slowest_worker_advances() -> None:
     shard, clock = make_shard("ssp", workers=3, staleness=1)
     for c in range(3):

@@ -120,7 +120,11 @@ class Turn:
 
     @contextmanager
     def taken(self) -> Iterator[None]:
-        """Runs the block in this thread's turn: blocks until the turn comes, or `wait_s`."""
+        """Runs the block in this thread's turn: blocks until the turn comes, or `wait_s`.
+        Inside a block that holds it already, changes nothing."""
+        if getattr(self._mine, "held", False):
+            yield
+            return
         held = self._lock.acquire(timeout=self.wait_s)
         self._mine.held = held
         try:

@@ -144,6 +144,21 @@ def test_giving_up_a_turn_not_held_changes_nothing() -> None:
         t.join(BOUND_S)
 
 
+def test_a_turn_taken_inside_its_own_turn_neither_waits_nor_gives_it_away() -> None:
+    turn = Turn(wait_s=BOUND_S)
+    with turn.taken():
+        start = time.monotonic()
+        with turn.taken():
+            pass
+        assert time.monotonic() - start < BOUND_S / 2, "the inner block waited for its own turn"
+        other_in, other_out = threading.Event(), threading.Event()
+        other = _taker(turn, other_in, other_out)
+        assert not other_in.wait(0.2), "the inner block's end gave the turn away"
+    assert other_in.wait(BOUND_S), "the outer block's end did not pass the turn on"
+    other_out.set()
+    other.join(BOUND_S)
+
+
 def test_a_call_runs_without_the_turn_after_its_wait() -> None:
     turn = Turn(wait_s=0.1)
     holder_in, holder_out = threading.Event(), threading.Event()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -74,74 +74,67 @@ def test_the_gate_counts_per_client_and_forgets_what_left() -> None:
 BOUND_S = 5.0  # the longest a turn test waits for a thread, in real time
 
 
-def _taker(turn: Turn, inside: threading.Event, leave: threading.Event,
-           give_up: bool = False) -> threading.Thread:
-    """A thread that takes `turn`, says so, gives it up if asked, and ends at `leave`."""
+class Taker:
+    """A thread that takes the turn, gives it up at once if asked, and ends when told."""
 
-    def run() -> None:
-        with turn.taken():
-            inside.set()
-            if give_up:
-                turn.give_up()
-            leave.wait(BOUND_S)
+    def __init__(self, turn: Turn, give_up: bool = False) -> None:
+        self._entered, self._leave = threading.Event(), threading.Event()
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
+        def run() -> None:
+            with turn.taken():
+                self._entered.set()
+                if give_up:
+                    turn.give_up()
+                self._leave.wait(BOUND_S)
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def inside(self, within_s: float = BOUND_S) -> bool:
+        """Whether it has entered its turn (waiting up to `within_s`)."""
+        return self._entered.wait(within_s)
+
+    def end(self) -> None:
+        self._leave.set()
+        self.thread.join(BOUND_S)
+
+
+def held_back_until(waiting: Taker, release: Callable[[], None], why: str) -> None:
+    """`waiting` stays out of its turn until `release()`, then enters it."""
+    assert not waiting.inside(0.2), why
+    release()
+    assert waiting.inside(), "the turn did not pass on"
 
 
 def test_the_turn_lets_one_call_in_until_it_ends() -> None:
     turn = Turn(wait_s=BOUND_S)
-    first_in, first_out = threading.Event(), threading.Event()
-    first = _taker(turn, first_in, first_out)
-    assert first_in.wait(BOUND_S)
-    second_in, second_out = threading.Event(), threading.Event()
-    second = _taker(turn, second_in, second_out)
-    assert not second_in.wait(0.2), "a second call ran while the first held the turn"
-    first_out.set()
-    assert second_in.wait(BOUND_S), "the turn did not pass on when the first call ended"
-    second_out.set()
-    for t in (first, second):
-        t.join(BOUND_S)
+    first = Taker(turn)
+    assert first.inside()
+    second = Taker(turn)
+    held_back_until(second, first.end, "a second call ran while the first held the turn")
+    second.end()
 
 
 def test_a_call_that_gives_up_its_turn_lets_the_next_in_and_goes_on() -> None:
     turn = Turn(wait_s=BOUND_S)
-    first_in, first_out = threading.Event(), threading.Event()
-    first = _taker(turn, first_in, first_out, give_up=True)
-    assert first_in.wait(BOUND_S)
-    second_in, second_out = threading.Event(), threading.Event()
-    second = _taker(turn, second_in, second_out)
-    assert second_in.wait(BOUND_S), "the turn given up did not let the next call in"
-    assert first.is_alive()  # still running, without the turn
-    # Ending without the turn releases nothing of the second call's.
-    first_out.set()
-    first.join(BOUND_S)
-    third_in, third_out = threading.Event(), threading.Event()
-    third = _taker(turn, third_in, third_out)
-    assert not third_in.wait(0.2), "a call ending without its turn released another's"
-    second_out.set()
-    assert third_in.wait(BOUND_S)
-    third_out.set()
-    for t in (second, third):
-        t.join(BOUND_S)
+    first = Taker(turn, give_up=True)
+    assert first.inside()
+    second = Taker(turn)
+    assert second.inside(), "the turn given up did not let the next call in"
+    assert first.thread.is_alive()  # still running, without the turn
+    first.end()
+    third = Taker(turn)
+    held_back_until(third, second.end, "a call ending without its turn released another's")
+    third.end()
 
 
 def test_giving_up_a_turn_not_held_changes_nothing() -> None:
     turn = Turn(wait_s=BOUND_S)
     turn.give_up()  # nobody holds it: a no-op
-    holder_in, holder_out = threading.Event(), threading.Event()
-    holder = _taker(turn, holder_in, holder_out)
-    assert holder_in.wait(BOUND_S)
+    holder = Taker(turn)
+    assert holder.inside()
     turn.give_up()  # this thread does not hold it: the holder keeps it
-    other_in, other_out = threading.Event(), threading.Event()
-    other = _taker(turn, other_in, other_out)
-    assert not other_in.wait(0.2)
-    holder_out.set()
-    assert other_in.wait(BOUND_S)
-    other_out.set()
-    for t in (holder, other):
-        t.join(BOUND_S)
+    held_back_until(Taker(turn), holder.end, "a thread gave up a turn it did not hold")
 
 
 def test_a_turn_taken_inside_its_own_turn_neither_waits_nor_gives_it_away() -> None:
@@ -151,25 +144,21 @@ def test_a_turn_taken_inside_its_own_turn_neither_waits_nor_gives_it_away() -> N
         with turn.taken():
             pass
         assert time.monotonic() - start < BOUND_S / 2, "the inner block waited for its own turn"
-        other_in, other_out = threading.Event(), threading.Event()
-        other = _taker(turn, other_in, other_out)
-        assert not other_in.wait(0.2), "the inner block's end gave the turn away"
-    assert other_in.wait(BOUND_S), "the outer block's end did not pass the turn on"
-    other_out.set()
-    other.join(BOUND_S)
+        other = Taker(turn)
+        assert not other.inside(0.2), "the inner block's end gave the turn away"
+    assert other.inside(), "the outer block's end did not pass the turn on"
+    other.end()
 
 
 def test_a_call_runs_without_the_turn_after_its_wait() -> None:
     turn = Turn(wait_s=0.1)
-    holder_in, holder_out = threading.Event(), threading.Event()
-    holder = _taker(turn, holder_in, holder_out)
-    assert holder_in.wait(BOUND_S)
+    holder = Taker(turn)
+    assert holder.inside()
     start = time.monotonic()
     with turn.taken():
         waited = time.monotonic() - start
     assert 0.05 < waited < BOUND_S
-    holder_out.set()  # the holder's turn is still its own to give back
-    holder.join(BOUND_S)
+    holder.end()  # the holder's turn is still its own to give back
     with turn.taken():  # and it did
         pass
 

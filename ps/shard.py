@@ -593,8 +593,13 @@ class Shard:
             remaining = start + limit - self._now()
             if remaining <= 0:
                 raise on_timeout(view, self._now() - start)
-            self.turn.give_up()  # the calls this one waits for need it
-            self._clocks.wait(remaining if alive is None else min(remaining, ALIVE_POLL_S))
+            self._park(remaining if alive is None else min(remaining, ALIVE_POLL_S))
+
+    def _park(self, timeout_s: float) -> None:
+        """Waits up to `timeout_s` for the clocks to change. Caller holds self._clocks. Its
+        turn goes first: the calls it waits for need it."""
+        self.turn.give_up()
+        self._clocks.wait(timeout_s)
 
     # ---- pushes ----------------------------------------------------------------------------
 
@@ -1184,8 +1189,7 @@ class Shard:
                     raise CallEndedError(
                         "the caller ended its call while it waited for a checkpoint's cut; "
                         "nothing of it was done")
-                self.turn.give_up()  # the calls that mark the cut need it
-                self._clocks.wait(min(remaining, ALIVE_POLL_S))
+                self._park(min(remaining, ALIVE_POLL_S))
 
     def _cut_if_ready(self) -> None:
         """Takes the cut under way once no live worker is short of it. Caller holds

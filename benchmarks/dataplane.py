@@ -31,6 +31,10 @@ that the machine's noise falls on all of them alike:
   of `grpc` and `auto`: the server's and this client process's CPU per exchange (from
   their clocks over 3 runs of many exchanges; medians) and the round trip: the fixed cost
   of an exchange, which a training job's samples/s shows only through its noise;
+- one server's capacity (`--only capacity`, the `capacity` key): 1, 2 and 3 client
+  processes, alternated round by round, each sending those batch-128 exchanges over `auto`
+  back to back for 6 s: the exchanges answered a second in all, and the server's CPU per
+  exchange, share of a core and context switches per exchange (medians of 3 rounds);
 - mutual TLS and the job secret (`--only tls`): two pstrain servers, one with TLS and the
   secret (certificates made for the run, as `pstrain up` does) and one without, each reached
   over transport grpc (TLS carries every byte) and auto (on one host shm with its request
@@ -44,6 +48,7 @@ a run of some parts (`--only`) names them in the file name.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -81,7 +86,7 @@ from scheduler.certs import make_job_certs  # noqa: E402
 from worker.client import PSClient, Pull, Push  # noqa: E402
 
 MiB = 1024 * 1024
-PARTS = ["dense", "sparse", "index", "transports", "exchange", "cross-host", "tls"]
+PARTS = ["dense", "sparse", "index", "transports", "exchange", "capacity", "cross-host", "tls"]
 RAW_SERVICE = "/bench.Raw/"
 TRPC_LR = 1e-9
 STEP_ROWS = 128  # rows pushed and pulled by a small training step (small_step_us)
@@ -432,34 +437,46 @@ def step_items(batch: int, count: int, rng: np.random.Generator
     return out
 
 
+def declare_step_tables(client: PSClient) -> None:
+    """The tables of a MovieLens-shaped step (see STEP_*)."""
+    client.declare_sparse("step.fields", STEP_DIM, optimizer="adagrad", lr=0.1)
+    client.declare_sparse("step.genres", STEP_DIM, optimizer="adagrad", lr=0.1)
+    client.declare_dense("step.mlp", (STEP_MLP,), optimizer="adam", lr=3e-3)
+
+
+def step_exchange(client: PSClient, batch: int, rng: np.random.Generator
+                  ) -> Callable[[int], object]:
+    """`step(i)`: the i-th step's exchange on the tables of `declare_step_tables`: its
+    gradients pushed, the iteration ended, the next step's rows and the MLP pulled."""
+    items = step_items(batch, 64, rng)
+    mlp_grad = torch.randn(STEP_MLP)
+
+    def step(i: int) -> object:
+        fields, genres, g_fields, g_genres = items[i % len(items)]
+        ahead = items[(i + 1) % len(items)]
+        return client.exchange(
+            [Push("step.fields", g_fields, fields, assume_unique=True),
+             Push("step.genres", g_genres, genres, assume_unique=True),
+             Push("step.mlp", mlp_grad)],
+            end_iteration=True,
+            pulls=[Pull("step.fields", ahead[0], assume_unique=True),
+                   Pull("step.genres", ahead[1], assume_unique=True),
+                   Pull("step.mlp")])
+
+    return step
+
+
 def bench_exchange_cpu(address: str, server_pid: int, transports: list[str],
                        runs: int, steps: dict[int, int]) -> dict[str, dict[str, Any]]:
     """CPU per exchange of a MovieLens-shaped training step on the server and in this
     process, and its round trip, per transport and batch size (medians of `runs`)."""
     rng = np.random.default_rng(5)
-    mlp_grad = torch.randn(STEP_MLP)
     out: dict[str, dict[str, Any]] = {}
     for worker, transport in enumerate(transports, start=100):
         with PSClient([address], worker=worker, transport=transport) as client:
-            client.declare_sparse("step.fields", STEP_DIM, optimizer="adagrad", lr=0.1)
-            client.declare_sparse("step.genres", STEP_DIM, optimizer="adagrad", lr=0.1)
-            client.declare_dense("step.mlp", (STEP_MLP,), optimizer="adam", lr=3e-3)
+            declare_step_tables(client)
             for batch, count in steps.items():
-                items = step_items(batch, 64, rng)
-
-                def step(i: int, client: PSClient = client,
-                         items: list[Any] = items) -> None:
-                    fields, genres, g_fields, g_genres = items[i % len(items)]
-                    ahead = items[(i + 1) % len(items)]
-                    client.exchange(
-                        [Push("step.fields", g_fields, fields, assume_unique=True),
-                         Push("step.genres", g_genres, genres, assume_unique=True),
-                         Push("step.mlp", mlp_grad)],
-                        end_iteration=True,
-                        pulls=[Pull("step.fields", ahead[0], assume_unique=True),
-                               Pull("step.genres", ahead[1], assume_unique=True),
-                               Pull("step.mlp")])
-
+                step = step_exchange(client, batch, rng)
                 for i in range(50):  # every row exists, every buffer is warm
                     step(i)
                 server_us, client_us, trip_us = [], [], []
@@ -482,6 +499,117 @@ def bench_exchange_cpu(address: str, server_pid: int, transports: list[str],
                              "round_trip_us": trip_us},
                 }
     return out
+
+
+def capacity_client(config_path: str) -> None:
+    """One client of the capacity part (runs in its own process): warms up, says so, waits
+    for the go file, then sends step exchanges back to back for the given seconds and
+    writes how many it sent."""
+    cfg = json.loads(Path(config_path).read_text())
+    torch.set_num_threads(1)
+    tune_malloc()
+    with PSClient([cfg["address"]], worker=cfg["worker"], transport=cfg["transport"]) as client:
+        declare_step_tables(client)
+        step = step_exchange(client, cfg["batch"], np.random.default_rng(cfg["worker"]))
+        for i in range(50):
+            step(i)
+        Path(cfg["ready"]).write_text(client.transports()[0])
+        go = Path(cfg["go"])
+        while not go.exists():
+            time.sleep(0.01)
+        sent = 0
+        end = time.monotonic() + cfg["seconds"]
+        while time.monotonic() < end:
+            step(sent)
+            sent += 1
+    Path(cfg["out"]).write_text(json.dumps({"exchanges": sent}))
+
+
+def _await_files(files: list[Path], procs: list[subprocess.Popen[bytes]], logs: list[Path],
+                 timeout_s: float = 120.0) -> None:
+    """Waits until every file exists; RuntimeError with its log when a process exits first,
+    or when `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while not all(f.exists() for f in files):
+        for proc, log in zip(procs, logs, strict=True):
+            if proc.poll() is not None:
+                raise RuntimeError(f"{proc.args!r} exited with status {proc.returncode}: "
+                                   f"{_tail(log)}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not ready within {timeout_s:.0f} s: {files}")
+        time.sleep(0.05)
+
+
+def context_switches(pid: int) -> int:
+    """Voluntary and involuntary context switches of all of a process's threads so far."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                    total += int(line.split()[1])
+    return total
+
+
+def bench_capacity(address: str, server_pid: int, clients: list[int], rounds: int,
+                   seconds: float, batch: int = 128, transport: str = "auto"
+                   ) -> dict[str, Any]:
+    """One server's capacity: K client processes (for each K in `clients`, alternated
+    round by round) each sending MovieLens-shaped exchanges back to back for `seconds`.
+    Per K, medians over `rounds` of the exchanges answered a second in all, the server's
+    CPU per exchange and share of a core, and its threads' context switches per exchange.
+    Ends every client it starts by its pid."""
+    tmp = Path(tempfile.mkdtemp(prefix="pstrain-capacity-"))
+    runs: dict[int, list[dict[str, float]]] = {k: [] for k in clients}
+    used = ""
+    try:
+        for r in range(rounds):
+            for k in clients:
+                procs: list[subprocess.Popen[bytes]] = []
+                go = tmp / f"go-{r}-{k}"
+                try:
+                    configs: list[dict[str, Any]] = []
+                    logs: list[Path] = []
+                    for c in range(k):
+                        name = f"{r}-{k}-{c}"
+                        cfg: dict[str, Any] = {
+                            "address": address, "worker": 200 + c, "transport": transport,
+                            "batch": batch, "seconds": seconds, "go": str(go),
+                            "ready": str(tmp / f"ready-{name}"), "out": str(tmp / f"out-{name}"),
+                        }
+                        path = tmp / f"client-{name}.json"
+                        path.write_text(json.dumps(cfg))
+                        configs.append(cfg)
+                        logs.append(tmp / f"client-{name}.log")
+                        procs.append(_start([sys.executable, __file__, "--capacity-client",
+                                             str(path)], logs[-1], {}))
+                    _await_files([Path(cfg["ready"]) for cfg in configs], procs, logs)
+                    used = Path(configs[0]["ready"]).read_text()
+                    switches0, cpu0 = context_switches(server_pid), cpu_seconds(server_pid)
+                    start = time.monotonic()
+                    go.write_text("go")
+                    time.sleep(seconds)  # the clients send for as long (their own clocks)
+                    wall = time.monotonic() - start
+                    cpu = cpu_seconds(server_pid) - cpu0
+                    switches = context_switches(server_pid) - switches0
+                    for p in procs:
+                        if p.wait(timeout=120) != 0:
+                            raise RuntimeError(f"a capacity client failed: {p.args!r}")
+                finally:
+                    _stop(procs)
+                sent = sum(json.loads(Path(cfg["out"]).read_text())["exchanges"]
+                           for cfg in configs)
+                runs[k].append({"exchanges_per_s": sent / seconds,
+                                "server_cpu_us": cpu / sent * 1e6,
+                                "server_core_share": cpu / wall,
+                                "server_switches_per_exchange": switches / sent})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    figures = {f"clients_{k}": {name: statistics.median(run[name] for run in runs[k])
+                                for name in runs[k][0]} | {"runs": runs[k]}
+               for k in clients}
+    return {"batch": batch, "transport": used, "seconds": seconds, "rounds": rounds,
+            **figures}
 
 
 def torchrpc_ratios(tr: dict[str, dict[str, float]], name: str = "auto") -> dict[str, float]:
@@ -785,6 +913,7 @@ def main() -> None:
     parser.add_argument("--torchrpc-tcp", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--torchrpc-host", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--cross-host-client", help=argparse.SUPPRESS)
+    parser.add_argument("--capacity-client", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_raw:
         serve_raw(args.serve_raw)
@@ -794,6 +923,9 @@ def main() -> None:
         return
     if args.cross_host_client:
         cross_host_client(args.cross_host_client)
+        return
+    if args.capacity_client:
+        capacity_client(args.capacity_client)
         return
     transports = (args.transports.split(",") if args.transports else
                   [t for t in ("grpc", "shm", "ucx") if available(t)[0]] + ["auto"])
@@ -808,6 +940,7 @@ def main() -> None:
     index: dict[str, float] = {}
     transport_figures: dict[str, dict[str, float]] = {}
     exchange_cpu: dict[str, dict[str, Any]] = {}
+    capacity: dict[str, Any] = {}
     if parts - {"cross-host", "tls"}:
         tmp = Path(tempfile.mkdtemp(prefix="pstrain-bench-"))
         procs = []
@@ -858,6 +991,10 @@ def main() -> None:
                 exchange_cpu = bench_exchange_cpu(
                     address, server.pid, ["grpc", "auto"], 3,
                     {128: 500, 1024: 200} if args.quick else {128: 2000, 1024: 700})
+            if "capacity" in parts:
+                print("one server's capacity, 1 to 3 clients ...", flush=True)
+                capacity = bench_capacity(address, server.pid, [1, 2, 3],
+                                          2 if args.quick else 3, 3.0 if args.quick else 6.0)
             if "index" in parts:
                 print("key index ...", flush=True)
                 index = bench_index(rows, 65536, 9 if args.quick else 15)
@@ -889,6 +1026,7 @@ def main() -> None:
         **({"torchrpc_ratio": torchrpc_ratios(transport_figures),
             "transports": transport_figures} if transport_figures else {}),
         **({"exchange_cpu": exchange_cpu} if exchange_cpu else {}),
+        **({"capacity": capacity} if capacity else {}),
         **({"cross_host": cross_host} if cross_host else {}),
         **({**tls_ratios(tls), "tls": tls} if tls else {}),
         "dense_GBps": dense,
@@ -913,6 +1051,8 @@ def print_table(r: dict[str, object]) -> None:
         print_transports(r["transports"], r["torchrpc_ratio"])  # type: ignore[arg-type]
     if "exchange_cpu" in r:
         print_exchange_cpu(r["exchange_cpu"])  # type: ignore[arg-type]
+    if "capacity" in r:
+        print_capacity(r["capacity"])  # type: ignore[arg-type]
     if "cross_host" in r:
         print_cross_host(r["cross_host"])  # type: ignore[arg-type]
     if "tls" in r:
@@ -956,6 +1096,19 @@ def print_exchange_cpu(ex: dict[str, dict[str, Any]]) -> None:
     for what, f in ex.items():
         print(f"{what:<14}{f['transport']:>10}{f['server_cpu_us']:>10.0f}us"
               f"{f['client_cpu_us']:>10.0f}us{f['round_trip_us']:>10.0f}us")
+
+
+def print_capacity(cap: dict[str, Any]) -> None:
+    print(f"\none server's capacity: clients sending batch-{cap['batch']} step exchanges back "
+          f"to back over {cap['transport']} ({cap['rounds']} rounds of {cap['seconds']:.0f} s, "
+          "medians)")
+    print(f"{'clients':<10}{'exchanges/s':>12}{'server CPU':>14}{'of a core':>11}"
+          f"{'switches':>10}")
+    for what, f in cap.items():
+        if what.startswith("clients_"):
+            print(f"{what.removeprefix('clients_'):<10}{f['exchanges_per_s']:>12.0f}"
+                  f"{f['server_cpu_us']:>10.0f}us/x{100 * f['server_core_share']:>10.0f}%"
+                  f"{f['server_switches_per_exchange']:>10.1f}")
 
 
 def print_cross_host(ch: dict[str, Any]) -> None:

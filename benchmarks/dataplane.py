@@ -513,7 +513,9 @@ def capacity_client(config_path: str) -> None:
         step = step_exchange(client, cfg["batch"], np.random.default_rng(cfg["worker"]))
         for i in range(50):
             step(i)
-        Path(cfg["ready"]).write_text(client.transports()[0])
+        ready = Path(cfg["ready"])
+        ready.with_suffix(".tmp").write_text(client.transports()[0])
+        ready.with_suffix(".tmp").replace(ready)  # whole when it appears
         go = Path(cfg["go"])
         while not go.exists():
             time.sleep(0.01)

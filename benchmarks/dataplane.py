@@ -33,8 +33,9 @@ that the machine's noise falls on all of them alike:
   of an exchange, which a training job's samples/s shows only through its noise;
 - one server's capacity (`--only capacity`, the `capacity` key): 1, 2 and 3 client
   processes, alternated round by round, each sending those batch-128 exchanges over `auto`
-  back to back for 6 s: the exchanges answered a second in all, and the server's CPU per
-  exchange, share of a core and context switches per exchange (medians of 3 rounds);
+  (or `--capacity-transport`) back to back for 6 s: the exchanges answered a second in
+  all, and the server's CPU per exchange, share of a core and context switches per
+  exchange (medians of 3 rounds);
 - mutual TLS and the job secret (`--only tls`): two pstrain servers, one with TLS and the
   secret (certificates made for the run, as `pstrain up` does) and one without, each reached
   over transport grpc (TLS carries every byte) and auto (on one host shm with its request
@@ -915,6 +916,8 @@ def main() -> None:
     parser.add_argument("--torchrpc-tcp", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--torchrpc-host", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--cross-host-client", help=argparse.SUPPRESS)
+    parser.add_argument("--capacity-transport", default="auto",
+                        help="the transport the capacity part's clients use (default auto)")
     parser.add_argument("--capacity-client", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_raw:
@@ -996,7 +999,8 @@ def main() -> None:
             if "capacity" in parts:
                 print("one server's capacity, 1 to 3 clients ...", flush=True)
                 capacity = bench_capacity(address, server.pid, [1, 2, 3],
-                                          2 if args.quick else 3, 3.0 if args.quick else 6.0)
+                                          2 if args.quick else 3, 3.0 if args.quick else 6.0,
+                                          transport=args.capacity_transport)
             if "index" in parts:
                 print("key index ...", flush=True)
                 index = bench_index(rows, 65536, 9 if args.quick else 15)

@@ -214,7 +214,8 @@ class Payload:
 
 class Received:
     """A received payload held as the buffers it arrived in, back to back: the parts of a
-    streamed request are not copied into one buffer. Read-only; not copied unless asked."""
+    streamed request are not copied into one buffer (a reader that wants one has a Joiner
+    assemble it as the parts arrive). Read-only; never copied whole."""
 
     def __init__(self, buffers: Sequence[memoryview]) -> None:
         self.buffers = [b for b in buffers if b.nbytes]
@@ -267,14 +268,6 @@ class Received:
                 out.append((at // itemsize, view[:whole]))
             carry = bytes(view[whole:])
         return out
-
-    def whole(self) -> memoryview:
-        """All of it as one writable buffer (a copy; the buffers are left as they are)."""
-        out = bytearray(self.nbytes)
-        view = memoryview(out)
-        for at, b in zip(self.starts, self.buffers, strict=True):
-            view[at : at + b.nbytes] = b
-        return view
 
     def _cover(self, begin: int, end: int) -> list[tuple[int, memoryview]]:
         """(payload offset, view) of the buffers' bytes in [begin, end), in order."""

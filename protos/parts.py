@@ -3,8 +3,9 @@
 The first part carries the message (with an empty payload) and the payload's total size;
 every part carries the next bytes of the payload, at the offset it names. `Joiner` takes
 the parts as they arrive and hands back the message and its payload (the parts' own
-buffers, not copied) only when exactly the announced bytes have arrived in order, so a
-stream that ends early is refused whole. Both ends use this for both directions
+buffers, not copied; or, assembled, one buffer each part was copied into as it arrived)
+only when exactly the announced bytes have arrived in order, so a stream that ends early
+is refused whole. Both ends use this for both directions
 (ExchangePart, ExchangeAnswerPart). Torch-free.
 """
 
@@ -58,11 +59,14 @@ class Joiner(Generic[Part, M]):
     """Joins the parts of one stream. Not thread-safe: one stream, one reader.
 
     `check_head(head, nbytes)` sees the message and the announced size on the first part,
-    before any payload is held, and raises to refuse them.
+    before any payload is held, and raises to refuse them. With `assemble`, each part is
+    copied into one writable buffer as it arrives, while the next one travels, for a reader
+    that wants the payload in one piece (a copy of the whole after the last part would
+    wait for it).
     """
 
     def __init__(self, first: Frame[Part], check_head: Callable[[Message, int], None],
-                 what: str) -> None:
+                 what: str, assemble: bool = False) -> None:
         field = _head_field(type(first.msg))
         if not first.msg.HasField(field):  # type: ignore[arg-type]
             raise WireError(f"{what}: the first part of a stream must carry the {field}")
@@ -71,6 +75,7 @@ class Joiner(Generic[Part, M]):
         self.what = what
         check_head(self.head, self.nbytes)
         self._buffers: list[memoryview] = []
+        self._whole = memoryview(bytearray(self.nbytes)) if assemble else None
         self._received = 0
         self.add(first)
 
@@ -87,7 +92,10 @@ class Joiner(Generic[Part, M]):
             raise WireError(
                 f"{self.what}: parts carry more than the {self.nbytes} bytes announced"
             )
-        self._buffers.append(data)
+        if self._whole is None:
+            self._buffers.append(data)
+        else:
+            self._whole[self._received : end] = data
         self._received = end
 
     def finish(self) -> tuple[M, Received]:
@@ -98,16 +106,16 @@ class Joiner(Generic[Part, M]):
                 f"{self.nbytes} bytes announced; nothing of it was applied"
             )
         head: M = self.head
-        return head, Received(self._buffers)
+        return head, Received(self._buffers if self._whole is None else [self._whole])
 
 
 def join(parts: Iterator[Frame[Part]], check_head: Callable[[Message, int], None],
-         what: str) -> tuple[Message, Received]:
+         what: str, assemble: bool = False) -> tuple[Message, Received]:
     """The message and payload of a whole stream of parts (see Joiner)."""
     first = next(parts, None)
     if first is None:
         raise WireError(f"{what}: the stream ended before its first part")
-    joiner: Joiner[Part, Message] = Joiner(first, check_head, what)
+    joiner: Joiner[Part, Message] = Joiner(first, check_head, what, assemble)
     for part in parts:
         joiner.add(part)
     return joiner.finish()

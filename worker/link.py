@@ -372,13 +372,14 @@ class Link:
                                       "were due")
 
         try:
-            response, data = joined(call, expected, f"shard {self.index}'s answer")
+            response, data = joined(call, expected, f"shard {self.index}'s answer",
+                                    assemble=True)
         except codec.WireError as exc:
             call.cancel()
             raise PSClientError(str(exc)) from exc
         if not isinstance(response, pb.ExchangeResponse):  # pragma: no cover - by construction
             raise PSClientError(f"shard {self.index} answered {type(response).__name__}")
-        return response, codec.Received([data.whole()])  # one buffer, writable
+        return response, data  # one writable buffer, filled as the parts arrived
 
     # ---- what the link uses ----------------------------------------------------------------
 

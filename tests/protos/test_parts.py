@@ -25,6 +25,10 @@ def _accept(head: object, nbytes: int) -> None:
     del head, nbytes
 
 
+def _bytes(payload: codec.Received) -> bytes:
+    return b"".join(bytes(b) for b in payload.buffers)
+
+
 @pytest.mark.parametrize(
     ("buffers", "chunk_bytes", "sizes"),
     [
@@ -46,14 +50,19 @@ def test_parts_carry_every_byte_once_in_order(
     offsets = [p.msg.offset for p in parts]
     assert offsets == [sum(sizes[:i]) for i in range(len(sizes))]
     head, payload = join(iter(parts), _accept, "test")
-    assert head == HEAD and bytes(payload.whole()) == b"".join(buffers)
+    assert head == HEAD and _bytes(payload) == b"".join(buffers)
+    head, payload = join(iter(parts), _accept, "test", assemble=True)
+    assert head == HEAD and _bytes(payload) == b"".join(buffers)
+    assert len(payload.buffers) == (1 if sum(sizes) else 0)  # one piece (none when empty)
+    assert not any(b.readonly for b in payload.buffers)  # the reader's own, kept as a tensor
 
 
-def test_a_stream_cut_at_any_part_is_refused() -> None:
+@pytest.mark.parametrize("assemble", [False, True])
+def test_a_stream_cut_at_any_part_is_refused(assemble: bool) -> None:
     parts = _parts([bytes(range(100))], 16)
     for keep in range(1, len(parts)):
         with pytest.raises(codec.WireError, match=f"ended after {16 * keep} of the 100 bytes"):
-            join(iter(parts[:keep]), _accept, "test")
+            join(iter(parts[:keep]), _accept, "test", assemble)
 
 
 def test_parts_out_of_order_or_past_the_total_are_refused() -> None:
@@ -70,7 +79,8 @@ def test_parts_out_of_order_or_past_the_total_are_refused() -> None:
         join(iter([]), _accept, "test")
 
 
-def test_the_head_and_size_are_checked_before_any_payload_is_held() -> None:
+@pytest.mark.parametrize("assemble", [False, True])
+def test_the_head_and_size_are_checked_before_any_payload_is_held(assemble: bool) -> None:
     seen: list[tuple[object, int]] = []
 
     def refuse(head: object, nbytes: int) -> None:
@@ -82,8 +92,8 @@ def test_the_head_and_size_are_checked_before_any_payload_is_held() -> None:
             pb.ExchangePart(request=HEAD, payload_bytes=1 << 50)))
         raise AssertionError("read past a refused first part")
 
-    with pytest.raises(OverflowError, match="too many"):
-        join(parts(), refuse, "test")
+    with pytest.raises(OverflowError, match="too many"):  # not MemoryError: nothing made yet
+        join(parts(), refuse, "test", assemble)
     assert seen == [(HEAD, 1 << 50)]
 
 
@@ -92,5 +102,5 @@ def test_answers_are_cut_and_joined_the_same_way() -> None:
     data = [codec.decode(pb.ExchangeAnswerPart, p) for p in
             cut(pb.ExchangeAnswerPart, response, [memoryview(b"x" * 10)], 10, 4)]
     head, payload = join(iter(data), _accept, "test")
-    assert head == response and bytes(payload.whole()) == b"x" * 10
+    assert head == response and _bytes(payload) == b"x" * 10
     assert [b.nbytes for b in payload.buffers] == [4, 4, 2]  # the parts themselves, uncopied

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, TypeVar
 
+import numpy as np
 from google.protobuf.message import Message
 
 from protos import pstrain_pb2 as pb
@@ -75,7 +76,9 @@ class Joiner(Generic[Part, M]):
         self.what = what
         check_head(self.head, self.nbytes)
         self._buffers: list[memoryview] = []
-        self._whole = memoryview(bytearray(self.nbytes)) if assemble else None
+        # Uninitialised (every byte is written before it is read): numpy backs a large
+        # buffer with huge pages, where a zeroed bytearray faults in every 4 KiB page.
+        self._whole = np.empty(self.nbytes, np.uint8).data if assemble else None
         self._received = 0
         self.add(first)
 

@@ -74,16 +74,18 @@ class BulkEndpoint:
     def offers(self) -> list[pb.TransportOffer]:
         return list(self._offers)
 
-    def serve_lanes(self, handle: Handler, max_frame_bytes: int, run: Executor) -> None:
+    def serve_lanes(self, handle: Handler, max_frame_bytes: int, run: Executor,
+                    threads: int) -> None:
         """Opens a request lane (protos.transport.lane) beside every transport offered here
-        that declares one; `handle` answers its requests on `run`. A lane that cannot open
-        is logged, and that transport's clients exchange over gRPC."""
+        that declares one; `handle` answers its requests on `run`, an executor of `threads`
+        threads. A lane that cannot open is logged, and that transport's clients exchange
+        over gRPC."""
         for name, channel in self._channels.items():
             check = channel.lane_check()
             if check is None or name in self._lanes:
                 continue
             try:
-                self._lanes[name] = LaneServer(handle, check, max_frame_bytes, run,
+                self._lanes[name] = LaneServer(handle, check, max_frame_bytes, run, threads,
                                                name=f"lane{self.shard}-{name}")
             except OSError as exc:
                 log.warning("shard %d: no request lane beside %s (%s); its clients exchange "

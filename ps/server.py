@@ -158,7 +158,7 @@ class ParameterServer:
             )
         self._grpc.add_generic_rpc_handlers(self.servicer.handlers())
         self.bulk.serve_lanes(self.servicer.lane_handler(), config.max_message_bytes,
-                              self._calls)
+                              self._calls, config.grpc_threads)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         self.port = 0

@@ -57,13 +57,31 @@ _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 IO_TIMEOUT_S = 5.0
 MAX_ANSWER_BYTES = 256 * 1024 * 1024  # answers carry headers only; their rows are in shm
 _READ_AHEAD = 64 * 1024  # a frame's first receive; requests and answers fit
-# How long a task that answered a call keeps reading its connection for the next one before
-# handing it back to the watcher. A training loop sends its next request within a step, and
-# serving it on the same thread saves the hand-offs through the watcher and the executor's
-# queue (a third of a small exchange's server CPU); longer would hold threads that other
-# calls may need.
-LINGER_S = 0.005
+# A task that answered a call keeps reading its connection for the next one (it lingers)
+# before handing it back to the watcher: a training loop sends its next request a step
+# later, and serving it on the same thread saves the hand-offs through the watcher and the
+# executor's queue (a third of a small exchange's server CPU). How long: see linger_s.
+LINGER_MIN_S = 0.005
+LINGER_MAX_S = 0.05
+_GAP_WEIGHT = 0.25  # of the newest gap in a connection's running estimate
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def linger_s(gap_s: float | None) -> float:
+    """How long to read a connection for its next request after an answer, given its usual
+    gap from an answer to the next request (None: none seen yet): twice the gap, so a
+    steady loop's next step arrives while the thread waits, and LINGER_MIN_S where that is
+    shorter, or longer than LINGER_MAX_S (a gap that long costs more in the waiting thread
+    than the hand-off it saves)."""
+    if gap_s is None:
+        return LINGER_MIN_S
+    wait = 2.0 * gap_s
+    return wait if LINGER_MIN_S <= wait <= LINGER_MAX_S else LINGER_MIN_S
+
+
+def next_gap(estimate: float | None, gap_s: float) -> float:
+    """A connection's gap estimate after one more observed gap (a running mean)."""
+    return gap_s if estimate is None else estimate + _GAP_WEIGHT * (gap_s - estimate)
 
 
 class LaneProtocolError(Exception):
@@ -173,14 +191,17 @@ _ACCEPT, _WAKE = object(), object()  # the watcher's own sockets
 
 class LaneServer:
     """Listens on an abstract Unix socket and runs each request through `handle` on `run`:
-    the executor that runs the server's gRPC calls, so lane and gRPC calls share its threads
-    and its limit. One thread watches the connections for frames; a connection has at most
-    one request at a time (its client waits for each answer), and the task that answered it
-    serves the next one that comes within LINGER_S. Thread-safe."""
+    the executor that runs the server's gRPC calls (`threads` of them), so lane and gRPC
+    calls share its threads and its limit. One thread watches the connections for frames; a
+    connection has at most one request at a time (its client waits for each answer), and
+    the task that answered it serves the next one that comes within `linger_s` of the
+    connection's gap, while fewer than half the threads linger (none on one thread), so
+    lingering never takes a thread another call needs. Thread-safe."""
 
     def __init__(self, handle: Handler, verify: LaneCheck, max_frame_bytes: int,
-                 run: Executor, name: str = "lane") -> None:
+                 run: Executor, threads: int, name: str = "lane") -> None:
         self._handle = handle
+        self._max_lingering = threads // 2
         self._verify = verify
         self._max = max_frame_bytes
         self._run = run
@@ -207,6 +228,10 @@ class LaneServer:
         self._peers: dict[socket.socket, tuple[str, int]] = {}
         self._running: set[socket.socket] = set()  # those with a task in `run`
         self._parked: list[socket.socket] = []  # to be watched again by the watcher
+        self._lingering = 0  # tasks reading their connection for its next request
+        # Per connection: when its last answer left, and its gap estimate (next_gap).
+        self._answered: dict[socket.socket, float] = {}
+        self._gaps: dict[socket.socket, float] = {}
         self._closed = False
         self._watcher = threading.Thread(target=self._watch, name=f"{name}-watch", daemon=True)
         self._watcher.start()
@@ -276,13 +301,20 @@ class LaneServer:
             self._end_task(conn, keep)
 
     def _next_soon(self, conn: socket.socket) -> bool:
-        """Whether `conn` has bytes to read within LINGER_S (while the lane is open)."""
+        """Whether `conn` has bytes to read within its linger (while the lane is open and a
+        thread may linger)."""
         with self._lock:
-            if self._closed:
+            if self._closed or self._lingering >= self._max_lingering:
                 return False
-        poll = select.poll()
-        poll.register(conn, select.POLLIN)
-        return bool(poll.poll(LINGER_S * 1000))
+            self._lingering += 1
+            wait = linger_s(self._gaps.get(conn))
+        try:
+            poll = select.poll()
+            poll.register(conn, select.POLLIN)
+            return bool(poll.poll(wait * 1000))
+        finally:
+            with self._lock:
+                self._lingering -= 1
 
     def _end_task(self, conn: socket.socket, keep: bool) -> None:
         with self._lock:
@@ -293,6 +325,8 @@ class LaneServer:
             else:
                 self._conns.discard(conn)
                 self._peers.pop(conn, None)
+                self._answered.pop(conn, None)
+                self._gaps.pop(conn, None)
             self._idle.notify_all()
         if keep:
             with contextlib.suppress(OSError):
@@ -306,6 +340,7 @@ class LaneServer:
         frame = read_frame(conn, self._max)
         if frame is None:
             return False
+        arrived = time.monotonic()
         kind, body = frame
         if kind != REQUEST:
             write_frame(conn, REFUSAL, _status(
@@ -313,7 +348,12 @@ class LaneServer:
             return False
         with self._lock:
             peer, session = self._peers[conn]
+            last = self._answered.get(conn)
+            if last is not None:
+                self._gaps[conn] = next_gap(self._gaps.get(conn), arrived - last)
         write_frame(conn, *self._answer(body, peer, session, conn))
+        with self._lock:
+            self._answered[conn] = time.monotonic()
         return True
 
     def _welcome(self, conn: socket.socket) -> bool:

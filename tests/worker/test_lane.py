@@ -27,7 +27,16 @@ from procs import Procs
 from protos import marks
 from protos import pstrain_pb2 as pb
 from protos.transport import ChannelBrokenError, available, lane
-from protos.transport.lane import LINGER_S, LaneClient, LaneContext, LaneError, LaneServer
+from protos.transport.lane import (
+    LINGER_MAX_S,
+    LINGER_MIN_S,
+    LaneClient,
+    LaneContext,
+    LaneError,
+    LaneServer,
+    linger_s,
+    next_gap,
+)
 from scheduler.admin import ServerAdmin
 from worker.bulk import ENV_LANES, TransportChoiceError, TransportSettings
 from worker.client import PSClient, Pull, Push
@@ -281,7 +290,7 @@ def calls() -> Iterator[ThreadPoolExecutor]:
 @pytest.fixture
 def lane_server(calls: ThreadPoolExecutor) -> Iterator[tuple[LaneServer, LaneClient]]:
     server = LaneServer(handle, lambda session, token, pid: "" if token == "t" else "no",
-                        max_frame_bytes=1 << 20, run=calls)
+                        max_frame_bytes=1 << 20, run=calls, threads=2)
     client = LaneClient(server.address, 1, "t")
     try:
         yield server, client
@@ -373,7 +382,7 @@ def test_a_call_sees_its_client_wait_and_then_hang_up(calls: ThreadPoolExecutor)
         ended.set()
         return b""
 
-    server = LaneServer(wait_for_hang_up, lambda session, token, pid: "", 1 << 20, calls)
+    server = LaneServer(wait_for_hang_up, lambda session, token, pid: "", 1 << 20, calls, 2)
     client = LaneClient(server.address, 1, "t")
     try:
         with pytest.raises(LaneError) as err:
@@ -413,22 +422,51 @@ def test_lane_calls_run_on_the_servers_executor_within_its_thread_limit(
     assert time.monotonic() - started >= 1.9
 
 
-def test_a_connection_is_served_again_on_its_thread_only_briefly() -> None:
-    """The task that answered a call reads its connection for the next one for LINGER_S,
-    then gives the thread back: on a one-thread server, a second client is not kept
-    waiting by the first one's quiet connection."""
+@pytest.mark.parametrize(("gap_s", "wait_s"), [
+    (None, LINGER_MIN_S),  # nothing seen yet
+    (0.0001, LINGER_MIN_S),  # a fast loop: the shortest linger catches it
+    (0.01, 0.02),  # twice the gap
+    (LINGER_MAX_S / 2, LINGER_MAX_S),
+    (LINGER_MAX_S, LINGER_MIN_S),  # too slow to wait for: hand it back soon
+    (10.0, LINGER_MIN_S),
+])
+def test_a_task_lingers_twice_the_connections_gap_within_bounds(
+    gap_s: float | None, wait_s: float
+) -> None:
+    assert linger_s(gap_s) == pytest.approx(wait_s)
+
+
+def test_the_gap_estimate_follows_the_gaps_seen() -> None:
+    assert next_gap(None, 0.02) == 0.02
+    estimate: float | None = None
+    for gap in [0.001] * 3 + [0.02] * 20:
+        estimate = next_gap(estimate, gap)
+    assert estimate == pytest.approx(0.02, rel=0.01)
+    assert 0.001 < next_gap(0.001, 0.1) < 0.1  # one slow step moves it only part way
+
+
+def test_a_thread_that_others_need_does_not_linger() -> None:
+    """At most half the executor's threads linger, none on a one-thread server: a second
+    client is not kept waiting by the first one's quiet connection, even after the first
+    one's steady calls taught the lane to wait long for its next."""
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="one")
     server = LaneServer(handle, lambda session, token, pid: "", max_frame_bytes=1 << 20,
-                        run=pool)
+                        run=pool, threads=1)
     first, second = LaneClient(server.address, 1, "t"), LaneClient(server.address, 1, "t")
+    gap = LINGER_MAX_S / 4  # the first connection's linger: about LINGER_MAX_S / 2
     try:
         first.check(5.0)
         second.check(5.0)
-        for _ in range(3):
+        waits = []
+        for _ in range(8):
+            assert first.call(b"ab", 5.0) == b"ba"
+            time.sleep(gap)
             assert first.call(b"ab", 5.0) == b"ba"
             started = time.monotonic()
             assert second.call(b"cd", 5.0) == b"dc"
-            assert time.monotonic() - started < LINGER_S + 0.5
+            waits.append(time.monotonic() - started)
+            time.sleep(gap)
+        assert sorted(waits)[len(waits) // 2] < LINGER_MAX_S / 5, waits
     finally:
         first.close()
         second.close()

@@ -229,9 +229,9 @@ class LaneServer:
         self._running: set[socket.socket] = set()  # those with a task in `run`
         self._parked: list[socket.socket] = []  # to be watched again by the watcher
         self._lingering = 0  # tasks reading their connection for its next request
-        # Per connection: when its last answer left, and its gap estimate (next_gap).
-        self._answered: dict[socket.socket, float] = {}
-        self._gaps: dict[socket.socket, float] = {}
+        # Not guarded: per connection, when its last answer left and its gap estimate
+        # (next_gap), read and written only by the one task serving that connection.
+        self._pace: dict[socket.socket, tuple[float, float | None]] = {}
         self._closed = False
         self._watcher = threading.Thread(target=self._watch, name=f"{name}-watch", daemon=True)
         self._watcher.start()
@@ -307,7 +307,7 @@ class LaneServer:
             if self._closed or self._lingering >= self._max_lingering:
                 return False
             self._lingering += 1
-            wait = linger_s(self._gaps.get(conn))
+            wait = linger_s(self._pace.get(conn, (0.0, None))[1])
         try:
             poll = select.poll()
             poll.register(conn, select.POLLIN)
@@ -325,8 +325,7 @@ class LaneServer:
             else:
                 self._conns.discard(conn)
                 self._peers.pop(conn, None)
-                self._answered.pop(conn, None)
-                self._gaps.pop(conn, None)
+                self._pace.pop(conn, None)
             self._idle.notify_all()
         if keep:
             with contextlib.suppress(OSError):
@@ -348,12 +347,11 @@ class LaneServer:
             return False
         with self._lock:
             peer, session = self._peers[conn]
-            last = self._answered.get(conn)
-            if last is not None:
-                self._gaps[conn] = next_gap(self._gaps.get(conn), arrived - last)
+        last, gap = self._pace.get(conn, (None, None))
+        if last is not None:
+            gap = next_gap(gap, arrived - last)
         write_frame(conn, *self._answer(body, peer, session, conn))
-        with self._lock:
-            self._answered[conn] = time.monotonic()
+        self._pace[conn] = (time.monotonic(), gap)
         return True
 
     def _welcome(self, conn: socket.socket) -> bool:

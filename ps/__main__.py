@@ -13,25 +13,23 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from protos import modes, security
 from protos.transport import PREFERENCE
-from ps.checkpoint import CheckpointError, CheckpointNotFoundError
 from ps.concurrency import RESERVED_THREADS
-from ps.coordination import (
-    ServerCoordinator,
-    advertised,
-    find_checkpoint,
-    new_incarnation,
-    write_resharded,
-)
 from ps.errors import InvalidArgumentError, PSError
-from ps.server import MiB, ParameterServer, ServerConfig, run
-from ps.shard import Limits, parse_size
+from ps.limits import Limits, MiB, parse_size
 from scheduler.errors import CoordinationError
 from scheduler.spec import JobSpec, at_least
 from scheduler.store import JobStore, ride_out
+
+if TYPE_CHECKING:
+    from ps.server import ParameterServer, ServerConfig
+
+# The modules above are light. The shard's (ps.server, ps.coordination, ps.checkpoint) load
+# torch, seconds on a slow host, so they are imported only once the flags are read and the
+# job's Redis has answered: a wrong flag or an unreachable --redis fails within moments.
 
 log = logging.getLogger("ps")
 
@@ -165,9 +163,9 @@ def wait_for_spec(store: JobStore, timeout_s: float) -> JobSpec:
 
 
 Built = tuple[
-    ServerConfig,
-    Callable[[ParameterServer], Callable[[], None]] | None,
-    Callable[[ParameterServer], None] | None,
+    "ServerConfig",
+    Callable[["ParameterServer"], Callable[[], None]] | None,
+    Callable[["ParameterServer"], None] | None,
 ]
 
 
@@ -204,6 +202,9 @@ def build(argv: list[str]) -> Built:
         directory = a.checkpoint_dir
         full_every = 1
     credentials = security.from_flags(a)
+    from ps.checkpoint import CheckpointError, CheckpointNotFoundError  # noqa: PLC0415
+    from ps.coordination import find_checkpoint, new_incarnation, write_resharded  # noqa: PLC0415
+    from ps.server import ServerConfig  # noqa: PLC0415
     found = None
     restore_failed = ""
     resharded: dict[str, Any] = {}  # the checkpoint of another count this shard was cut from
@@ -294,6 +295,8 @@ def _attacher(
     entries: dict[int, dict[str, Any]], restore_failed: str = "",
     resharded: dict[str, Any] | None = None,
 ) -> Callable[[ParameterServer], Callable[[], None]]:
+    from ps.coordination import ServerCoordinator, advertised  # noqa: PLC0415
+
     def attach(server: ParameterServer) -> Callable[[], None]:
         address = advertised(bind.rpartition(":")[0], server.port, advertise)
         coordinator = ServerCoordinator(store, spec, server, address, restored, entries,
@@ -307,6 +310,7 @@ def _attacher(
 def main(argv: list[str] | None = None) -> int:
     try:
         config, attach, prepare = build(sys.argv[1:] if argv is None else argv)
+        from ps.server import run  # noqa: PLC0415
         run(config, attach, prepare)
     except (PSError, CoordinationError, security.SecurityError) as exc:
         print(f"pstrain server: {exc}", file=sys.stderr)

@@ -19,7 +19,7 @@ import torch
 
 from ps.errors import InvalidArgumentError, PSError
 from ps.index import SLOT_BYTES, capacity_for
-from ps.shard import format_size
+from ps.limits import format_size
 from ps.tables import (
     INITIAL_SPARSE_ROWS,
     OptimizerConfig,

@@ -27,14 +27,14 @@ from ps.checkpoint import load_checkpoint
 from ps.clocks import Quorum
 from ps.concurrency import CallGate, CallLimits
 from ps.errors import InvalidArgumentError
+from ps.limits import Limits, MiB
 from ps.metrics import ServerMetrics
 from ps.servicer import ParameterServerServicer, WireLimits
-from ps.shard import Limits, Shard, ShardConfig
+from ps.shard import Shard, ShardConfig
 
 log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
-MiB = 1024 * 1024
 
 
 @dataclass(frozen=True)

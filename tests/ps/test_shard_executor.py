@@ -32,11 +32,11 @@ from ps.errors import (
 )
 from ps.index import capacity_for
 from ps.initializers import InitSpec
+from ps.limits import Limits
 from ps.row_policy import admitted_by_probability
 from ps.shard import (
     DensePush,
     Exchange,
-    Limits,
     Pull,
     PullRecord,
     PushMeta,

@@ -1,6 +1,5 @@
-"""The shard's pure pieces: sizes as flags give them, sizes for people, how a sparse table's
-storage grows under a memory budget, and the limits' own checks. Tables of cases, no
-threads and no processes (the executor: test_shard_executor.py)."""
+"""What a server may be asked to hold: sizes as flags give them, sizes for people, and the
+limits' own checks. Tables of cases, no threads and no processes."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ import re
 import pytest
 
 from ps.errors import InvalidArgumentError
-from ps.shard import Limits, format_size, parse_size
+from ps.limits import Limits, format_size, parse_size
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 

@@ -160,7 +160,8 @@ class WorkerContext:
 
         Records in Redis that this rank finished (it is never claimed or restarted again),
         then blocks until every server has taken it out of the live set (the scheduler does
-        that within a poll): sync clocks close and ssp bounds move without it, and barriers
+        that within a poll), writing the record again at each poll meanwhile (a Redis that
+        restarts empty loses it): sync clocks close and ssp bounds move without it, and barriers
         stop waiting for it. Then stops the heartbeat, whose end the scheduler records as
         "finished", not "dead". Send the last step's gradients first (`PSOptimizer.flush()`
         or `close()`); pulls still work afterwards, pushes do not (sync).
@@ -180,21 +181,28 @@ class WorkerContext:
                 return
             deadline = self.monotonic() + timeout_s
             incarnation, clock = self.client.incarnation, self.client.clock
+            recorded = False
 
-            def recorded() -> bool:
+            def left() -> bool:
+                # The record is written again at every poll (it is idempotent) until the
+                # servers let go: a Redis that restarted empty since the last write lost it,
+                # and the scheduler applies only what it reads.
+                nonlocal recorded
+
                 def record() -> bool:
                     store.finish_worker(self.rank, incarnation, clock)
                     return True
-                return ride_out("finish", record, False)
+                if not ride_out("finish", record, False):
+                    return False
+                recorded = True
+                return not self.client.live_on()
 
-            self._poll(recorded, deadline, FinishTimeoutError,
-                       lambda: f"worker {self.rank} could not record in Redis that it "
-                               f"finished within {timeout_s:g} s (Redis unreachable?)")
-            self._poll(lambda: not self.client.live_on(), deadline, FinishTimeoutError,
-                       lambda: f"worker {self.rank} of job {self.job!r} recorded that it "
-                               f"finished, but shards {self.client.live_on()} still listed "
-                               f"it live after {timeout_s:g} s: is the job's scheduler "
-                               "running? (it applies the record when it can)")
+            self._poll(left, deadline, FinishTimeoutError, lambda: (
+                f"worker {self.rank} of job {self.job!r} recorded that it finished, but "
+                f"shards {self.client.live_on()} still listed it live after {timeout_s:g} s: "
+                "is the job's scheduler running? (it applies the record when it can)"
+                if recorded else f"worker {self.rank} could not record in Redis that it "
+                f"finished within {timeout_s:g} s (Redis unreachable?)"))
             if self.heartbeat is not None:
                 self.heartbeat.stop(forget=True)
                 self.heartbeat = None

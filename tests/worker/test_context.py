@@ -176,6 +176,36 @@ def _context(store: JobStore, rank: int, incarnation: int, world_size: int = 3
     return WorkerContext(rank, world_size, store.keys.job, client, store=store)
 
 
+def test_a_finish_that_redis_loses_is_written_again_until_the_servers_let_go(
+    procs: Procs,
+) -> None:
+    # Redis acknowledged the record, then came back empty before the scheduler read it (it
+    # keeps its data in memory): the worker must write it again, or it waits for nothing.
+    store = JobStore.connect(procs.redis().address, "lost")
+    live_on = [0]  # the shards that still list the worker live
+    client = cast(PSClient, SimpleNamespace(incarnation=7, clock=12,
+                                            live_on=lambda: list(live_on)))
+    ctx = WorkerContext(0, 1, "lost", client, store=store)
+    errors: list[BaseException] = []
+
+    def finish() -> None:
+        try:
+            ctx.finish(timeout_s=30)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=finish)
+    thread.start()
+    wait_until(lambda: store.departures()[1].get(0), 10, "the finish record")
+    store.redis.flushdb()
+    record = wait_until(lambda: store.departures()[1].get(0), 10, "the record written again")
+    assert (record["incarnation"], record["clock"]) == (7, 12)  # type: ignore[index]
+    assert 0 in store.finished_ranks()
+    live_on.clear()  # the scheduler read it and the servers took the worker out
+    thread.join(timeout=10)
+    assert not thread.is_alive() and not errors and ctx.finished
+
+
 def test_a_barrier_names_the_missing_workers_and_stops_waiting_for_finished_and_dead_ones(
     procs: Procs,
 ) -> None:

@@ -39,10 +39,75 @@ ALONE = (
 )
 
 
+# The long tier: rehearsals of whole deployments and installs, and variants of a behaviour
+# that a test of the default tier already covers (another transport, another corruption,
+# another way Redis fails), each a minute or more of processes on 2 cores. They carry the
+# `long` mark: `scripts/test.sh` (CI) leaves them out, `scripts/test.sh --long` runs them
+# (README: Tests). A pattern is a test id, a file or a folder; `*` matches anything.
+LONG = (
+    # Builds the wheel and installs it, torch included, into a fresh virtual environment.
+    "tests/packaging/test_wheel.py",
+    # Killed processes and a cut link in the clusters that the compose file, the bare-metal
+    # guide (hosts in network namespaces) and the Kubernetes manifests describe, run as
+    # written; their static checks, and a bare-metal job across hosts, run by default.
+    "tests/docker/test_compose.py::test_compose_cluster_trains_*",
+    "tests/docker/test_bare_metal.py::test_a_worker_whose_link_is_cut_*",
+    "tests/deploy/test_kubernetes.py::test_the_manifests_train_*",
+    # MovieLens runs beyond the one that pins the main job's result to plain PyTorch's.
+    "tests/examples/test_examples.py::test_movielens_export_*",
+    "tests/examples/test_examples.py::test_movielens_two_async_workers_*",
+    "tests/examples/test_examples.py::test_movielens_device_cpu_*",
+    "tests/examples/test_examples.py::test_movielens_after_a_sync_server_kill_*",
+    "tests/examples/test_examples.py::test_movielens_async_workers_under_up_*",
+    "tests/examples/test_examples.py::test_synthetic_ctr_within_a_row_budget_*",
+    # The client's behaviour over UCX: the transports' own tests run UCX in the default tier.
+    "tests/worker/test_client.py::*[ucx-*",
+    # A second corruption, a second unsigned entry: the first of each runs by default.
+    "tests/scheduler/test_scheduler.py::test_a_corrupt_newest_checkpoint_*[truncated]",
+    "tests/scheduler/test_scheduler.py::test_a_rollback_skips_checkpoint_entries_*[older*",
+    # Redis emptied, stalled, or leaderless around a restart: Redis wiped around a server
+    # restart, an outage, and a Redis killed and restarted empty run by default.
+    "tests/scheduler/test_scheduler.py::test_sync_job_rides_out_redis_restarted_empty",
+    "tests/scheduler/test_scheduler.py::test_sync_job_rides_out_a_redis_stall_*",
+    "tests/scheduler/test_scheduler.py::test_a_server_restarted_while_no_scheduler_leads_*",
+    # Four runs under one job name (run ids), and a worker run 300 clocks ahead killed and
+    # restarted: scenarios of several minutes of processes each.
+    "tests/scheduler/test_scheduler.py::test_a_finished_job_s_name_reused_*",
+    "tests/scheduler/test_scheduler.py::test_an_async_worker_that_ran_ahead_*",
+    # A checkpoint on demand then resumed: the async cut's test resumes from one by default.
+    "tests/scheduler/test_launcher.py::test_checkpoint_on_demand_then_resume_from_it",
+    # A pause beside a CPU hog, a rollback that catches a finished worker.
+    "tests/scheduler/test_detector.py::test_under_a_cpu_hog_*",
+    "tests/worker/test_context.py::test_a_finished_worker_that_a_rollback_catches_*",
+)
+
+
+def matches(nodeid: str, pattern: str) -> bool:
+    """Whether test id `nodeid` is `pattern`, lies under it (a file or folder), or fits it
+    where it has `*` (anything, brackets included)."""
+    if "*" not in pattern:
+        return nodeid == pattern or nodeid.startswith(pattern if pattern.endswith("/")
+                                                      else (pattern + "::", pattern + "["))
+    first, *rest = pattern.split("*")
+    if not nodeid.startswith(first):
+        return False
+    at = len(first)
+    for i, piece in enumerate(rest):
+        if i == len(rest) - 1:
+            return piece == "" or (nodeid.endswith(piece) and len(nodeid) - len(piece) >= at)
+        found = nodeid.find(piece, at)
+        if found < 0:
+            return False
+        at = found + len(piece)
+    return True
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.nodeid.split("::")[0] in ALONE:
             item.add_marker(pytest.mark.alone)
+        if any(matches(item.nodeid, pattern) for pattern in LONG):
+            item.add_marker(pytest.mark.long)
 
 
 @pytest.fixture(params=TRANSPORTS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pytest
@@ -85,21 +86,11 @@ LONG = (
 def matches(nodeid: str, pattern: str) -> bool:
     """Whether test id `nodeid` is `pattern`, lies under it (a file or folder), or fits it
     where it has `*` (anything, brackets included)."""
-    if "*" not in pattern:
-        return nodeid == pattern or nodeid.startswith(pattern if pattern.endswith("/")
-                                                      else (pattern + "::", pattern + "["))
-    first, *rest = pattern.split("*")
-    if not nodeid.startswith(first):
-        return False
-    at = len(first)
-    for i, piece in enumerate(rest):
-        if i == len(rest) - 1:
-            return piece == "" or (nodeid.endswith(piece) and len(nodeid) - len(piece) >= at)
-        found = nodeid.find(piece, at)
-        if found < 0:
-            return False
-        at = found + len(piece)
-    return True
+    glob = pattern.replace("[", "[[]")  # a bracket is part of a test id, not a set
+    if "*" in pattern:
+        return fnmatchcase(nodeid, glob)
+    tails = ("*",) if pattern.endswith("/") else ("::*", "[[]*")
+    return nodeid == pattern or any(fnmatchcase(nodeid, glob + tail) for tail in tails)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

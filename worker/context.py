@@ -183,15 +183,15 @@ class WorkerContext:
             incarnation, clock = self.client.incarnation, self.client.clock
             recorded = False
 
+            def record() -> bool:
+                store.finish_worker(self.rank, incarnation, clock)
+                return True
+
             def left() -> bool:
                 # The record is written again at every poll (it is idempotent) until the
                 # servers let go: a Redis that restarted empty since the last write lost it,
                 # and the scheduler applies only what it reads.
                 nonlocal recorded
-
-                def record() -> bool:
-                    store.finish_worker(self.rank, incarnation, clock)
-                    return True
                 if not ride_out("finish", record, False):
                     return False
                 recorded = True

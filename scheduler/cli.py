@@ -27,6 +27,7 @@ from protos.transport import PREFERENCE, TransportError, parse_choice
 from scheduler.admin import check_address, health, take_checkpoint
 from scheduler.errors import ConfigError, CoordinationError
 from scheduler.launcher import UpConfig, status_of, up
+from scheduler.membership import describe_change
 from scheduler.runner import WorkerRunConfig, run_worker
 from scheduler.scheduler import Scheduler
 from scheduler.spec import JobSpec, at_least, at_least_float
@@ -406,9 +407,7 @@ def _status(store: JobStore, as_json: bool) -> int:
     if suspect:
         print(f"suspect now (heartbeat lapsed, not seen to exit): {', '.join(suspect)}")
     changes = status.get("membership_changes") or []
-    print("membership changes: " + (", ".join(
-        f"worker {c['worker']} {'left (dead)' if c['change'] == 'dead' else 'joined'} at "
-        f"clock {c['clock']}" for c in changes) or "none")
+    print("membership changes: " + (", ".join(describe_change(c) for c in changes) or "none")
         + f"; gradients dropped: {status.get('pushes_dropped', 0)}")
     latest = status["latest_checkpoint"]
     print(f"latest checkpoint: {latest['id'] if latest else 'none'}")

@@ -5,13 +5,15 @@ finished (with its incarnation), waits until every server has taken it out of th
 and only then stops its heartbeat. The scheduler reads those records after the heartbeats of
 each poll, so a finished worker's heartbeat never seems to vanish first: `Departures` decides
 which ranks are out of the membership, and the scheduler calls the end of their heartbeat
-"finished", not "dead". `barrier_missing` decides whom a barrier still waits for.
+"finished", not "dead". `finishes_past` decides what a sync rollback does to workers that
+finished after its checkpoint, and `barrier_missing` whom a barrier still waits for.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -39,6 +41,35 @@ class Departures:
         finished heartbeats for it (one started for it again, as `--resume` does)."""
         return {rank for rank, incarnation in self.finished.items()
                 if beats.get(rank) is None or beats.get(rank) == incarnation}
+
+    def forget(self, rank: int) -> None:
+        """The rank's finish was voided: it is a member again."""
+        self.finished.pop(rank, None)
+
+
+def finishes_past(left: Mapping[int, Mapping[str, Any]], clock: int,
+                  beating: Mapping[int, int]) -> tuple[dict[int, int], dict[int, int]]:
+    """What a sync rollback to a checkpoint of `clock` does to the workers that finished past
+    it, whose last steps it undoes. `left`: rank -> {incarnation, clock} of each finish
+    recorded (a worker that finished at clock F took steps 0..F-1); `beating`: rank -> the
+    incarnation that still heartbeats (a worker still in `ctx.finish()`).
+
+    Returns (rank -> incarnation of those whose finishing process still beats: their finish
+    is void, and they restart to train those steps again; rank -> the clock it finished at
+    of those whose process has stopped beating: steps the job cannot take again, since
+    nothing is left to restart). A finish at or before `clock` stands.
+    """
+    void: dict[int, int] = {}
+    undone: dict[int, int] = {}
+    for rank, record in sorted(left.items()):
+        finished_at, incarnation = int(record.get("clock", -1)), int(record["incarnation"])
+        if finished_at <= clock:
+            continue
+        if beating.get(rank) == incarnation:
+            void[rank] = incarnation
+        else:
+            undone[rank] = finished_at
+    return void, undone
 
 
 def barrier_missing(expected: Collection[int], registered: Mapping[int, int],

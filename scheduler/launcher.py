@@ -33,6 +33,7 @@ from typing import Any
 
 from protos.security import Security
 from scheduler.errors import ConfigError, CoordinationError
+from scheduler.membership import describe_change
 from scheduler.recovery import built_on_bad, chain_of
 from scheduler.spec import RESTART_EXIT_CODE, STOPPED_EXIT_CODE, JobSpec
 from scheduler.store import Event, JobStore, ride_out
@@ -541,9 +542,7 @@ def up(config: UpConfig) -> int:
         changes = report.get("membership_changes")
         if changes and cluster.spec.mode == "sync":
             print("pstrain up: the workers of this sync job changed ("
-                  + ", ".join(f"worker {c['worker']} "
-                              f"{'left' if c['change'] == 'dead' else 'joined'} at clock "
-                              f"{c['clock']}" for c in changes)
+                  + ", ".join(describe_change(c) for c in changes)
                   + f"; {report.get('pushes_dropped', 0)} gradients dropped): its result is "
                   "not the single-process one", file=sys.stderr, flush=True)
         failure = report.get("last_checkpoint_error")

@@ -12,7 +12,7 @@ joins like any restarted process.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +84,18 @@ class MembershipTracker:
                 self.alive[member] = incarnation
                 out.append(Transition("restored", member, incarnation, known))
         return out
+
+
+def describe_change(change: Mapping[str, Any]) -> str:
+    """One recorded change of the job's workers, in words (`pstrain up`, `pstrain status`)."""
+    rank, clock = change.get("worker"), change.get("clock")
+    kind = change.get("change")
+    if kind == "dead":
+        return f"worker {rank} left (dead) at clock {clock}"
+    if kind == "undone":
+        return (f"worker {rank}'s steps from clock {change.get('checkpoint')} to {clock} were "
+                "undone by a rollback after it had finished and exited")
+    return f"worker {rank} joined at clock {clock}"
 
 
 def merged_changes(known: list[dict[str, Any]], more: Iterable[dict[str, Any]],

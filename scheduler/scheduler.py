@@ -26,11 +26,12 @@ from protos import marks
 from protos.security import Security
 from scheduler.admin import ServerAdmin
 from scheduler.detector import FailureDetector, Notice, Suspicions, connection_name
-from scheduler.finishing import Departures
+from scheduler.finishing import Departures, finishes_past
 from scheduler.membership import (
     MEMBERSHIP_KEPT,
     MembershipTracker,
     Transition,
+    describe_change,
     merged_changes,
 )
 from scheduler.recovery import (
@@ -321,18 +322,16 @@ class Scheduler:
         self.workers.fence(rank, incarnation)
         self.store.fence_worker(rank, incarnation)
 
-    def _record_change(self, rank: int, change: str, incarnation: int) -> None:
+    def _record_change(self, rank: int, change: str, incarnation: int, **detail: int) -> None:
         """Records a change of the job's workers, which `pstrain up` and `pstrain status`
         report: after one, a sync job's result is no longer the single-process one."""
         entry = {"time": time.time(), "clock": self._clock, "worker": rank, "change": change,
-                 "incarnation": incarnation}
+                 "incarnation": incarnation, **detail}
         self._changes = [*self._changes, entry][-MEMBERSHIP_KEPT:]
         self.store.record_membership(entry)
         if self.spec.mode == "sync":
-            log.warning("worker %d %s at clock %d: the sync job's membership changed, so its "
-                        "result is no longer the single-process one", rank,
-                        "left (declared dead)" if change == "dead" else "joined again",
-                        self._clock)
+            log.warning("%s: the sync job's membership changed, so its result is no longer the "
+                        "single-process one", describe_change(entry))
 
     def _judge(self, role: str, tracker: MembershipTracker,
                beats: dict[int, dict[str, Any] | None], believe: bool, now: float
@@ -476,6 +475,9 @@ class Scheduler:
                 return
             # The entries checked above, not read again: what is restored is what was checked.
             rollback.target, rollback.entries = choice.checkpoint, listed.get(choice.checkpoint, {})
+            # Before any shard is restored: a worker learns of the rollback only from a
+            # restored shard or the new generation, and by then its finish is void or stands.
+            self._void_finishes(rollback)
         checkpoint_id, done, entries = rollback.target, rollback.done, rollback.entries
         for shard, beat in sorted(beats.items()):
             if shard in done or beat is None:
@@ -503,7 +505,7 @@ class Scheduler:
                             "retrying", shard, checkpoint_id, exc.code(), exc.details())
         if len(done) < self.spec.servers:
             return
-        clock = int(next(iter(entries.values()), {}).get("clock", 0)) if entries else 0
+        clock = rollback.clock()
         generation = self._generation = rollback.generation
         until = self._now() + self.restart_grace_s
         self._restarting = {rank: until for rank in self.live_workers()}
@@ -514,6 +516,37 @@ class Scheduler:
                     self.spec.job, checkpoint_id, clock)
         self._rollback = None
         self._pushed.clear()
+
+    def _void_finishes(self, rollback: _Rollback) -> None:
+        """The rollback undoes the steps of clocks at and past its checkpoint's, those of
+        workers that finished past it too. One still in `ctx.finish()` (beating) has its
+        finish voided: it restarts with the others and trains them again. One whose process
+        has stopped cannot: its lost steps are recorded as a change of the job's workers."""
+        clock = rollback.clock()
+        void, undone = finishes_past(self.store.departures()[1], clock, self.workers.alive)
+        for rank, incarnation in void.items():
+            if rank in rollback.voided or not self.store.void_finish(rank, incarnation):
+                continue
+            rollback.voided.add(rank)
+            self.departures.forget(rank)
+            self._departed.discard(rank)
+            self.store.event("unfinished", "worker", rank, incarnation=incarnation,
+                             checkpoint=rollback.target, clock=clock)
+            log.warning("worker %d finished past checkpoint %r (clock %d) and is still running: "
+                        "its finish is void; it restarts and trains again from there", rank,
+                        rollback.target, clock)
+        for rank, finished_at in undone.items():
+            if rank in rollback.undone:
+                continue
+            rollback.undone.add(rank)
+            self._record_change(rank, "undone", self._incarnation_of(rank), clock=finished_at,
+                                checkpoint=clock)
+            log.warning("worker %d finished at clock %d and has exited; the rollback to clock %d "
+                        "undoes its last %d steps, which no process is left to take again",
+                        rank, finished_at, clock, finished_at - clock)
+
+    def _incarnation_of(self, rank: int) -> int:
+        return self.departures.finished.get(rank) or 0
 
     def _account(self) -> None:
         """The job has accounted for the servers' incarnations seen: recorded in Redis (a
@@ -588,6 +621,14 @@ class _Rollback:
     unsigned: set[str] = field(default_factory=set)
     # The chosen checkpoint's entries (shard -> {path, sha256, nbytes, clock, mac}).
     entries: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # Workers that finished past the checkpoint: their finish voided (they retrain), or,
+    # with no process left, their lost steps recorded.
+    voided: set[int] = field(default_factory=set)
+    undone: set[int] = field(default_factory=set)
+
+    def clock(self) -> int:
+        """The chosen checkpoint's clock (0 before one is chosen)."""
+        return int(next(iter(self.entries.values()), {}).get("clock", 0))
 
 
 def _incarnations(beats: dict[int, dict[str, Any] | None], believe_lapses: bool

@@ -17,6 +17,7 @@ Every key of a job lives under the prefix ``pstrain:{job}:``:
 | ``rank:{rank}`` | string | the `pstrain worker` holding the rank: {holder, pid, host}; expires |
 | ``finished`` | set | ranks done (`ctx.finish()`, or exit status 0); never claimed again |
 | ``left`` | hash | rank -> JSON {incarnation, clock, time} of the process that finished |
+| ``voided`` | hash | rank -> the incarnation whose finish a sync rollback took back (it retrains) |
 | ``live`` | string | JSON list of the ranks the scheduler counts live (not dead or finished) |
 | ``barrier:{name}:{round}`` | hash | rank -> incarnation of each worker there; expires |
 | ``fenced`` | hash | rank -> the newest incarnation declared dead: it never rejoins, it restarts |
@@ -133,6 +134,31 @@ end
 return 1
 """
 
+# A worker's finish record, unless a rollback voided that incarnation's finish. KEYS: the
+# finished set, the left hash, the voided hash; ARGV: rank, incarnation, record (JSON).
+_FINISH = """
+if redis.call('HGET', KEYS[3], ARGV[1]) == ARGV[2] then
+  return 0
+end
+redis.call('SADD', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+return 1
+"""
+
+# Voids the finish of one incarnation of a rank: its record goes, and it may not write it
+# again. KEYS: the finished set, the left hash, the voided hash; ARGV: rank, incarnation.
+# Returns 0 (nothing done) when the record is of another incarnation or absent.
+_VOID_FINISH = """
+local record = redis.call('HGET', KEYS[2], ARGV[1])
+if not record or cjson.decode(record)['incarnation'] ~= tonumber(ARGV[2]) then
+  return 0
+end
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('SREM', KEYS[1], ARGV[1])
+return 1
+"""
+
 # The heartbeat-key claim of `worker.init()`, which also leaves alone ranks held by a
 # `pstrain worker` claim and ranks that have finished. KEYS: heartbeat, rank key, finished
 # set; ARGV: payload, time to live in ms, rank.
@@ -245,6 +271,9 @@ class Keys:
 
     def left(self) -> str:
         return self.prefix + "left"
+
+    def voided(self) -> str:
+        return self.prefix + "voided"
 
     def live(self) -> str:
         return self.prefix + "live"
@@ -386,7 +415,7 @@ class JobStore:
                 pipe.delete(key)
         pipe.delete(self.keys.checkpoints(), self.keys.finished(), self.keys.members("worker"),
                     self.keys.members("server"), self.keys.checkpoint_request(),
-                    self.keys.left(), self.keys.live())
+                    self.keys.left(), self.keys.live(), self.keys.voided())
         pipe.delete(self.keys.fenced(), self.keys.suspects(), self.keys.suspicions(),
                     self.keys.membership(), self.keys.bad(), self.keys.stopped(),
                     self.keys.served())
@@ -615,14 +644,21 @@ class JobStore:
 
     # ---- finishing and barriers --------------------------------------------------------------
 
-    def finish_worker(self, rank: int, incarnation: int, clock: int) -> None:
+    def finish_worker(self, rank: int, incarnation: int, clock: int) -> bool:
         """Records that worker `rank` (this `incarnation`) finished at `clock`: the rank is
-        never claimed again, and the scheduler takes it out of the membership."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.sadd(self.keys.finished(), str(rank))
-        pipe.hset(self.keys.left(), str(rank), json.dumps(
-            {"incarnation": incarnation, "clock": clock, "time": time.time()}))
-        pipe.execute()
+        never claimed again, and the scheduler takes it out of the membership. False (nothing
+        written) when a sync rollback voided this incarnation's finish (`void_finish`)."""
+        record = json.dumps({"incarnation": incarnation, "clock": clock, "time": time.time()})
+        keys = (self.keys.finished(), self.keys.left(), self.keys.voided())
+        return bool(self.redis.eval(_FINISH, 3, *keys, rank, incarnation, record))
+
+    def void_finish(self, rank: int, incarnation: int) -> bool:
+        """Takes back the finish that `incarnation` of worker `rank` recorded (a sync rollback
+        went to a checkpoint before it): the rank is unfinished again, and that incarnation
+        cannot record its finish any more. False when its record is not there (another
+        incarnation's, or none)."""
+        keys = (self.keys.finished(), self.keys.left(), self.keys.voided())
+        return bool(self.redis.eval(_VOID_FINISH, 3, *keys, rank, incarnation))
 
     def mark_finished(self, rank: int) -> None:
         """Records that rank `rank`'s script exited with status 0 (the process is gone), and

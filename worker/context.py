@@ -112,6 +112,8 @@ class WorkerContext:
     # Guards `finished`, `closed` and `barrier_rounds`; held through finish() and close().
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     finished: bool = False
+    # `finish()` has written its record (it may still wait for the servers to let go).
+    finishing: bool = False
     closed: bool = False
     # Per barrier name, the rounds this process has passed: the next call waits at the next.
     barrier_rounds: dict[str, int] = field(default_factory=dict)
@@ -166,6 +168,10 @@ class WorkerContext:
         "finished", not "dead". Send the last step's gradients first (`PSOptimizer.flush()`
         or `close()`); pulls still work afterwards, pushes do not (sync).
 
+        A sync rollback to a checkpoint before this finish, while it waits, voids it (the
+        steps past the checkpoint are undone): the process then restarts with the others and
+        trains them again.
+
         Idempotent; thread-safe. Raises FinishTimeoutError when the servers still list this
         worker after `timeout_s` (the record stays: the scheduler applies it when it can).
         """
@@ -181,28 +187,39 @@ class WorkerContext:
                 return
             deadline = self.monotonic() + timeout_s
             incarnation, clock = self.client.incarnation, self.client.clock
-            recorded = False
+            # None: not written yet (Redis unreachable); False: a sync rollback voided it.
+            written: bool | None = None
 
             def record() -> bool:
-                store.finish_worker(self.rank, incarnation, clock)
-                return True
+                return store.finish_worker(self.rank, incarnation, clock)
 
             def left() -> bool:
                 # The record is written again at every poll (it is idempotent) until the
                 # servers let go: a Redis that restarted empty since the last write lost it,
-                # and the scheduler applies only what it reads.
-                nonlocal recorded
-                if not ride_out("finish", record, False):
+                # and the scheduler applies only what it reads. A voided finish is not
+                # written: this process restarts when it sees the rollback.
+                nonlocal written
+                answer = ride_out("finish", record, None)
+                if answer is None:
                     return False
-                recorded = True
-                return not self.client.live_on()
+                written = answer
+                self.finishing = self.finishing or answer
+                return answer and not self.client.live_on()
 
-            self._poll(left, deadline, FinishTimeoutError, lambda: (
-                f"worker {self.rank} of job {self.job!r} recorded that it finished, but "
-                f"shards {self.client.live_on()} still listed it live after {timeout_s:g} s: "
-                "is the job's scheduler running? (it applies the record when it can)"
-                if recorded else f"worker {self.rank} could not record in Redis that it "
-                f"finished within {timeout_s:g} s (Redis unreachable?)"))
+            def why() -> str:
+                if written is None:
+                    return (f"worker {self.rank} could not record in Redis that it finished "
+                            f"within {timeout_s:g} s (Redis unreachable?)")
+                if not written:
+                    return (f"worker {self.rank} of job {self.job!r} finished at clock {clock}, "
+                            "but a sync rollback to an earlier checkpoint voided its finish, "
+                            f"and it did not see that rollback within {timeout_s:g} s")
+                return (f"worker {self.rank} of job {self.job!r} recorded that it finished, "
+                        f"but shards {self.client.live_on()} still listed it live after "
+                        f"{timeout_s:g} s: is the job's scheduler running? (it applies the "
+                        "record when it can)")
+
+            self._poll(left, deadline, FinishTimeoutError, why)
             if self.heartbeat is not None:
                 self.heartbeat.stop(forget=True)
                 self.heartbeat = None
@@ -375,9 +392,12 @@ def init(*, timeout_s: float = 120.0, env: Mapping[str, str] | None = None) -> W
         # this process was declared dead (the job went on without it; it never rejoins as
         # itself). Its supervisor (pstrain up, pstrain worker, systemd) starts it again and
         # the new incarnation rejoins: at the checkpoint's clock, or at the open clock.
-        if ctx.finished:
-            # Its training is done and out of the membership: running it again would train
+        if (ctx.finished or ctx.finishing) and ride_out(
+                "finished", lambda: rank in store.finished_ranks(), True):
+            # Its training is done, at or before the checkpoint: running it again would train
             # the rank twice. It takes the new generation, to pull (evaluate) what is there.
+            # (A finish past the checkpoint is voided by the scheduler, before any shard is
+            # restored: this process then restarts with the others and trains those steps.)
             client.generation = max(client.generation,
                                     ride_out("generation", store.generation, 0))
             log.warning("worker %d of job %r finished before the job rolled back; it stays "

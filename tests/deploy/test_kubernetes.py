@@ -693,9 +693,10 @@ def test_the_manifests_train_to_completion_through_killed_processes(
     procs: Procs, tmp_path: Path,
 ) -> None:
     docs = render_with(tmp_path, {
-        # All of MovieLens-100k in batches of 256: about 600 clocks, long enough for the
-        # faults below to land while the job trains.
-        "PSTRAIN_EPOCHS": "4", "PSTRAIN_BATCH_SIZE": "256", "PSTRAIN_MAX_SAMPLES": "100000",
+        # All of MovieLens-100k in batches of 256: about 1250 clocks, long enough for the
+        # faults below to land while the job trains, also on a loaded machine (with 4
+        # epochs, training ended before the server's kill there).
+        "PSTRAIN_EPOCHS": "8", "PSTRAIN_BATCH_SIZE": "256", "PSTRAIN_MAX_SAMPLES": "100000",
         "PSTRAIN_CHECKPOINT_EVERY_CLOCKS": "20",
     })
     cluster = LocalCluster(docs, procs)
@@ -812,7 +813,7 @@ def test_the_manifests_train_to_completion_through_killed_processes(
         assert last.exit_codes == [0] and last.proc is not None
         result = last_json(last.proc)  # what `kubectl logs` of the index's pod shows
         assert result["rank"] == rank, result
-        assert result["train_samples"] == 40000 and result["epochs"] == 4, result
+        assert result["train_samples"] == 40000 and result["epochs"] == 8, result
         assert result["test_auc"] > 0.7, result
 
     # Checkpoints: each server's claim holds its own shard of every checkpoint (and, in a

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.finishing import Departures, barrier_missing
+from scheduler.finishing import Departures, barrier_missing, finishes_past
 
 
 @pytest.mark.parametrize(
@@ -74,3 +74,36 @@ def test_barrier_missing(expected: list[int], registered: dict[int, int],
                          left: dict[int, int], arrived: dict[int, int],
                          missing: list[int]) -> None:
     assert barrier_missing(expected, registered, left, arrived) == missing
+
+
+@pytest.mark.parametrize(
+    ("left", "clock", "beating", "void", "undone"),
+    [
+        # A finish at or before the checkpoint's clock stands, beating or not.
+        ({1: {"incarnation": 11, "clock": 30}}, 30, {1: 11}, {}, {}),
+        ({1: {"incarnation": 11, "clock": 12}}, 30, {}, {}, {}),
+        # Past it, still in ctx.finish(): void, it trains those steps again.
+        ({1: {"incarnation": 11, "clock": 31}}, 30, {0: 10, 1: 11}, {1: 11}, {}),
+        # Past it, its process gone (or another incarnation beats): steps lost, recorded.
+        ({1: {"incarnation": 11, "clock": 60}}, 30, {0: 10}, {}, {1: 60}),
+        ({1: {"incarnation": 11, "clock": 60}}, 30, {1: 12}, {}, {1: 60}),
+        # A record without a clock (written before clocks were kept) stands.
+        ({1: {"incarnation": 11}}, 30, {1: 11}, {}, {}),
+        # Several at once, in rank order.
+        ({2: {"incarnation": 12, "clock": 50}, 1: {"incarnation": 11, "clock": 40},
+          0: {"incarnation": 10, "clock": 20}}, 30, {1: 11}, {1: 11}, {2: 50}),
+    ],
+)
+def test_finishes_past_a_rollback_s_checkpoint(
+    left: dict[int, dict[str, int]], clock: int, beating: dict[int, int],
+    void: dict[int, int], undone: dict[int, int],
+) -> None:
+    assert finishes_past(left, clock, beating) == (void, undone)
+
+
+def test_a_voided_finish_is_forgotten() -> None:
+    departures = Departures()
+    departures.update({1}, {1: 11}, {1: 11})
+    departures.forget(1)
+    departures.forget(2)  # never finished: nothing to forget
+    assert departures.departed({1: 11}) == set()

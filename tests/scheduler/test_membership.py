@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.membership import MembershipTracker, Transition, merged_changes
+from scheduler.membership import MembershipTracker, Transition, describe_change, merged_changes
 
 Observed = dict[int, int | None]
 
@@ -188,3 +188,17 @@ def test_records_of_worker_changes_merge_once_each_in_time_order(
 def test_merged_records_keep_the_newest() -> None:
     many = [change(t, 0, "dead" if t % 2 else "joined") for t in range(10)]
     assert merged_changes(many[5:], many[:5], kept=3) == many[7:]
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"worker": 1, "change": "dead", "clock": 40}, "worker 1 left (dead) at clock 40"),
+        ({"worker": 1, "change": "joined", "clock": 52}, "worker 1 joined at clock 52"),
+        ({"worker": 2, "change": "undone", "clock": 60, "checkpoint": 30},
+         "worker 2's steps from clock 30 to 60 were undone by a rollback after it had "
+         "finished and exited"),
+    ],
+)
+def test_a_change_of_the_workers_in_words(change: dict[str, object], words: str) -> None:
+    assert describe_change(change) == words

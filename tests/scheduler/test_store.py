@@ -266,3 +266,23 @@ def test_departures_read_a_finish_and_an_exit_together(procs: Procs) -> None:
     finished, left = store.departures()
     assert finished == {0, 1}
     assert {rank: (r["incarnation"], r["clock"]) for rank, r in left.items()} == {1: (4, 12)}
+
+
+def test_a_voided_finish_is_gone_and_that_incarnation_cannot_record_it_again(
+    procs: Procs,
+) -> None:
+    store = JobStore.connect(procs.redis().address, "voided", timeout_s=5)
+    big = 1796301826452398  # incarnations are microsecond times: past a Lua integer's print
+    assert store.finish_worker(1, incarnation=big, clock=30)
+    assert store.finish_worker(2, incarnation=5, clock=30)
+    assert not store.void_finish(1, big + 1)  # another incarnation's record: left alone
+    assert not store.void_finish(3, 5)  # no record
+    assert store.departures()[0] == {1, 2}
+    assert store.void_finish(1, big)
+    finished, left = store.departures()
+    assert finished == {2} and set(left) == {2}
+    assert store.finished_ranks() == {2}
+    assert not store.finish_worker(1, incarnation=big, clock=30)  # the voided one, again
+    assert store.departures()[0] == {2}
+    assert store.finish_worker(1, incarnation=big + 1, clock=30)  # its restarted process
+    assert store.departures()[0] == {1, 2}

@@ -14,7 +14,7 @@ from typing import Any, cast
 import pytest
 import torch
 from beats import live_server_pid, worker_clock
-from procs import REPO, Procs, wait_until
+from procs import REPO, Proc, Procs, wait_until
 
 from scheduler.store import Event, JobStore
 from worker.client import PSClient
@@ -166,6 +166,89 @@ def test_a_finished_worker_that_a_rollback_catches_stays_finished(procs: Procs) 
     assert results[0]["w"] == results[1]["w"]  # both pulled the end of the rolled-back job
     worker1_log = (procs.workdir / "logs" / "worker1.log").read_text(errors="replace")
     assert "finished before the job rolled back; it stays finished" in worker1_log
+
+
+ROLLED_STEPS, ROLLED_SHORT, ROLLED_TO = 100, 60, 30
+
+
+def up_with_a_checkpoint_before_rank_1_finishes(procs: Procs, job: str) -> tuple[JobStore, Proc]:
+    """A 2 + 2 sync job of ROLLED_STEPS steps, rank 1 ROLLED_SHORT of them (then it finishes
+    and waits at a barrier), with one checkpoint, at clock ROLLED_TO, once it is written."""
+    redis = procs.redis().address
+    store = JobStore.connect(redis, job)
+    up = procs.pstrain(["up", "--redis", redis, "--job", job, "--servers", "2",
+                        "--workers", "2", "--mode", "sync", "--restart", "--no-view",
+                        "--checkpoint-dir", str(procs.workdir / "ckpt"), "--log-dir",
+                        str(procs.workdir / "logs"), JOB_WORKER, "--", "--steps",
+                        str(ROLLED_STEPS), "--steps-of", f"1={ROLLED_SHORT}", "--sleep-ms", "50",
+                        "--finish", "--barrier", "trained", "--out",
+                        str(procs.workdir / "out")], "up")
+    wait_until(lambda: worker_clock(store, 1) >= 0, 90, "training to start")
+    store.request_checkpoint("early", ROLLED_TO)  # as `pstrain checkpoint` asks, at a clock
+    wait_until(lambda: "early" in dict(store.complete_checkpoints(2)), 60, "the checkpoint")
+    assert worker_clock(store, 1) < ROLLED_SHORT - 10, "rank 1 is about to finish: raise steps"
+    return store, up
+
+
+def test_a_worker_still_finishing_when_the_job_rolls_back_past_its_finish_trains_again(
+    procs: Procs,
+) -> None:
+    # Rank 1 finishes at clock 60, after the checkpoint the job later rolls back to. With the
+    # scheduler paused no server lets it go, so it is still in ctx.finish() (beating) when
+    # server 0 dies. The rollback undoes its steps past the checkpoint, so its finish is
+    # voided: it restarts with rank 0, trains them again and finishes again, and the job
+    # ends with the uninterrupted result.
+    store, up = up_with_a_checkpoint_before_rank_1_finishes(procs, "voided")
+    leader = store.leader()
+    assert leader is not None
+    scheduler = int(leader.split(":")[1])
+    os.kill(scheduler, signal.SIGSTOP)
+    try:
+        wait_until(lambda: 1 in store.departures()[1], 60, "rank 1's finish record")
+        assert store.departures()[1][1]["clock"] == ROLLED_SHORT
+        assert store.heartbeats("worker", [1])[1] is not None  # it waits to be let go
+        os.kill(live_server_pid(store, 0), signal.SIGKILL)  # restarted by pstrain up
+    finally:
+        os.kill(scheduler, signal.SIGCONT)
+    rollback = wait_until(lambda: worker_events(store, "unfinished") and next(
+        (e for e in store.events() if e.type == "rollback"), None), 90, "the rollback")
+    assert rollback.detail["clock"] == ROLLED_TO, rollback  # type: ignore[attr-defined]
+    assert up.popen.wait(timeout=120) == 0, up.log()[-5000:]
+    result = summary(up.log())
+    assert result["restarts"].get("worker1") == 1, result
+    assert result["membership_changes"] == [], result
+    expected = local_sync_run(2, ROLLED_STEPS, steps_of={1: ROLLED_SHORT})
+    assert [r["clock"] for r in finals(procs, 2)] == [ROLLED_STEPS, ROLLED_SHORT]
+    for r in finals(procs, 2):
+        torch.testing.assert_close(torch.tensor(r["w"]), expected, atol=1e-6, rtol=0)
+    scheduler_log = (procs.workdir / "logs" / "scheduler.log").read_text(errors="replace")
+    assert "worker 1 finished past checkpoint 'early'" in scheduler_log
+
+
+def test_steps_a_rollback_undoes_after_a_worker_finished_for_good_are_on_the_record(
+    procs: Procs,
+) -> None:
+    # The same, but rank 1 was let go before server 0 dies: it no longer beats (it waits at
+    # the barrier), so nothing can take its steps 30..59 again. It stays finished, the job
+    # ends without them, and `pstrain up` says so, as for any change of a sync job's workers.
+    store, up = up_with_a_checkpoint_before_rank_1_finishes(procs, "undone")
+    wait_until(lambda: worker_events(store, "finished"), 60, "rank 1 to finish and be let go")
+    os.kill(live_server_pid(store, 0), signal.SIGKILL)  # restarted by pstrain up
+    assert up.popen.wait(timeout=180) == 0, up.log()[-5000:]
+    result = summary(up.log())
+    assert "worker1" not in result["restarts"], result
+    changes = [(c["worker"], c["change"], c["checkpoint"], c["clock"])
+               for c in result["membership_changes"]]
+    assert changes == [(1, "undone", ROLLED_TO, ROLLED_SHORT)], result
+    assert ("worker 1's steps from clock 30 to 60 were undone by a rollback after it had "
+            "finished and exited") in up.log()
+    assert worker_events(store, "unfinished") == []
+    # What the job computed: rank 1's gradients end at the checkpoint's clock.
+    expected = local_sync_run(2, ROLLED_STEPS, steps_of={1: ROLLED_TO})
+    results = finals(procs, 2)
+    assert results[0]["clock"] == ROLLED_STEPS
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["w"]), expected, atol=1e-6, rtol=0)
 
 
 def _context(store: JobStore, rank: int, incarnation: int, world_size: int = 3

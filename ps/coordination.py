@@ -83,6 +83,12 @@ def advertised(bind_host: str, port: int, advertise: str) -> str:
     return f"{bind_host}:{port}"
 
 
+# How long a stopping server lets its checkpoint writes finish: with gRPC's own 2 s grace,
+# under the 10 s that `pstrain up` and Docker Compose give a process between SIGTERM and
+# SIGKILL.
+DRAIN_S = 7.0
+
+
 class ServerCoordinator:
     """Keeps one server registered and heartbeating in its job. start/stop are thread-safe."""
 
@@ -121,6 +127,9 @@ class ServerCoordinator:
             self._listed = (restored, {int(k): dict(v) for k, v in entries.items()})
         self._handled: str | None = None
         self._deferred: str | None = None  # the request last put off for an earlier write
+        # Checkpoint writes under way (their threads), which `stop` lets finish.
+        self._writing = 0
+        self._written = threading.Condition()
         # Only the newest request matters: one already pending when this process starts
         # belongs to an earlier incarnation's time.
         request = ride_out("checkpoint", store.checkpoint_request, None)
@@ -200,6 +209,18 @@ class ServerCoordinator:
             threading.Thread(target=self._write, args=(state,), daemon=True).start()
 
     def _write(self, state: ShardState | Skipped) -> None:
+        """Writes, lists and (a full one) applies retention to one snapshot; `stop` waits
+        for it."""
+        with self._written:
+            self._writing += 1
+        try:
+            self._write_listed(state)
+        finally:
+            with self._written:
+                self._writing -= 1
+                self._written.notify_all()
+
+    def _write_listed(self, state: ShardState | Skipped) -> None:
         if isinstance(state, Skipped):
             # An event, so that `pstrain checkpoint` asks again at once (sync) or says why.
             log.warning("shard %d: skipping checkpoint %s: %s", self.server.config.shard,
@@ -279,7 +300,18 @@ class ServerCoordinator:
         log.info("shard %d registered in job %r as %s", self.server.config.shard, self.spec.job,
                  self.address)
 
-    def stop(self) -> None:
+    def stop(self, drain_s: float = DRAIN_S) -> None:
+        """Lets the checkpoint writes under way finish (up to `drain_s`), so that a server
+        stopped at the end of a job, as training's last checkpoint is written, leaves it
+        listed and retention applied rather than half a directory; then leaves the job."""
+        deadline = time.monotonic() + drain_s
+        with self._written:
+            while self._writing and (left := deadline - time.monotonic()) > 0:
+                self._written.wait(left)
+            if self._writing:
+                log.warning("shard %d: stopping with %d checkpoint write(s) unfinished after "
+                            "%.0f s; the checkpoint stays incomplete (a restart ignores it)",
+                            self.server.config.shard, self._writing, drain_s)
         self.heartbeat.stop(forget=True)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -424,3 +425,29 @@ def test_a_checkpoint_asked_while_one_is_written_is_cut_after_that_write(
 
     assert torch.equal(value("c1"), torch.zeros(500_000))
     assert torch.equal(value("c2"), torch.full((500_000,), -1.0))
+
+
+def test_a_server_told_to_stop_finishes_the_checkpoint_it_is_writing(procs: Procs) -> None:
+    """SIGTERM during a (paced) checkpoint write: the server lets the write finish and lists
+    it before it exits, as at the end of a job, rather than leave half a directory."""
+    redis = procs.redis().address
+    store = JobStore.connect(redis, "drained")
+    directory = str(procs.workdir / "ckpt")
+    store.create_job(JobSpec(job="drained", servers=1, heartbeat_interval_s=0.1, mode="async",
+                             checkpoint_dir=directory, checkpoint_write_mb_s=1.0), adopt=False)
+    server = procs.server(extra=["--redis", redis, "--job", "drained"])
+    wait_until(lambda: 0 in store.members("server"), 30, "the server to join its job")
+    with PSClient([server.address]) as client:
+        client.declare_dense("w", [500_000], optimizer="sgd", lr=1.0)  # 2 MB: 2 s at 1 MB/s
+        client.push_dense("w", torch.ones(500_000))
+    store.request_checkpoint("last", -1)
+    wait_until(lambda: list(Path(directory).glob("drained/last/.shard-*.tmp-*")), 10,
+               "the write to begin")
+    os.kill(server.pid, signal.SIGTERM)
+    assert server.popen.wait(timeout=30) == 0, server.log()[-3000:]
+    entry = store.checkpoint("last")[0]
+    state = read_checkpoint(directory, "drained", "last", 0, 1, entry["sha256"])
+    assert torch.equal(next(t for t in state.tables if t.name == "w").tensors["value"],
+                       torch.full((500_000,), -1.0))
+    assert read_manifest(Path(directory) / "drained" / "last").complete
+    assert not list(Path(directory).glob("drained/last/.shard-*.tmp-*"))

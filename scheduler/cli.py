@@ -25,6 +25,7 @@ from protos import modes, security
 from protos.transport import ENV_VAR as ENV_TRANSPORT
 from protos.transport import PREFERENCE, TransportError, parse_choice
 from scheduler.admin import check_address, health, take_checkpoint
+from scheduler.entry import exec_server_side
 from scheduler.errors import ConfigError, CoordinationError
 from scheduler.launcher import UpConfig, status_of, up
 from scheduler.membership import describe_change
@@ -243,21 +244,13 @@ def _transport_env(a: argparse.Namespace) -> dict[str, str]:
     return {ENV_TRANSPORT: choice.name}
 
 
-# Subcommands that are server-side code (DESIGN.md: the CLI imports only protos and
-# scheduler), and the module each runs as.
-_SERVER_SIDE = {"server": "ps", "export": "ps.export", "plan": "ps.plan"}
-
-
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     parser = _parser()
     if not args:
         parser.print_help()
         return 2
-    if args[0] in _SERVER_SIDE:
-        # Server-side code runs as its own process (`python -m ps`, `ps.export`, `ps.plan`);
-        # exec replaces this one, so signals, exit status and pid belong to it.
-        os.execv(sys.executable, [sys.executable, "-m", _SERVER_SIDE[args[0]], *args[1:]])
+    exec_server_side(args)  # `python -m scheduler.cli server ...` too
     a = parser.parse_args(args)
     logging.basicConfig(level=os.environ.get("PSTRAIN_LOG_LEVEL", "INFO").upper(),
                         format=f"%(asctime)s %(levelname)s {a.command} %(name)s: %(message)s")

@@ -128,8 +128,9 @@ class Procs:
         raise RuntimeError("could not start redis-server")
 
     def pstrain(self, args: list[str], name: str, env: dict[str, str] | None = None) -> Proc:
-        """Starts `pstrain ARGS` (the CLI) as a process."""
-        return self.spawn([sys.executable, "-m", "scheduler.cli", *args], name, env)
+        """Starts `pstrain ARGS` (the CLI, through the entry point the script runs) as a
+        process."""
+        return self.spawn([sys.executable, "-m", "scheduler.entry", *args], name, env)
 
     def kill(self, proc: Proc, sig: int = signal.SIGKILL) -> None:
         """Sends `sig` to the process by pid and reaps it."""

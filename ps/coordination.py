@@ -127,9 +127,9 @@ class ServerCoordinator:
             self._listed = (restored, {int(k): dict(v) for k, v in entries.items()})
         self._handled: str | None = None
         self._deferred: str | None = None  # the request last put off for an earlier write
-        # Checkpoint writes under way (their threads), which `stop` lets finish.
-        self._writing = 0
-        self._written = threading.Condition()
+        # The threads that write checkpoints (each write has its own), which `stop` joins.
+        self._writers: set[threading.Thread] = set()
+        self._writers_lock = threading.Lock()
         # Only the newest request matters: one already pending when this process starts
         # belongs to an earlier incarnation's time.
         request = ride_out("checkpoint", store.checkpoint_request, None)
@@ -209,16 +209,12 @@ class ServerCoordinator:
             threading.Thread(target=self._write, args=(state,), daemon=True).start()
 
     def _write(self, state: ShardState | Skipped) -> None:
-        """Writes, lists and (a full one) applies retention to one snapshot; `stop` waits
-        for it."""
-        with self._written:
-            self._writing += 1
-        try:
-            self._write_listed(state)
-        finally:
-            with self._written:
-                self._writing -= 1
-                self._written.notify_all()
+        """Writes, lists and (a full one) applies retention to one snapshot, on a thread of
+        its own, which `stop` joins."""
+        with self._writers_lock:
+            self._writers = {t for t in self._writers if t.is_alive()}
+            self._writers.add(threading.current_thread())
+        self._write_listed(state)
 
     def _write_listed(self, state: ShardState | Skipped) -> None:
         if isinstance(state, Skipped):
@@ -305,13 +301,17 @@ class ServerCoordinator:
         stopped at the end of a job, as training's last checkpoint is written, leaves it
         listed and retention applied rather than half a directory; then leaves the job."""
         deadline = time.monotonic() + drain_s
-        with self._written:
-            while self._writing and (left := deadline - time.monotonic()) > 0:
-                self._written.wait(left)
-            if self._writing:
-                log.warning("shard %d: stopping with %d checkpoint write(s) unfinished after "
-                            "%.0f s; the checkpoint stays incomplete (a restart ignores it)",
-                            self.server.config.shard, self._writing, drain_s)
+        with self._writers_lock:
+            writers = [t for t in self._writers if t is not threading.current_thread()]
+        # Joined, not only waited for: a thread still running when the interpreter exits is
+        # stopped wherever it is, which aborts the process inside a native call.
+        for thread in writers:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        unfinished = sum(t.is_alive() for t in writers)
+        if unfinished:
+            log.warning("shard %d: stopping with %d checkpoint write(s) unfinished after %.0f s; "
+                        "the checkpoint stays incomplete (no restore uses it)",
+                        self.server.config.shard, unfinished, drain_s)
         self.heartbeat.stop(forget=True)
 
 

@@ -56,8 +56,8 @@ def finishes_past(left: Mapping[int, Mapping[str, Any]], clock: int,
 
     Returns (rank -> incarnation of those whose finishing process still beats: their finish
     is void, and they restart to train those steps again; rank -> the clock it finished at
-    of those whose process has stopped beating: steps the job cannot take again, since
-    nothing is left to restart). A finish at or before `clock` stands.
+    of those already let go, whose heartbeat has stopped: their process may have exited, so
+    the job does not take those steps again). A finish at or before `clock` stands.
     """
     void: dict[int, int] = {}
     undone: dict[int, int] = {}

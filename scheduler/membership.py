@@ -94,7 +94,7 @@ def describe_change(change: Mapping[str, Any]) -> str:
         return f"worker {rank} left (dead) at clock {clock}"
     if kind == "undone":
         return (f"worker {rank}'s steps from clock {change.get('checkpoint')} to {clock} were "
-                "undone by a rollback after it had finished and exited")
+                "undone by a rollback after it had finished and left")
     return f"worker {rank} joined at clock {clock}"
 
 

@@ -520,8 +520,9 @@ class Scheduler:
     def _void_finishes(self, rollback: _Rollback) -> None:
         """The rollback undoes the steps of clocks at and past its checkpoint's, those of
         workers that finished past it too. One still in `ctx.finish()` (beating) has its
-        finish voided: it restarts with the others and trains them again. One whose process
-        has stopped cannot: its lost steps are recorded as a change of the job's workers."""
+        finish voided: it restarts with the others and trains them again. One already let go
+        (its heartbeat stopped: it has exited, or evaluates on) does not: its lost steps are
+        recorded as a change of the job's workers."""
         clock = rollback.clock()
         void, undone = finishes_past(self.store.departures()[1], clock, self.workers.alive)
         for rank, incarnation in void.items():
@@ -539,14 +540,11 @@ class Scheduler:
             if rank in rollback.undone:
                 continue
             rollback.undone.add(rank)
-            self._record_change(rank, "undone", self._incarnation_of(rank), clock=finished_at,
-                                checkpoint=clock)
-            log.warning("worker %d finished at clock %d and has exited; the rollback to clock %d "
-                        "undoes its last %d steps, which no process is left to take again",
-                        rank, finished_at, clock, finished_at - clock)
-
-    def _incarnation_of(self, rank: int) -> int:
-        return self.departures.finished.get(rank) or 0
+            self._record_change(rank, "undone", self.departures.finished.get(rank) or 0,
+                                clock=finished_at, checkpoint=clock)
+            log.warning("worker %d finished at clock %d and was let go; the rollback to clock %d "
+                        "undoes its last %d steps, which it does not take again", rank,
+                        finished_at, clock, finished_at - clock)
 
     def _account(self) -> None:
         """The job has accounted for the servers' incarnations seen: recorded in Redis (a

@@ -197,7 +197,7 @@ def test_merged_records_keep_the_newest() -> None:
         ({"worker": 1, "change": "joined", "clock": 52}, "worker 1 joined at clock 52"),
         ({"worker": 2, "change": "undone", "clock": 60, "checkpoint": 30},
          "worker 2's steps from clock 30 to 60 were undone by a rollback after it had "
-         "finished and exited"),
+         "finished and left"),
     ],
 )
 def test_a_change_of_the_workers_in_words(change: dict[str, object], words: str) -> None:

@@ -241,7 +241,7 @@ def test_steps_a_rollback_undoes_after_a_worker_finished_for_good_are_on_the_rec
                for c in result["membership_changes"]]
     assert changes == [(1, "undone", ROLLED_TO, ROLLED_SHORT)], result
     assert ("worker 1's steps from clock 30 to 60 were undone by a rollback after it had "
-            "finished and exited") in up.log()
+            "finished and left") in up.log()
     assert worker_events(store, "unfinished") == []
     # What the job computed: rank 1's gradients end at the checkpoint's clock.
     expected = local_sync_run(2, ROLLED_STEPS, steps_of={1: ROLLED_TO})

@@ -526,9 +526,8 @@ class Scheduler:
         clock = rollback.clock()
         void, undone = finishes_past(self.store.departures()[1], clock, self.workers.alive)
         for rank, incarnation in void.items():
-            if rank in rollback.voided or not self.store.void_finish(rank, incarnation):
+            if not self.store.void_finish(rank, incarnation):
                 continue
-            rollback.voided.add(rank)
             self.departures.forget(rank)
             self._departed.discard(rank)
             self.store.event("unfinished", "worker", rank, incarnation=incarnation,
@@ -619,9 +618,8 @@ class _Rollback:
     unsigned: set[str] = field(default_factory=set)
     # The chosen checkpoint's entries (shard -> {path, sha256, nbytes, clock, mac}).
     entries: dict[int, dict[str, Any]] = field(default_factory=dict)
-    # Workers that finished past the checkpoint: their finish voided (they retrain), or,
-    # with no process left, their lost steps recorded.
-    voided: set[int] = field(default_factory=set)
+    # Workers let go after finishing past the checkpoint whose lost steps are recorded (a
+    # voided finish leaves no record to find again).
     undone: set[int] = field(default_factory=set)
 
     def clock(self) -> int:

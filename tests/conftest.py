@@ -95,7 +95,7 @@ def matches(nodeid: str, pattern: str) -> bool:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if item.nodeid.split("::")[0] in ALONE:
+        if any(matches(item.nodeid, pattern) for pattern in ALONE):
             item.add_marker(pytest.mark.alone)
         if any(matches(item.nodeid, pattern) for pattern in LONG):
             item.add_marker(pytest.mark.long)

@@ -112,7 +112,8 @@ class WorkerContext:
     # Guards `finished`, `closed` and `barrier_rounds`; held through finish() and close().
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     finished: bool = False
-    # `finish()` has written its record (it may still wait for the servers to let go).
+    # `finish()` has written its record: it may still wait for the servers to let go, and it
+    # stays True once `finished` is.
     finishing: bool = False
     closed: bool = False
     # Per barrier name, the rounds this process has passed: the next call waits at the next.
@@ -190,16 +191,14 @@ class WorkerContext:
             # None: not written yet (Redis unreachable); False: a sync rollback voided it.
             written: bool | None = None
 
-            def record() -> bool:
-                return store.finish_worker(self.rank, incarnation, clock)
-
             def left() -> bool:
                 # The record is written again at every poll (it is idempotent) until the
                 # servers let go: a Redis that restarted empty since the last write lost it,
                 # and the scheduler applies only what it reads. A voided finish is not
                 # written: this process restarts when it sees the rollback.
                 nonlocal written
-                answer = ride_out("finish", record, None)
+                answer = ride_out(
+                    "finish", lambda: store.finish_worker(self.rank, incarnation, clock), None)
                 if answer is None:
                     return False
                 written = answer
@@ -392,7 +391,7 @@ def init(*, timeout_s: float = 120.0, env: Mapping[str, str] | None = None) -> W
         # this process was declared dead (the job went on without it; it never rejoins as
         # itself). Its supervisor (pstrain up, pstrain worker, systemd) starts it again and
         # the new incarnation rejoins: at the checkpoint's clock, or at the open clock.
-        if (ctx.finished or ctx.finishing) and ride_out(
+        if ctx.finishing and ride_out(
                 "finished", lambda: rank in store.finished_ranks(), True):
             # Its training is done, at or before the checkpoint: running it again would train
             # the rank twice. It takes the new generation, to pull (evaluate) what is there.

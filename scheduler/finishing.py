@@ -6,7 +6,8 @@ and only then stops its heartbeat. The scheduler reads those records after the h
 each poll, so a finished worker's heartbeat never seems to vanish first: `Departures` decides
 which ranks are out of the membership, and the scheduler calls the end of their heartbeat
 "finished", not "dead". `finishes_past` decides what a sync rollback does to workers that
-finished after its checkpoint, and `barrier_missing` whom a barrier still waits for.
+finished after its checkpoint, `exit_record` what a script that returned without
+`ctx.finish()` leaves on the record, and `barrier_missing` whom a barrier still waits for.
 """
 
 from __future__ import annotations
@@ -70,6 +71,26 @@ def finishes_past(left: Mapping[int, Mapping[str, Any]], clock: int,
         else:
             undone[rank] = finished_at
     return void, undone
+
+
+def exit_record(beat: Mapping[str, Any] | None, record: Mapping[str, Any] | None,
+                voided: int | None, now: float) -> dict[str, Any] | None:
+    """The finish record of a script that exited with status 0 without `ctx.finish()`,
+    taken from the last beat it left at exit (`beat`, marked "exiting", carries the clock it
+    stopped at), so a later rollback past that clock can say which steps it undid.
+
+    None (nothing to write) without such a beat, when the rank's `record` is already this
+    process's (it called `ctx.finish()`), or when a rollback voided this process's finish
+    (`voided`: that incarnation). A record of another process (an earlier run) is replaced.
+    """
+    if beat is None or not beat.get("exiting") or "clock" not in beat:
+        return None
+    incarnation = int(beat["incarnation"])
+    if voided == incarnation or (record is not None
+                                 and int(record.get("incarnation", -1)) == incarnation):
+        return None
+    return {"incarnation": incarnation, "clock": int(beat["clock"]), "time": now,
+            "exited": True}
 
 
 def barrier_missing(expected: Collection[int], registered: Mapping[int, int],

@@ -16,7 +16,7 @@ Every key of a job lives under the prefix ``pstrain:{job}:``:
 | ``generation`` | integer | raised by each sync rollback, never to a used value; workers restart |
 | ``rank:{rank}`` | string | the `pstrain worker` holding the rank: {holder, pid, host}; expires |
 | ``finished`` | set | ranks done (`ctx.finish()`, or exit status 0); never claimed again |
-| ``left`` | hash | rank -> JSON {incarnation, clock, time} of the process that finished |
+| ``left`` | hash | rank -> JSON {incarnation, clock, time[, exited]} of the process that finished |
 | ``voided`` | hash | rank -> the incarnation whose finish a sync rollback took back (it retrains) |
 | ``live`` | string | JSON list of the ranks the scheduler counts live (not dead or finished) |
 | ``barrier:{name}:{round}`` | hash | rank -> incarnation of each worker there; expires |
@@ -52,6 +52,7 @@ import redis
 import redis.exceptions
 
 from scheduler.errors import JobExistsError, RedisUnavailableError
+from scheduler.finishing import exit_record
 from scheduler.membership import MEMBERSHIP_KEPT
 from scheduler.spec import JobSpec
 
@@ -664,11 +665,25 @@ class JobStore:
         """Records that rank `rank`'s script exited with status 0 (the process is gone), and
         drops the last beat it left at exit: the scheduler announces the finish at its next
         poll instead of when that beat lapses (a job may end before then). A finished rank is
-        never claimed again, so the beat can only be the exited process's."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.sadd(self.keys.finished(), str(rank))
-        pipe.delete(self.keys.heartbeat("worker", rank))
-        pipe.execute()
+        never claimed again, so the beat can only be the exited process's. A script that
+        returned without `ctx.finish()` gets the finish record that call would have written,
+        with the clock of that last beat (`exit_record`)."""
+        finished, left, voided = self.keys.finished(), self.keys.left(), self.keys.voided()
+        beat_key = self.keys.heartbeat("worker", rank)
+
+        def mark(pipe: Any) -> None:
+            beat, record, void = pipe.get(beat_key), pipe.hget(left, str(rank)), pipe.hget(
+                voided, str(rank))
+            entry = exit_record(None if beat is None else json.loads(beat),
+                                None if record is None else json.loads(record),
+                                None if void is None else int(void), time.time())
+            pipe.multi()
+            pipe.sadd(finished, str(rank))
+            pipe.delete(beat_key)
+            if entry is not None:
+                pipe.hset(left, str(rank), json.dumps(entry))
+
+        self.redis.transaction(mark, beat_key, left, voided)
 
     def departures(self) -> tuple[set[int], dict[int, dict[str, Any]]]:
         """The finished ranks, and rank -> {incarnation, clock, time} of each worker that

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.finishing import Departures, barrier_missing, finishes_past
+from scheduler.finishing import Departures, barrier_missing, exit_record, finishes_past
 
 
 @pytest.mark.parametrize(
@@ -107,3 +107,32 @@ def test_a_voided_finish_is_forgotten() -> None:
     departures.forget(1)
     departures.forget(2)  # never finished: nothing to forget
     assert departures.departed({1: 11}) == set()
+
+
+EXITING = {"incarnation": 11, "clock": 60, "exiting": True}
+
+
+@pytest.mark.parametrize(
+    ("beat", "record", "voided", "written"),
+    [
+        # A script that returned: its last beat's clock is where it finished.
+        (EXITING, None, None, {"incarnation": 11, "clock": 60, "time": 5.0, "exited": True}),
+        # An earlier run's record of the rank is replaced.
+        (EXITING, {"incarnation": 3, "clock": 9}, None,
+         {"incarnation": 11, "clock": 60, "time": 5.0, "exited": True}),
+        # It called ctx.finish(): its own record stands.
+        (EXITING, {"incarnation": 11, "clock": 58}, None, None),
+        # No beat, a beat not left at exit (its clock may be stale), or one without a clock.
+        (None, None, None, None),
+        ({"incarnation": 11, "clock": 60}, None, None, None),
+        ({"incarnation": 11, "exiting": True}, None, None, None),
+        # A rollback voided this process's finish: it may not record one again.
+        (EXITING, None, 11, None),
+        (EXITING, None, 10, {"incarnation": 11, "clock": 60, "time": 5.0, "exited": True}),
+    ],
+)
+def test_the_record_of_a_script_that_returned_without_finishing(
+    beat: dict[str, object] | None, record: dict[str, int] | None, voided: int | None,
+    written: dict[str, object] | None,
+) -> None:
+    assert exit_record(beat, record, voided, 5.0) == written

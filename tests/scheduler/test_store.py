@@ -268,6 +268,23 @@ def test_departures_read_a_finish_and_an_exit_together(procs: Procs) -> None:
     assert {rank: (r["incarnation"], r["clock"]) for rank, r in left.items()} == {1: (4, 12)}
 
 
+def test_an_exit_without_finish_is_recorded_at_the_clock_of_the_last_beat(
+    procs: Procs,
+) -> None:
+    store = JobStore.connect(procs.redis().address, "exited", timeout_s=5)
+    big = 1796301826452398  # a microsecond incarnation, kept exact through the record
+    store.beat("worker", 0, {"incarnation": big, "clock": 41, "exiting": True}, ttl_s=30)
+    store.finish_worker(1, incarnation=7, clock=12)
+    store.beat("worker", 1, {"incarnation": 7, "clock": 13, "exiting": True}, ttl_s=30)
+    store.mark_finished(0)
+    store.mark_finished(1)
+    finished, left = store.departures()
+    assert finished == {0, 1}
+    assert {rank: (r["incarnation"], r["clock"]) for rank, r in left.items()} == {
+        0: (big, 41), 1: (7, 12)}  # rank 1's own ctx.finish() record stands
+    assert store.heartbeats("worker", [0, 1]) == {0: None, 1: None}
+
+
 def test_a_voided_finish_is_gone_and_that_incarnation_cannot_record_it_again(
     procs: Procs,
 ) -> None:

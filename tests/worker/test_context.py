@@ -171,9 +171,15 @@ def test_a_finished_worker_that_a_rollback_catches_stays_finished(procs: Procs) 
 ROLLED_STEPS, ROLLED_SHORT, ROLLED_TO = 100, 60, 30
 
 
-def up_with_a_checkpoint_before_rank_1_finishes(procs: Procs, job: str) -> tuple[JobStore, Proc]:
-    """A 2 + 2 sync job of ROLLED_STEPS steps, rank 1 ROLLED_SHORT of them (then it finishes
-    and waits at a barrier), with one checkpoint, at clock ROLLED_TO, once it is written."""
+FINISH_AND_WAIT = ("--finish", "--barrier", "trained")
+
+
+def up_with_a_checkpoint_before_rank_1_finishes(
+    procs: Procs, job: str, ending: tuple[str, ...] = FINISH_AND_WAIT,
+) -> tuple[JobStore, Proc]:
+    """A 2 + 2 sync job of ROLLED_STEPS steps, rank 1 ROLLED_SHORT of them (then each script
+    ends as `ending` says: by default it finishes and waits at a barrier), with one
+    checkpoint, at clock ROLLED_TO, once it is written."""
     redis = procs.redis().address
     store = JobStore.connect(redis, job)
     up = procs.pstrain(["up", "--redis", redis, "--job", job, "--servers", "2",
@@ -181,7 +187,7 @@ def up_with_a_checkpoint_before_rank_1_finishes(procs: Procs, job: str) -> tuple
                         "--checkpoint-dir", str(procs.workdir / "ckpt"), "--log-dir",
                         str(procs.workdir / "logs"), JOB_WORKER, "--", "--steps",
                         str(ROLLED_STEPS), "--steps-of", f"1={ROLLED_SHORT}", "--sleep-ms", "50",
-                        "--finish", "--barrier", "trained", "--out",
+                        *ending, "--out",
                         str(procs.workdir / "out")], "up")
     wait_until(lambda: worker_clock(store, 1) >= 0, 90, "training to start")
     store.request_checkpoint("early", ROLLED_TO)  # as `pstrain checkpoint` asks, at a clock
@@ -225,13 +231,17 @@ def test_a_worker_still_finishing_when_the_job_rolls_back_past_its_finish_trains
     assert "worker 1 finished past checkpoint 'early'" in scheduler_log
 
 
+@pytest.mark.parametrize("ending", [FINISH_AND_WAIT, ("--end", "return")],
+                         ids=["finished", "returned"])
 def test_steps_a_rollback_undoes_after_a_worker_finished_for_good_are_on_the_record(
-    procs: Procs,
+    procs: Procs, ending: tuple[str, ...],
 ) -> None:
     # The same, but rank 1 was let go before server 0 dies: it no longer beats (it waits at
     # the barrier), so nothing can take its steps 30..59 again. It stays finished, the job
     # ends without them, and `pstrain up` says so, as for any change of a sync job's workers.
-    store, up = up_with_a_checkpoint_before_rank_1_finishes(procs, "undone")
+    # So too when its script returned without ctx.finish() or ctx.close() and exited: the
+    # clock of its last beat is where it finished.
+    store, up = up_with_a_checkpoint_before_rank_1_finishes(procs, "undone", ending)
     wait_until(lambda: worker_events(store, "finished"), 60, "rank 1 to finish and be let go")
     os.kill(live_server_pid(store, 0), signal.SIGKILL)  # restarted by pstrain up
     assert up.popen.wait(timeout=180) == 0, up.log()[-5000:]
@@ -247,7 +257,8 @@ def test_steps_a_rollback_undoes_after_a_worker_finished_for_good_are_on_the_rec
     expected = local_sync_run(2, ROLLED_STEPS, steps_of={1: ROLLED_TO})
     results = finals(procs, 2)
     assert results[0]["clock"] == ROLLED_STEPS
-    for r in results:
+    # A script that returned waited for no one: its final pull saw an earlier model.
+    for r in results if ending == FINISH_AND_WAIT else results[:1]:
         torch.testing.assert_close(torch.tensor(r["w"]), expected, atol=1e-6, rtol=0)
 
 

@@ -506,6 +506,7 @@ class Scheduler:
         if len(done) < self.spec.servers:
             return
         clock = rollback.clock()
+        self._record_undone(rollback)
         generation = self._generation = rollback.generation
         until = self._now() + self.restart_grace_s
         self._restarting = {rank: until for rank in self.live_workers()}
@@ -521,10 +522,9 @@ class Scheduler:
         """The rollback undoes the steps of clocks at and past its checkpoint's, those of
         workers that finished past it too. One still in `ctx.finish()` (beating) has its
         finish voided: it restarts with the others and trains them again. One already let go
-        (its heartbeat stopped: it has exited, or evaluates on) does not: its lost steps are
-        recorded as a change of the job's workers."""
+        (its heartbeat stopped: it has exited, or evaluates on) does not (`_record_undone`)."""
         clock = rollback.clock()
-        void, undone = finishes_past(self.store.departures()[1], clock, self.workers.alive)
+        void, _ = finishes_past(self.store.departures()[1], clock, self.workers.alive)
         for rank, incarnation in void.items():
             if not self.store.void_finish(rank, incarnation):
                 continue
@@ -535,10 +535,18 @@ class Scheduler:
             log.warning("worker %d finished past checkpoint %r (clock %d) and is still running: "
                         "its finish is void; it restarts and trains again from there", rank,
                         rollback.target, clock)
+
+    def _record_undone(self, rollback: _Rollback) -> None:
+        """Once every shard is back at the checkpoint (the one restored: a checkpoint some
+        shard could not read sends the rollback to an older one), each finish still standing
+        past its clock is of a worker that does not take those steps again: recorded as a
+        change of the job's workers."""
+        clock = rollback.clock()
+        _, undone = finishes_past(self.store.departures()[1], clock, {})
         for rank, finished_at in undone.items():
             if rank in rollback.undone:
                 continue
-            rollback.undone.add(rank)
+            rollback.undone.add(rank)  # a poll that fails after this does not record it twice
             self._record_change(rank, "undone", self.departures.finished.get(rank) or 0,
                                 clock=finished_at, checkpoint=clock)
             log.warning("worker %d finished at clock %d and was let go; the rollback to clock %d "

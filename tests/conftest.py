@@ -77,9 +77,12 @@ LONG = (
     "tests/scheduler/test_scheduler.py::test_an_async_worker_that_ran_ahead_*",
     # A checkpoint on demand then resumed: the async cut's test resumes from one by default.
     "tests/scheduler/test_launcher.py::test_checkpoint_on_demand_then_resume_from_it",
-    # A pause beside a CPU hog, a rollback that catches a finished worker.
+    # A pause beside a CPU hog, a rollback that catches a finished worker, undone steps of
+    # a script that returned without ctx.finish() and of a rollback that falls back.
     "tests/scheduler/test_detector.py::test_under_a_cpu_hog_*",
     "tests/worker/test_context.py::test_a_finished_worker_that_a_rollback_catches_*",
+    "tests/worker/test_context.py::test_steps_a_rollback_undoes_*[returned]",
+    "tests/worker/test_context.py::test_undone_steps_are_counted_from_the_checkpoint_*",
 )
 
 

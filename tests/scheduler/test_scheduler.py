@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from beats import live_beats, live_server_pid, worker_clock
+from damage import corrupt
 from procs import REPO, Proc, Procs, wait_until
 
 from ps.checkpoint import latest_complete, list_checkpoints
@@ -683,13 +684,6 @@ def test_a_failing_checkpoint_is_an_event_that_status_shows(procs: Procs) -> Non
 
 
 # ---- bad checkpoints: marked, skipped, and a job that stops when none verifies -------------
-
-
-def corrupt(path: Path) -> None:
-    """Flips the last bytes (tensor data: only the digest tells)."""
-    data = bytearray(path.read_bytes())
-    data[-8:] = bytes(b ^ 0xFF for b in data[-8:])
-    path.write_bytes(data)
 
 
 def events_of(store: JobStore, kind: str) -> list[Any]:

@@ -14,6 +14,7 @@ from typing import Any, cast
 import pytest
 import torch
 from beats import live_server_pid, worker_clock
+from damage import corrupt
 from procs import REPO, Proc, Procs, wait_until
 
 from scheduler.store import Event, JobStore
@@ -259,6 +260,30 @@ def test_steps_a_rollback_undoes_after_a_worker_finished_for_good_are_on_the_rec
     assert results[0]["clock"] == ROLLED_STEPS
     # A script that returned waited for no one: its final pull saw an earlier model.
     for r in results if ending == FINISH_AND_WAIT else results[:1]:
+        torch.testing.assert_close(torch.tensor(r["w"]), expected, atol=1e-6, rtol=0)
+
+
+def test_undone_steps_are_counted_from_the_checkpoint_a_rollback_falls_back_to(
+    procs: Procs,
+) -> None:
+    # A second checkpoint, at clock 45, is unreadable on the live shard 1: the rollback
+    # first chooses it (the restarted shard 0 restored its own, sound part), then falls back
+    # to the one at clock 30. Rank 1, let go at clock 60, lost its steps from 30, not 45.
+    store, up = up_with_a_checkpoint_before_rank_1_finishes(procs, "fallback")
+    store.request_checkpoint("late", ROLLED_TO + 15)
+    wait_until(lambda: "late" in dict(store.complete_checkpoints(2)), 60, "the second one")
+    corrupt(procs.workdir / "ckpt" / "fallback" / "late" / "shard-1-of-2.safetensors")
+    wait_until(lambda: worker_events(store, "finished"), 60, "rank 1 to finish and be let go")
+    os.kill(live_server_pid(store, 0), signal.SIGKILL)  # restarted by pstrain up
+    assert up.popen.wait(timeout=180) == 0, up.log()[-5000:]
+    rollback = next(e for e in store.events() if e.type == "rollback")
+    assert rollback.detail["checkpoint"] == "early", rollback
+    assert "late" in store.bad_checkpoints()
+    changes = [(c["worker"], c["change"], c["checkpoint"], c["clock"])
+               for c in summary(up.log())["membership_changes"]]
+    assert changes == [(1, "undone", ROLLED_TO, ROLLED_SHORT)], changes
+    expected = local_sync_run(2, ROLLED_STEPS, steps_of={1: ROLLED_TO})
+    for r in finals(procs, 2):
         torch.testing.assert_close(torch.tensor(r["w"]), expected, atol=1e-6, rtol=0)
 
 

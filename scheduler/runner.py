@@ -153,12 +153,14 @@ class RankClaim:
 
     def end(self, *, finished: bool) -> None:
         """Gives the rank up; with `finished` it is recorded as done and never run again
-        (the scheduler records the "finished" event when the script's heartbeat ends)."""
+        (`mark_finished`: with the clock its script stopped at, had it not called
+        `ctx.finish()`)."""
         if self.rank is None:
             return
-        rank = self.rank
-        ride_out("claim", lambda: self.store.end_rank(rank, self.holder, finished=finished),
-                 None)
+        rank, store = self.rank, self.store
+        if finished:
+            ride_out("finished", lambda: store.mark_finished(rank), None)
+        ride_out("claim", lambda: store.end_rank(rank, self.holder, finished=finished), None)
         self.rank = None
 
 

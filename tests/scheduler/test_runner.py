@@ -95,9 +95,10 @@ def start_job(procs: Procs, redis: str, job: str, workers: int) -> JobStore:
 
 
 def claiming_worker(procs: Procs, redis: str, job: str, out: Path, steps: int,
-                    name: str) -> Proc:
+                    name: str, *script_args: str) -> Proc:
     return procs.pstrain(["worker", "--redis", redis, "--job", job, JOB_WORKER, "--steps",
-                          str(steps), "--out", str(out), "--sleep-ms", "10"], name)
+                          str(steps), "--out", str(out), "--sleep-ms", "10", *script_args],
+                         name)
 
 
 def claimed_by(store: JobStore, pid: int) -> int | None:
@@ -131,7 +132,9 @@ def test_workers_without_ranks_share_the_job_and_a_spare_takes_a_dead_one_s_rank
     store = start_job(procs, redis, "spare", workers=2)
     out = procs.workdir / "out"
     steps = 120
-    first = [claiming_worker(procs, redis, "spare", out, steps, f"w{i}") for i in range(2)]
+    # The first one's script returns without ctx.finish() or ctx.close().
+    first = [claiming_worker(procs, redis, "spare", out, steps, f"w{i}",
+                             *(("--end", "return") if i == 0 else ())) for i in range(2)]
     assert sorted(await_claim(store, p) for p in first) == [0, 1]
     spare = claiming_worker(procs, redis, "spare", out, steps, "spare")
     wait_until(lambda: "waiting as a spare" in spare.log(), 60, "the spare to wait")
@@ -155,6 +158,8 @@ def test_workers_without_ranks_share_the_job_and_a_spare_takes_a_dead_one_s_rank
     assert store.finished_ranks() == {0, 1}
     finals = [json.loads((out / f"worker{r}.json").read_text()) for r in range(2)]
     assert [f["clock"] for f in finals] == [steps, steps]
+    # Both finishes are on the record with their clock, the returned script's too.
+    assert {r: v["clock"] for r, v in store.departures()[1].items()} == {0: steps, 1: steps}
     # Every rank has finished: a worker started now has nothing to run and says so.
     late = claiming_worker(procs, redis, "spare", out, steps, "late")
     assert late.popen.wait(timeout=60) == 0

@@ -672,8 +672,9 @@ class JobStore:
         beat_key = self.keys.heartbeat("worker", rank)
 
         def mark(pipe: Any) -> None:
-            beat, record, void = pipe.get(beat_key), pipe.hget(left, str(rank)), pipe.hget(
-                voided, str(rank))
+            beat = pipe.get(beat_key)
+            record = pipe.hget(left, str(rank))
+            void = pipe.hget(voided, str(rank))
             entry = exit_record(None if beat is None else json.loads(beat),
                                 None if record is None else json.loads(record),
                                 None if void is None else int(void), time.time())

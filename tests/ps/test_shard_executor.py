@@ -8,6 +8,7 @@ the clocks move, a parked call is known to have looked again once it has read th
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 import threading
@@ -98,7 +99,15 @@ class Call(threading.Thread):
 
     def parked(self) -> bool:
         """Whether the thread is inside a threading wait (a Condition's or an Event's)."""
-        frame = sys._current_frames().get(self.ident or -1)
+        # With a collection running inside it, sys._current_frames() can deadlock against
+        # the interpreter lock (CPython gh-106883, fixed in 3.11.9; seen here on 3.11.7).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            frame = sys._current_frames().get(self.ident or -1)
+        finally:
+            if collecting:
+                gc.enable()
         while frame is not None:
             if frame.f_code.co_name == "wait" and frame.f_code.co_filename == threading.__file__:
                 return True

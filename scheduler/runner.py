@@ -157,10 +157,12 @@ class RankClaim:
         `ctx.finish()`)."""
         if self.rank is None:
             return
-        rank, store = self.rank, self.store
-        if finished:
-            ride_out("finished", lambda: store.mark_finished(rank), None)
-        ride_out("claim", lambda: store.end_rank(rank, self.holder, finished=finished), None)
+        rank, store, holder = self.rank, self.store, self.holder
+        if finished and not ride_out("finished", lambda: store.mark_finished(rank, holder), True):
+            log.warning("worker %d: the script finished, but another worker holds the rank now "
+                        "(this one's claim lapsed): the rank is its to finish", rank)
+            finished = False
+        ride_out("claim", lambda: store.end_rank(rank, holder, finished=finished), True)
         self.rank = None
 
 

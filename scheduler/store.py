@@ -115,12 +115,17 @@ end
 return 0
 """
 
-# Ends a rank claim held by ARGV[1]; with ARGV[2] == '1' the rank joins the finished set.
+# Ends a rank claim held by ARGV[1], or one that lapsed with nobody taking it; with ARGV[2] ==
+# '1' the rank joins the finished set. 0, changing nothing, when another worker holds the rank.
 _END_RANK = """
+local held = redis.call('GET', KEYS[1])
+if held and held ~= ARGV[1] then
+  return 0
+end
 if ARGV[2] == '1' then
   redis.call('SADD', KEYS[2], ARGV[3])
 end
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+if held then
   redis.call('DEL', KEYS[1])
 end
 return 1
@@ -630,10 +635,12 @@ class JobStore:
         return int(self.redis.eval(_RENEW_RANK, 1, self.keys.rank(rank), holder,
                                    max(1, int(ttl_s * 1000))))
 
-    def end_rank(self, rank: int, holder: str, *, finished: bool) -> None:
-        """Drops `holder`'s claim; with `finished` the rank is never claimed again."""
-        self.redis.eval(_END_RANK, 2, self.keys.rank(rank), self.keys.finished(), holder,
-                        "1" if finished else "0", rank)
+    def end_rank(self, rank: int, holder: str, *, finished: bool) -> bool:
+        """Drops `holder`'s claim; with `finished` the rank is never claimed again. False,
+        changing nothing, when another worker holds the rank now (`holder`'s lapsed and was
+        taken): that worker runs the rank, so this one's end is not the rank's."""
+        return bool(self.redis.eval(_END_RANK, 2, self.keys.rank(rank), self.keys.finished(),
+                                    holder, "1" if finished else "0", rank))
 
     def rank_holders(self, workers: int) -> dict[int, dict[str, Any]]:
         """The current claim of each claimed rank."""
@@ -661,17 +668,30 @@ class JobStore:
         keys = (self.keys.finished(), self.keys.left(), self.keys.voided())
         return bool(self.redis.eval(_VOID_FINISH, 3, *keys, rank, incarnation))
 
-    def mark_finished(self, rank: int) -> None:
+    def mark_finished(self, rank: int, holder: str | None = None) -> bool:
         """Records that rank `rank`'s script exited with status 0 (the process is gone), and
         drops the last beat it left at exit: the scheduler announces the finish at its next
-        poll instead of when that beat lapses (a job may end before then). A finished rank is
-        never claimed again, so the beat can only be the exited process's. A script that
+        poll instead of when that beat lapses (a job may end before then). A script that
         returned without `ctx.finish()` gets the finish record that call would have written,
-        with the clock of that last beat (`exit_record`)."""
+        with the clock of that last beat (`exit_record`).
+
+        `holder`: the `pstrain worker` claim the script ran under. When another worker holds
+        the rank now (this one's claim lapsed, a partition from Redis, and a spare took it),
+        the beat is the spare's and the rank is its to finish: False, and nothing changes.
+        Otherwise nobody can have beaten for the rank since (a finished rank is never claimed
+        again, a held one only by its holder), so the beat is the exited process's."""
         finished, left, voided = self.keys.finished(), self.keys.left(), self.keys.voided()
         beat_key = self.keys.heartbeat("worker", rank)
+        claim_key = self.keys.rank(rank)
+        taken = False
 
         def mark(pipe: Any) -> None:
+            nonlocal taken
+            if holder is not None:
+                held = pipe.get(claim_key)
+                taken = held is not None and _text(held) != holder
+                if taken:
+                    return  # the transaction below is not run
             beat = pipe.get(beat_key)
             record = pipe.hget(left, str(rank))
             void = pipe.hget(voided, str(rank))
@@ -684,7 +704,9 @@ class JobStore:
             if entry is not None:
                 pipe.hset(left, str(rank), json.dumps(entry))
 
-        self.redis.transaction(mark, beat_key, left, voided)
+        watched = [beat_key, left, voided, *([claim_key] if holder is not None else [])]
+        self.redis.transaction(mark, *watched)
+        return not taken
 
     def departures(self) -> tuple[set[int], dict[int, dict[str, Any]]]:
         """The finished ranks, and rank -> {incarnation, clock, time} of each worker that

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from procs import REPO, Proc, Procs, wait_until
 
+from scheduler.runner import RankClaim
 from scheduler.spec import JobSpec
 from scheduler.store import ALL_FINISHED, NO_FREE_RANK, JobStore
 
@@ -33,9 +34,11 @@ def test_claim_rank_takes_the_lowest_free_rank_and_never_a_finished_one(procs: P
     assert store.claim_rank(3, holder("w4"), ttl_s) == NO_FREE_RANK
     assert store.finished_ranks() == {1}
     assert store.rank_holders(3)[2]["holder"] == "w3"
-    # Ending a claim someone else holds changes nothing but the finished set.
-    store.end_rank(2, holder("w0"), finished=False)
+    # Ending a claim someone else holds changes nothing, finished or not.
+    assert not store.end_rank(2, holder("w0"), finished=False)
+    assert not store.end_rank(2, holder("w0"), finished=True)
     assert store.rank_holders(3)[2]["holder"] == "w3"
+    assert store.finished_ranks() == {1}
     store.end_rank(0, holder("w0"), finished=True)
     store.end_rank(2, holder("w3"), finished=True)
     assert store.claim_rank(3, holder("w5"), ttl_s) == ALL_FINISHED
@@ -57,6 +60,33 @@ def test_a_live_heartbeat_holds_a_rank_and_a_lapsed_claim_frees_it(procs: Procs)
     assert store.renew_rank(1, holder("a"), ttl_s=30) == 2
     assert store.renew_rank(1, holder("a"), ttl_s=30) == 1
     assert store.renew_rank(1, holder("c"), ttl_s=30) == 0
+
+
+def test_a_script_that_finishes_after_a_spare_took_its_rank_leaves_the_rank_to_the_spare(
+        procs: Procs) -> None:
+    # The first worker's claim and heartbeat lapse (cut off from Redis) while its script
+    # trains on; a spare takes the rank and beats for it. The first script then returns:
+    # its end must neither finish the rank nor drop the spare's beat.
+    store = JobStore.connect(procs.redis().address, "taken")
+    spec = JobSpec("taken", workers=1, heartbeat_interval_s=0.1, heartbeat_misses=3)
+    first = RankClaim(store, spec, pid=101, host="a")
+    assert first.acquire(wait_s=5) == 0
+    store.beat("worker", 0, {"incarnation": 1, "clock": 7, "exiting": True}, ttl_s=0.3)
+    spare = RankClaim(store, spec, pid=202, host="b")
+    assert spare.acquire(wait_s=10) == 0  # once the first's claim and beat have lapsed
+    store.beat("worker", 0, {"incarnation": 2, "clock": 3}, ttl_s=30)
+    first.end(finished=True)
+    assert store.finished_ranks() == set()
+    assert store.departures() == (set(), {})
+    assert json.loads(store.redis.get(store.keys.heartbeat("worker", 0)))["incarnation"] == 2
+    assert store.rank_holders(1)[0]["pid"] == 202
+    assert spare.renew()
+    # The spare's own end finishes the rank, at the clock of its last beat.
+    store.beat("worker", 0, {"incarnation": 2, "clock": 9, "exiting": True}, ttl_s=30)
+    spare.end(finished=True)
+    finished, left = store.departures()
+    assert finished == {0} and left[0]["incarnation"] == 2 and left[0]["clock"] == 9
+    assert store.rank_holders(1) == {}
 
 
 def test_worker_init_s_own_claim_leaves_claimed_and_finished_ranks_alone(procs: Procs) -> None:

@@ -158,11 +158,11 @@ class RankClaim:
         if self.rank is None:
             return
         rank, store, holder = self.rank, self.store, self.holder
-        if finished and not ride_out("finished", lambda: store.mark_finished(rank, holder), True):
+        if not finished:
+            ride_out("claim", lambda: store.end_rank(rank, holder, finished=False), None)
+        elif not ride_out("finished", lambda: store.mark_finished(rank, holder), True):
             log.warning("worker %d: the script finished, but another worker holds the rank now "
                         "(this one's claim lapsed): the rank is its to finish", rank)
-            finished = False
-        ride_out("claim", lambda: store.end_rank(rank, holder, finished=finished), True)
         self.rank = None
 
 

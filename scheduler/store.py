@@ -675,23 +675,20 @@ class JobStore:
         returned without `ctx.finish()` gets the finish record that call would have written,
         with the clock of that last beat (`exit_record`).
 
-        `holder`: the `pstrain worker` claim the script ran under. When another worker holds
-        the rank now (this one's claim lapsed, a partition from Redis, and a spare took it),
-        the beat is the spare's and the rank is its to finish: False, and nothing changes.
-        Otherwise nobody can have beaten for the rank since (a finished rank is never claimed
-        again, a held one only by its holder), so the beat is the exited process's."""
+        `holder`: the `pstrain worker` claim the script ran under, dropped with the mark (as
+        `end_rank` would). When another worker holds the rank now (this one's claim lapsed,
+        a partition from Redis, and a spare took it), the beat is the spare's and the rank is
+        its to finish: False, and nothing changes. Otherwise nobody can have beaten for the
+        rank since (a finished rank is never claimed again, a held one only by its holder),
+        so the beat is the exited process's."""
         finished, left, voided = self.keys.finished(), self.keys.left(), self.keys.voided()
         beat_key = self.keys.heartbeat("worker", rank)
         claim_key = self.keys.rank(rank)
-        taken = False
 
-        def mark(pipe: Any) -> None:
-            nonlocal taken
-            if holder is not None:
-                held = pipe.get(claim_key)
-                taken = held is not None and _text(held) != holder
-                if taken:
-                    return  # the transaction below is not run
+        def mark(pipe: Any) -> Any:  # bool: marked (redis-py types the callable as -> None)
+            held = pipe.get(claim_key) if holder is not None else None
+            if held is not None and _text(held) != holder:
+                return False  # nothing queued: the transaction changes nothing
             beat = pipe.get(beat_key)
             record = pipe.hget(left, str(rank))
             void = pipe.hget(voided, str(rank))
@@ -701,12 +698,14 @@ class JobStore:
             pipe.multi()
             pipe.sadd(finished, str(rank))
             pipe.delete(beat_key)
+            if held is not None:
+                pipe.delete(claim_key)
             if entry is not None:
                 pipe.hset(left, str(rank), json.dumps(entry))
+            return True
 
-        watched = [beat_key, left, voided, *([claim_key] if holder is not None else [])]
-        self.redis.transaction(mark, *watched)
-        return not taken
+        return bool(self.redis.transaction(mark, beat_key, left, voided, claim_key,
+                                           value_from_callable=True))
 
     def departures(self) -> tuple[set[int], dict[int, dict[str, Any]]]:
         """The finished ranks, and rank -> {incarnation, clock, time} of each worker that
